@@ -1,0 +1,252 @@
+"""Schemes: what a quantized layer's weights are (never how a kernel computes with them).
+
+Each scheme is a frozen dataclass checked in __post_init__, serialized with `to_dict` into the checkpoint's
+quantization_config, and owns its tensor format: the suffixes it writes next to `<module>.`, their shapes
+and dtypes, how to quantize a float weight into them, and the reference linear over them.
+
+Tensor format (N = out_features, K = in_features, per `<module>.<suffix>`):
+  fp8     weight e4m3 [N, K]; weight_scale fp32 [N] (channel) or [1] (tensor);
+          input_scale fp32 [1] (static-tensor activations only)
+  w4a16   weight_packed int32 [N, K/8]; weight_scale bf16 [N, K/G]; weight_zero_point uint8 [N, K/G]
+          (asymmetric only). See cublade.ops.int4 for the bit layout.
+  mxfp8   weight e4m3 [N, K]; weight_scale uint8 E8M0 [N, K/32]
+  fp4     weight_packed uint8 [N, K/2]; weight_scale uint8 E8M0 [N, K/32] (mxfp4) or
+          e4m3 [N, K/16] (nvfp4); weight_global_scale fp32 [1] (nvfp4)
+  fp8 KV  <attention module>.k_scale, .v_scale fp32 [] (scalars)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from cublade.constants import MX_BLOCK, NVFP4_BLOCK, W4A16_GROUP_SIZES
+from cublade.ops import fp4 as fp4_ops
+from cublade.ops import int4 as int4_ops
+from cublade.ops import linear as linear_ops
+from cublade.ops.fp8_quant import FP8_DTYPE, fp8_quant_weight
+from cublade.ops.mx import SCALE_RULES
+from cublade.ops.mxfp8_quant import mxfp8_dequant_ref, mxfp8_quant_ref
+
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+
+# FP8 tensor-core GEMMs (CUTLASS scaled-mm, cuBLASLt) need 16-element alignment of K and N.
+FP8_ALIGN = 16
+
+
+class UnsupportedShape(NotImplementedError):
+    """A layer whose shape the scheme cannot represent or serve; the message says which rule."""
+
+
+def _choice(scheme: str, field: str, value, valid) -> None:
+    if value not in valid:
+        raise ValueError(f"{scheme}: {field}={value!r} is not one of {', '.join(map(repr, valid))}")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    kind: ClassVar[str] = ""
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+    def describe(self) -> str:
+        fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+        return f"{self.kind}({fields})"
+
+    # --- the format -----------------------------------------------------------------------------------
+    def check_shape(self, module: str, N: int, K: int) -> None:
+        """Raise UnsupportedShape naming the module and the rule when [N, K] cannot be quantized/served."""
+
+    def tensor_specs(self, N: int, K: int) -> dict[str, TensorSpec]:
+        raise NotImplementedError
+
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def dequantize(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def linear_ref(self, x: torch.Tensor, t: dict[str, torch.Tensor], bias=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _unsupported(self, module: str, why: str) -> UnsupportedShape:
+        return UnsupportedShape(f"{module}: not supported by scheme {self.kind} because {why}")
+
+
+@dataclass(frozen=True)
+class Fp8Scheme(Scheme):
+    """FP8 E4M3 W8A8. Weights per output channel (default) or per tensor; activations dynamic per token
+    (default), dynamic per tensor, or static per tensor (a calibrated `input_scale`)."""
+    kind: ClassVar[str] = "fp8"
+    weight_strategy: str = "channel"
+    activations: str = "dynamic-token"
+
+    def __post_init__(self):
+        _choice("fp8", "weight_strategy", self.weight_strategy, ("channel", "tensor"))
+        _choice("fp8", "activations", self.activations, ("dynamic-token", "dynamic-tensor", "static-tensor"))
+
+    @property
+    def static(self) -> bool:
+        return self.activations == "static-tensor"
+
+    def check_shape(self, module, N, K):
+        for name, v in (("in_features", K), ("out_features", N)):
+            if v % FP8_ALIGN:
+                raise self._unsupported(module, f"{name}={v} is not a multiple of {FP8_ALIGN} "
+                                                f"(FP8 tensor-core GEMM alignment)")
+
+    def tensor_specs(self, N, K):
+        specs = {"weight": ((N, K), FP8_DTYPE),
+                 "weight_scale": ((N if self.weight_strategy == "channel" else 1,), torch.float32)}
+        if self.static:
+            specs["input_scale"] = ((1,), torch.float32)
+        return specs
+
+    def quantize(self, w):
+        q, s = fp8_quant_weight(w, per_channel=self.weight_strategy == "channel")
+        return {"weight": q, "weight_scale": s}
+
+    def dequantize(self, t):
+        return t["weight"].float() * t["weight_scale"].float().reshape(-1, 1)
+
+    def linear_ref(self, x, t, bias=None):
+        return linear_ops.fp8_linear_ref(x, t["weight"], t["weight_scale"], self.activations,
+                                         t.get("input_scale"), bias)
+
+
+@dataclass(frozen=True)
+class W4A16Scheme(Scheme):
+    """int4 weights in groups of `group_size` along K (-1: one group per row), bf16/fp16 activations."""
+    kind: ClassVar[str] = "w4a16"
+    group_size: int = 128
+    symmetric: bool = True
+
+    def __post_init__(self):
+        _choice("w4a16", "group_size", self.group_size, W4A16_GROUP_SIZES)
+
+    def check_shape(self, module, N, K):
+        if self.group_size != -1 and K % self.group_size:
+            raise self._unsupported(module, f"in_features={K} is not a multiple of group_size={self.group_size}")
+        if K % 8:
+            raise self._unsupported(module, f"in_features={K} is not a multiple of 8 (8 int4 per int32)")
+
+    def groups(self, K):
+        return 1 if self.group_size == -1 else K // self.group_size
+
+    def tensor_specs(self, N, K):
+        g = self.groups(K)
+        specs = {"weight_packed": ((N, K // 8), torch.int32), "weight_scale": ((N, g), int4_ops.SCALE_DTYPE)}
+        if not self.symmetric:
+            specs["weight_zero_point"] = ((N, g), torch.uint8)
+        return specs
+
+    def quantize(self, w):
+        return int4_ops.int4_quant_weight(w, self.group_size, self.symmetric)
+
+    def dequantize(self, t):
+        return int4_ops.int4_dequant_weight(t["weight_packed"], t["weight_scale"],
+                                            t.get("weight_zero_point"), self.group_size)
+
+    def linear_ref(self, x, t, bias=None):
+        return linear_ops.w4a16_linear_ref(x, t["weight_packed"], t["weight_scale"],
+                                           t.get("weight_zero_point"), self.group_size, bias)
+
+
+@dataclass(frozen=True)
+class MXFP8Scheme(Scheme):
+    """MXFP8 weights: E4M3 with one E8M0 scale per 32 along K. Activations stay bf16/fp16 on Hopper (no MX
+    tensor cores there). scale_rule: 'rceil' (default, NVIDIA: 2^ceil(log2(amax/448)), never clips) or
+    'floor' (OCP MX v1.0: 2^(floor(log2 amax) - 8), saturates the top of the block)."""
+    kind: ClassVar[str] = "mxfp8"
+    scale_rule: str = "rceil"
+
+    def __post_init__(self):
+        _choice("mxfp8", "scale_rule", self.scale_rule, SCALE_RULES)
+
+    def check_shape(self, module, N, K):
+        if K % MX_BLOCK:
+            raise self._unsupported(module, f"in_features={K} is not a multiple of the MX block size {MX_BLOCK}")
+
+    def tensor_specs(self, N, K):
+        return {"weight": ((N, K), FP8_DTYPE), "weight_scale": ((N, K // MX_BLOCK), torch.uint8)}
+
+    def quantize(self, w):
+        q, s = mxfp8_quant_ref(w, self.scale_rule)
+        return {"weight": q, "weight_scale": s}
+
+    def dequantize(self, t):
+        return mxfp8_dequant_ref(t["weight"], t["weight_scale"])
+
+    def linear_ref(self, x, t, bias=None):
+        return linear_ops.mxfp8_linear_ref(x, t["weight"], t["weight_scale"], bias)
+
+
+@dataclass(frozen=True)
+class FP4Scheme(Scheme):
+    """FP4 E2M1 weights (for MoE experts): 'mxfp4' (E8M0 per 32) or 'nvfp4' (E4M3 per 16 + fp32 global).
+    Activations stay bf16 on Hopper (FP4 storage, bf16 math)."""
+    kind: ClassVar[str] = "fp4"
+    format: str = "mxfp4"
+    scale_rule: str = "rceil"  # mxfp4 only
+
+    def __post_init__(self):
+        _choice("fp4", "format", self.format, fp4_ops.FP4_FORMATS)
+        _choice("fp4", "scale_rule", self.scale_rule, SCALE_RULES)
+
+    @property
+    def block(self) -> int:
+        return MX_BLOCK if self.format == "mxfp4" else NVFP4_BLOCK
+
+    def check_shape(self, module, N, K):
+        if K % self.block:
+            raise self._unsupported(module, f"in_features={K} is not a multiple of the {self.format} "
+                                            f"block size {self.block}")
+
+    def tensor_specs(self, N, K):
+        if self.format == "mxfp4":
+            return {"weight_packed": ((N, K // 2), torch.uint8), "weight_scale": ((N, K // MX_BLOCK), torch.uint8)}
+        return {"weight_packed": ((N, K // 2), torch.uint8),
+                "weight_scale": ((N, K // NVFP4_BLOCK), FP8_DTYPE),
+                "weight_global_scale": ((1,), torch.float32)}
+
+    def quantize(self, w):
+        return fp4_ops.fp4_quant_weight(w, self.format, self.scale_rule)
+
+    def dequantize(self, t):
+        return fp4_ops.fp4_dequant_weight(t, self.format)
+
+    def linear_ref(self, x, t, bias=None):
+        return linear_ops.fp4_linear_ref(x, t, self.format, bias)
+
+
+@dataclass(frozen=True)
+class KVCacheScheme:
+    """FP8 KV cache with per-layer k_scale / v_scale (calibrated: abs-max of K and V over the calibration
+    text / 448), stored as `<attention module>.k_scale` / `.v_scale` fp32 scalars."""
+    dtype: str = "fp8"
+
+    def __post_init__(self):
+        _choice("kv_cache", "dtype", self.dtype, ("fp8",))
+
+    def to_dict(self) -> dict:
+        return {"dtype": self.dtype}
+
+
+SCHEMES: dict[str, type[Scheme]] = {c.kind: c for c in (Fp8Scheme, W4A16Scheme, MXFP8Scheme, FP4Scheme)}
+
+
+def scheme_from_dict(d: dict) -> Scheme:
+    d = dict(d)
+    kind = d.pop("kind", None)
+    if kind not in SCHEMES:
+        raise ValueError(f"unknown scheme kind {kind!r} in quantization_config; valid: {', '.join(SCHEMES)}")
+    cls = SCHEMES[kind]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ValueError(f"scheme {kind}: unknown field(s) {', '.join(sorted(unknown))}; "
+                         f"valid: {', '.join(sorted(names))}")
+    return cls(**d)

@@ -1,0 +1,95 @@
+"""FP8 E4M3 quantization: dynamic per-token, dynamic per-tensor, static per-tensor (activations) and
+per-channel / per-tensor (weights, offline).
+
+Numerics (the contract every kernel reproduces bit for bit):
+  * all arithmetic in fp32; a bf16/fp16 input is widened exactly;
+  * scale = max(amax / 448, FP8_MIN_SCALE) for dynamic scales (an all-zero row gives zeros, not NaN);
+  * q = e4m3(clamp(x * (1 / scale), -448, 448)), the reciprocal rounded once to fp32 and the cast
+    round-to-nearest-even (as vLLM's scaled_fp8_quant: one multiply per element, no divide);
+  * NaN propagates: a NaN anywhere in a row (or tensor) makes its scale NaN and every output NaN. An Inf
+    makes the scale Inf, so finite values quantize to 0 and the Inf itself to NaN (Inf * 0).
+"""
+from __future__ import annotations
+
+import torch
+
+from cublade.constants import F8E4M3_MAX, FP8_MIN_SCALE
+from cublade.ops._dispatch import use_kernel
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def _amax(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
+    # torch.amax propagates NaN (the contract above), unlike CUDA's fmaxf.
+    a = x.abs()
+    return a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)
+
+
+def dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 scale for an fp32 amax: amax / 448, floored at FP8_MIN_SCALE, NaN kept."""
+    s = amax / F8E4M3_MAX
+    # torch.clamp_min keeps NaN (max(NaN, c) = NaN), matching the kernels' NaN-propagating max.
+    return torch.clamp_min(s, FP8_MIN_SCALE)
+
+
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3(clamp(x * (1/scale), ±448)); `scale` broadcasts against `x` (fp32)."""
+    inv = torch.reciprocal(scale.float())
+    y = x.float() * inv
+    return y.clamp(-F8E4M3_MAX, F8E4M3_MAX).to(FP8_DTYPE)
+
+
+# ---- dynamic per-token (activations) ----------------------------------------------------------------
+
+def fp8_quant_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] float -> (e4m3 [M, K], fp32 scale [M, 1])."""
+    xf = x.float()
+    scale = dynamic_scale(_amax(xf, dim=-1, keepdim=True))
+    return quantize_with_scale(xf, scale), scale
+
+
+def fp8_quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_kernel(x, "fp8_quant_per_token"):
+        return torch.ops.cublade.fp8_quant_per_token(x)
+    return fp8_quant_per_token_ref(x)
+
+
+# ---- per-tensor (activations: dynamic or static) ----------------------------------------------------
+
+def fp8_quant_per_tensor_ref(x: torch.Tensor, scale: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic (scale=None: computed from the tensor's amax) or static (given fp32 scale, shape [1] or [])
+    per-tensor quant. Returns (e4m3 tensor of x's shape, fp32 scale of shape [1])."""
+    xf = x.float()
+    if scale is None:
+        scale = dynamic_scale(_amax(xf)).reshape(1)
+    else:
+        scale = scale.float().reshape(1)
+    return quantize_with_scale(xf, scale), scale
+
+
+def fp8_quant_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_kernel(x, "fp8_quant_per_tensor"):
+        return torch.ops.cublade.fp8_quant_per_tensor(x, scale)
+    return fp8_quant_per_tensor_ref(x, scale)
+
+
+# ---- weights (offline, in the converter) ------------------------------------------------------------
+
+def fp8_quant_weight(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] weight -> (e4m3 [N, K], fp32 scale [N] per channel or [1] per tensor)."""
+    wf = w.float()
+    if per_channel:
+        scale = dynamic_scale(_amax(wf, dim=1, keepdim=True))
+        return quantize_with_scale(wf, scale), scale.reshape(-1)
+    scale = dynamic_scale(_amax(wf)).reshape(1)
+    return quantize_with_scale(wf, scale), scale
+
+
+def fp8_dequant(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """q * scale, where scale is [1], [N] (per row of a 2-D q) or [M, 1]."""
+    s = scale.float()
+    if s.dim() == 1 and s.numel() > 1:
+        s = s.unsqueeze(-1)
+    return (q.float() * s).to(dtype)
