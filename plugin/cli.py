@@ -1,0 +1,155 @@
+"""The `cublade` command: convert checkpoints, measure perplexity, list presets."""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+PRESET_HELP = {
+    "fp8-dynamic": "FP8 E4M3 weights per output channel, activations quantized per token at run time",
+    "fp8-static": "FP8 weights per channel, activations per tensor with calibrated scales (needs --calib-text)",
+    "w4a16": "int4 weights in groups of 128 along K (bf16 scales), bf16/fp16 activations",
+    "mxfp8": "MXFP8 weights: E4M3 with one E8M0 scale per 32 along K; bf16 activations on Hopper",
+    "fp4-experts-fp8-dense": "MoE experts in MXFP4 (or NVFP4), attention and dense layers in FP8 (per-channel, "
+                             "dynamic per-token activations); router, embeddings and lm_head unquantized",
+}
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*", text, re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 500MB, 2GB, 1GiB)")
+    unit = (m.group(2) or "B").upper().rstrip("B").replace("I", "")
+    return int(float(m.group(1)) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[unit])
+
+
+def _lines(text: str) -> slice:
+    from cublade.ppl import parse_lines
+
+    try:
+        return parse_lines(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cublade.config import PRESETS
+
+    p = argparse.ArgumentParser(prog="cublade", description="cublade: quantize Hugging Face checkpoints for "
+                                "vLLM (`vllm serve OUT` then serves them through the cublade plugin) and "
+                                "measure their perplexity.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    presets_text = "\n".join(f"  {k:<22} {v}" for k, v in PRESET_HELP.items())
+    c = sub.add_parser("convert", help="quantize a checkpoint (streaming, crash-safe)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Quantize the Hugging Face safetensors checkpoint SRC into a new directory OUT "
+                       "with a preset policy. Tensors are streamed one at a time; OUT appears only when the "
+                       "conversion is complete.",
+                       epilog=f"presets:\n{presets_text}\n\nexample:\n  cublade convert fixtures/models/"
+                       "stories260K-padded-hf /tmp/s-fp8 --scheme fp8-dynamic")
+    c.add_argument("src", type=Path, help="source checkpoint directory (config.json + *.safetensors)")
+    c.add_argument("out", type=Path, help="output directory (must not exist unless --overwrite)")
+    c.add_argument("--scheme", required=True, choices=list(PRESETS), metavar="PRESET",
+                   help=f"preset policy: {', '.join(PRESETS)}")
+    c.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (only once the new "
+                   "checkpoint is complete)")
+    c.add_argument("--max-shard-size", type=_size, default="2GB", help="largest output shard (default 2GB)")
+    c.add_argument("--skip-unsupported", action="store_true", help="leave layers whose shape the scheme "
+                   "cannot serve unquantized (listed in the checkpoint's ignore list) instead of failing")
+    c.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="dtype of the tensors that stay unquantized (auto: keep the source's)")
+    g = c.add_argument_group("scheme options (override the preset's defaults)")
+    g.add_argument("--group-size", type=int, choices=[32, 64, 128, -1], help="w4a16 group size along K (-1: "
+                   "per output channel; default 128)")
+    g.add_argument("--asymmetric", action="store_const", const=False, dest="symmetric",
+                   help="w4a16 with zero points (default symmetric)")
+    g.add_argument("--weight-strategy", choices=["channel", "tensor"], help="fp8 weight scale granularity "
+                   "(default channel)")
+    g.add_argument("--activations", choices=["dynamic-token", "dynamic-tensor", "static-tensor"],
+                   help="fp8 activation quantization (default dynamic-token; fp8-static: static-tensor)")
+    g.add_argument("--scale-rule", choices=["rceil", "floor"], help="MX scale rule for mxfp8/mxfp4: rceil "
+                   "(default, NVIDIA: 2^ceil(log2(amax/max)), never clips) or floor (OCP MX v1.0)")
+    g.add_argument("--fp4-format", choices=["mxfp4", "nvfp4"], dest="format", help="expert format for "
+                   "fp4-experts-fp8-dense (default mxfp4)")
+    g.add_argument("--kv-cache", choices=["fp8"], help="add an FP8 KV cache with calibrated per-layer "
+                   "k_scale/v_scale (needs --calib-text)")
+    k = c.add_argument_group("calibration (GPTQ for w4a16, static FP8 input scales, FP8 KV-cache scales)")
+    k.add_argument("--calib-text", type=Path, help="text file, one sample per line; with w4a16 this runs GPTQ "
+                   "instead of round-to-nearest")
+    k.add_argument("--calib-tokens", type=int, help="calibration tokens to use (default: all of the text)")
+    k.add_argument("--calib-lines", type=_lines, metavar="START:END", help="use only these lines of the text "
+                   "(python slice, e.g. :6)")
+
+    q = sub.add_parser("ppl", help="perplexity of one or more checkpoints on a text file",
+                       description="Loss and perplexity of each MODEL on the text (each line: BOS + its "
+                       "tokens; non-overlapping windows). With several models, prints a table whose first "
+                       "row is the baseline.")
+    q.add_argument("models", type=Path, nargs="+", metavar="MODEL", help="checkpoint directories")
+    q.add_argument("--text", type=Path, required=True, help="text file, one sample per line")
+    q.add_argument("--backend", choices=["reference", "vllm"], default="reference",
+                   help="reference: transformers on CPU through cublade's reference ops (default); "
+                   "vllm: vLLM prompt logprobs (GPU)")
+    q.add_argument("--lines", type=_lines, metavar="START:END", help="score only these lines (python slice)")
+    q.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
+    q.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: float32 for reference, bfloat16 for vllm)")
+
+    sub.add_parser("presets", help="list the preset policies")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "convert":
+            return _convert(args)
+        if args.command == "ppl":
+            return _ppl(args)
+        if args.command == "presets":
+            for k, v in PRESET_HELP.items():
+                print(f"{k:<22} {v}")
+            return 0
+    except (ValueError, NotImplementedError, FileExistsError, FileNotFoundError) as e:
+        print(f"cublade {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _convert(args) -> int:
+    import torch
+
+    from cublade.config import preset
+    from cublade.convert import convert
+
+    overrides = {k: getattr(args, k) for k in ("group_size", "symmetric", "weight_strategy", "activations",
+                                               "scale_rule", "format", "kv_cache")}
+    policy = preset(args.scheme, **overrides)
+    t0 = time.time()
+    out = convert(args.src, args.out, policy, overwrite=args.overwrite, max_shard_bytes=args.max_shard_size,
+                  skip_unsupported=args.skip_unsupported,
+                  dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
+                  calib_text=args.calib_text, calib_tokens=args.calib_tokens, calib_lines=args.calib_lines)
+    print(f"wrote {out} ({args.scheme}) in {time.time() - t0:.1f} s")
+    return 0
+
+
+def _ppl(args) -> int:
+    from cublade.ppl import evaluate, format_table
+
+    dtype = args.dtype or ("float32" if args.backend == "reference" else "bfloat16")
+    results = []
+    for m in args.models:
+        r = evaluate(m, args.text, backend=args.backend, lines=args.lines, window=args.window, dtype=dtype)
+        print(f"{m}: loss {r.loss:.4f}  ppl {r.ppl:.3f}  ({r.n_tokens} tokens, {r.backend}, {dtype})", flush=True)
+        results.append(r)
+    if len(results) > 1:
+        print()
+        print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Perplexity over a text file, the same tokens and windows for every backend.
+
+Tokens: each (non-empty) line of the text is BOS + tokenizer(line) without special tokens, all lines
+concatenated; `lines` selects a slice of the lines (e.g. a held-out split). Windows: non-overlapping chunks of
+`window` tokens; the model scores each window on its own; loss = mean NLL over every predicted token
+(a window of n tokens predicts n - 1).
+  reference: transformers on CPU (cublade.reference: quantized layers through the reference ops)
+  vllm:      vLLM prompt logprobs (a GPU machine with vLLM; cublade's plugin serves the checkpoint)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BACKENDS = ("reference", "vllm")
+
+
+@dataclass(frozen=True)
+class PplResult:
+    model: str
+    backend: str
+    loss: float
+    n_tokens: int  # predicted tokens
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.loss)
+
+
+def parse_lines(spec: str | None) -> slice | None:
+    """'A:B', 'A:', ':B' -> slice (python semantics), None -> None."""
+    if spec is None:
+        return None
+    try:
+        a, b = spec.split(":")
+        return slice(int(a) if a else None, int(b) if b else None)
+    except ValueError:
+        raise ValueError(f"--lines must look like START:END (python slice of the text's lines), got {spec!r}") from None
+
+
+def read_lines(text_path, lines: slice | None = None) -> list[str]:
+    text_path = Path(text_path)
+    if not text_path.is_file():
+        raise FileNotFoundError(f"text file {text_path} does not exist")
+    all_lines = [ln for ln in text_path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    chosen = all_lines[lines] if lines is not None else all_lines
+    if not chosen:
+        raise ValueError(f"{text_path}: no non-empty lines{f' in lines {lines.start}:{lines.stop}' if lines else ''}")
+    return chosen
+
+
+def tokenize(model_dir, text_path, lines: slice | None = None) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.model_max_length = 1 << 30  # lines are tokenized whole and windowed here, not by the tokenizer
+    if tok.bos_token_id is None:
+        raise ValueError(f"{model_dir}: the tokenizer has no BOS token")
+    ids: list[int] = []
+    for line in read_lines(text_path, lines):
+        ids += [tok.bos_token_id] + tok.encode(line, add_special_tokens=False)
+    return ids
+
+
+def windows(ids: list[int], window: int) -> list[list[int]]:
+    return [w for w in (ids[i:i + window] for i in range(0, len(ids), window)) if len(w) >= 2]
+
+
+def _reference_nll(model_dir, wins: list[list[int]], dtype: torch.dtype, batch: int = 8) -> float:
+    from cublade.reference import load_reference_model
+
+    model, _ = load_reference_model(model_dir, dtype=dtype)
+    total = 0.0
+    with torch.inference_mode():
+        for length in sorted({len(w) for w in wins}):  # batch windows of equal length (all but the last)
+            same = [w for w in wins if len(w) == length]
+            for i in range(0, len(same), batch):
+                x = torch.tensor(same[i:i + batch])
+                logits = model(x).logits[:, :-1].float()
+                total += torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").item()
+    return total
+
+
+def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> float:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    max_len = max(len(w) for w in wins)
+    llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_len, enforce_eager=True, **llm_kwargs)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in wins], params, use_tqdm=False)
+    total = 0.0
+    for w, out in zip(wins, outs):
+        for tok, lp in zip(w[1:], out.prompt_logprobs[1:]):
+            total -= lp[tok].logprob
+    return total
+
+
+def evaluate(model_dir, text_path, backend: str = "reference", lines: slice | None = None, window: int = 512,
+             dtype: str = "float32", **backend_kwargs) -> PplResult:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")
+    wins = windows(tokenize(model_dir, text_path, lines), window)
+    if not wins:
+        raise ValueError(f"{text_path}: too little text to score (fewer than 2 tokens)")
+    n = sum(len(w) - 1 for w in wins)
+    if backend == "reference":
+        nll = _reference_nll(model_dir, wins, getattr(torch, dtype), **backend_kwargs)
+    else:
+        nll = _vllm_nll(model_dir, wins, dtype, **backend_kwargs)
+    return PplResult(str(model_dir), backend, nll / n, n)
+
+
+def format_table(results: list[PplResult], names: list[str] | None = None) -> str:
+    """Markdown table; the first result is the baseline for the delta column."""
+    names = names or [Path(r.model).name for r in results]
+    base = results[0].loss
+    w = max(len("model"), *(len(n) for n in names))
+    rows = [f"| {'model':<{w}} | backend   |   loss | d loss vs {names[0]} |    ppl | tokens |",
+            f"|{'-' * (w + 2)}|-----------|-------:|{'-' * (len(names[0]) + 12)}:|-------:|-------:|"]
+    for name, r in zip(names, results):
+        rows.append(f"| {name:<{w}} | {r.backend:<9} | {r.loss:.4f} | {r.loss - base:+{len(names[0]) + 11}.4f} "
+                    f"| {r.ppl:6.3f} | {r.n_tokens:6d} |")
+    return "\n".join(rows)

@@ -1,0 +1,50 @@
+"""Shared fixtures: the bundled model and text (fixtures/, copied from ../shared), and converted checkpoints
+of the padded model, converted once per session and cached per (preset, options)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "fixtures"
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                   reason="needs a CUDA GPU (run on the H200 device)")
+
+
+@pytest.fixture(scope="session")
+def padded_model_dir() -> Path:
+    return FIXTURES / "models" / "stories260K-padded-hf"
+
+
+@pytest.fixture(scope="session")
+def original_model_dir() -> Path:
+    return FIXTURES / "models" / "stories260K-hf"
+
+
+@pytest.fixture(scope="session")
+def valid_text() -> Path:
+    return FIXTURES / "data" / "tinystories_valid_head30k.txt"
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory, padded_model_dir):
+    """converted(preset, **overrides) -> directory of the padded model converted with that preset."""
+    from cublade.config import preset as make_preset
+    from cublade.convert import convert
+
+    cache: dict = {}
+
+    def get(preset: str, src: Path | None = None, **overrides) -> Path:
+        convert_kwargs = {k: overrides.pop(k) for k in ("calib_text", "calib_tokens", "calib_lines")
+                          if k in overrides}
+        key = (preset, str(src), tuple(sorted(overrides.items())), tuple(sorted(map(str, convert_kwargs.items()))))
+        if key not in cache:
+            out = tmp_path_factory.mktemp("ckpt") / preset
+            convert(src or padded_model_dir, out, make_preset(preset, **overrides), **convert_kwargs)
+            cache[key] = out
+        return cache[key]
+
+    return get
