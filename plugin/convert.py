@@ -129,11 +129,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _write_config(src: Path, tmp: Path, policy: Policy, plan: Plan, dtype: torch.dtype | None,
                   calib_info: dict | None) -> None:
-    cfg = json.loads((src / "config.json").read_text())
-    if "quantization_config" in cfg:
-        method = cfg["quantization_config"].get("quant_method", "?")
-        raise CheckpointError(f"{src / 'config.json'} already has a quantization_config (quant_method "
-                              f"{method!r}); cublade convert takes an unquantized checkpoint")
+    cfg = _source_config(src)
     if plan.skipped:
         policy = policy.with_ignore(*(re.escape(m) for m in sorted(plan.skipped)))
     qc = to_quantization_config(policy)
@@ -146,6 +142,19 @@ def _write_config(src: Path, tmp: Path, policy: Policy, plan: Plan, dtype: torch
     for f in sorted(src.iterdir()):  # tokenizer, generation config, license, ...
         if f.is_file() and f.name != "config.json" and not WEIGHT_FILES.fullmatch(f.name):
             shutil.copy2(f, tmp / f.name)
+
+
+def _source_config(src: Path) -> dict:
+    path = src / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{src} has no config.json: not a Hugging Face checkpoint directory"
+                              if src.is_dir() else f"checkpoint directory {src} does not exist")
+    cfg = json.loads(path.read_text())
+    if "quantization_config" in cfg:
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise CheckpointError(f"{path} already has a quantization_config (quant_method {method!r}); "
+                              f"cublade convert takes an unquantized checkpoint")
+    return cfg
 
 
 def convert(src, out, policy: Policy, *, overwrite: bool = False,
@@ -166,6 +175,7 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
     if needs and calib_text is None:
         raise ValueError(f"preset {policy.preset!r} needs calibration data for {' and '.join(needs)}: "
                          f"pass --calib-text FILE (and optionally --calib-tokens N)")
+    _source_config(src)
     plan = plan_conversion(src, policy, skip_unsupported)
 
     calib = None

@@ -1,0 +1,67 @@
+"""int4 group quantization and packing (the W4A16 checkpoint format): bit layout, known values, round trips."""
+import pytest
+import torch
+
+from cublade.ops.int4 import (group_params, int4_dequant_weight, int4_quant_weight, pack_int4, quantize_groups,
+                              unpack_int4)
+
+
+def test_pack_layout_is_little_endian_nibbles():
+    u = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 15]])
+    assert pack_int4(u).item() == int("f7654321", 16) - 2**32  # value j in bits [4j, 4j+4); top nibble sets the sign
+    assert torch.equal(unpack_int4(pack_int4(u)), u.to(torch.uint8))
+
+
+def test_pack_round_trip_random_and_refuses_bad_input():
+    g = torch.Generator().manual_seed(0)
+    u = torch.randint(0, 16, (7, 64), generator=g)
+    assert torch.equal(unpack_int4(pack_int4(u)), u.to(torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_int4(u[:, :60])
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_int4(u + 1)
+
+
+def test_symmetric_known_values():
+    # One group of 8: amax 7 -> scale 1 exactly; q = round(w) (half to even), stored as q + 8.
+    w = torch.tensor([[7.0, -7.0, 0.5, 1.5, -2.5, 3.2, 0.0, -8.0]])
+    s, z = group_params(w, -1, True)  # amax 8 -> scale 8/7, rounded to bf16
+    assert z is None and s.dtype == torch.bfloat16 and s.item() == pytest.approx(8.0 / 7.0, rel=2**-8)
+    w[0, 7] = 7.0  # amax 7 -> scale exactly 1
+    s, _ = group_params(w, -1, True)
+    assert s.item() == 1.0
+    u = quantize_groups(w, s, None, -1)
+    assert u.tolist() == [[15, 1, 8, 10, 6, 11, 8, 15]]  # 0.5 -> 0, 1.5 -> 2, -2.5 -> -2 (half to even)
+
+
+def test_asymmetric_known_values():
+    w = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 15.0]])  # min 0, max 15 -> scale 1, zero 0
+    s, z = group_params(w, -1, False)
+    assert s.item() == 1.0 and z.item() == 0
+    assert quantize_groups(w, s, z, -1).tolist() == [[0, 1, 2, 3, 4, 5, 6, 15]]
+    w = w - 5.0  # min -5 -> zero point 5
+    s, z = group_params(w, -1, False)
+    assert z.item() == 5
+    assert torch.equal(int4_dequant_weight(pack_int4(quantize_groups(w, s, z, -1)), s, z, -1), w)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_round_trip_error_is_bounded(group_size, symmetric):
+    """Symmetric: half a step everywhere. Asymmetric: the zero point is rounded to an integer, which shifts
+    the grid by up to half a step, so the ends of a group's range may clip by up to one step."""
+    g = torch.Generator().manual_seed(group_size + symmetric)
+    w = torch.randn(24, 256, generator=g)
+    w[3] = 0.0  # all-zero row: finite scale, zeros back
+    t = int4_quant_weight(w, group_size, symmetric)
+    assert t["weight_packed"].shape == (24, 32) and t["weight_packed"].dtype == torch.int32
+    d = int4_dequant_weight(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"), group_size)
+    G = 256 if group_size == -1 else group_size
+    step = t["weight_scale"].float().repeat_interleave(G, dim=1)
+    assert torch.isfinite(d).all() and torch.equal(d[3], torch.zeros(256))
+    assert ((d - w).abs() <= step * (0.5 if symmetric else 1.0) + 1e-6).all()
+
+
+def test_group_size_must_divide_k():
+    with pytest.raises(ValueError, match="in_features=100 is not a multiple of group_size=32"):
+        int4_quant_weight(torch.randn(4, 100), 32)
