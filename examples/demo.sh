@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The main job on the bundled model: convert stories260K (padded) with each preset, then print a perplexity
+# table against the unquantized baseline (reference backend: CPU, fp32, through cublade's reference ops).
+# Usage: bash examples/demo.sh [OUT_DIR]   (default runs/demo; checkpoints are rewritten each run)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${1:-runs/demo}
+MODEL=fixtures/models/stories260K-padded-hf
+TEXT=fixtures/data/tinystories_valid_head30k.txt
+mkdir -p "$OUT"
+convert() { local name=$1; shift; cublade convert "$MODEL" "$OUT/$name" --overwrite "$@"; }
+
+convert fp8-dynamic --scheme fp8-dynamic
+convert mxfp8 --scheme mxfp8
+convert mxfp8-floor --scheme mxfp8 --scale-rule floor
+convert w4a16 --scheme w4a16
+convert w4a16-g32 --scheme w4a16 --group-size 32
+
+echo
+cublade ppl "$MODEL" "$OUT"/fp8-dynamic "$OUT"/mxfp8 "$OUT"/mxfp8-floor "$OUT"/w4a16 "$OUT"/w4a16-g32 --text "$TEXT"
