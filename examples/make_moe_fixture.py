@@ -96,6 +96,7 @@ def _mlp_inputs(src: Path, text: Path, lines: int) -> list[torch.Tensor]:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(src))
+    tok.model_max_length = 1 << 30  # lines are cut to the model's context below
     model = LlamaForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     captured: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
     hooks = [layer.mlp.register_forward_pre_hook(lambda m, a, i=i: captured[i].append(a[0].reshape(-1, a[0].shape[-1])))
@@ -104,7 +105,7 @@ def _mlp_inputs(src: Path, text: Path, lines: int) -> list[torch.Tensor]:
         texts = [ln.strip() for ln, _ in zip(f, range(lines)) if ln.strip()]
     with torch.no_grad():
         for t in texts:
-            ids = tok(t, return_tensors="pt").input_ids[:, : model.config.max_position_embeddings]
+            ids = tok(t, return_tensors="pt").input_ids[:, : model.config.max_position_embeddings]  # with BOS
             model(ids)
     for h in hooks:
         h.remove()

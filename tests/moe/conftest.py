@@ -1,0 +1,79 @@
+"""MoE test fixtures: the Mixtral checkpoints examples/make_moe_fixture.py builds from the bundled dense model
+(built once per session), and a vLLM context on CPU (real vLLM 0.26 Python code, gloo, one rank)."""
+from __future__ import annotations
+
+import importlib.util
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_fixture_builder():
+    spec = importlib.util.spec_from_file_location("make_moe_fixture", REPO / "examples" / "make_moe_fixture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def fixture_builder():
+    return load_fixture_builder()
+
+
+@pytest.fixture(scope="session")
+def moe_fixture(tmp_path_factory, fixture_builder, padded_model_dir, valid_text):
+    """moe_fixture(variant='exact', layout='mixtral') -> directory of that MoE checkpoint (cached)."""
+    cache: dict = {}
+
+    def get(variant: str = "exact", layout: str = "mixtral") -> Path:
+        if (variant, layout) not in cache:
+            out = tmp_path_factory.mktemp("moe") / f"{variant}-{layout}"
+            cache[(variant, layout)] = fixture_builder.build(padded_model_dir, out, variant=variant, layout=layout,
+                                                             text=valid_text, calib_lines=60)
+        return cache[(variant, layout)]
+
+    return get
+
+
+def _text_windows(tokenizer_dir: Path, text: Path, n_lines: int, window: int = 512) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok.model_max_length = 1 << 30
+    ids: list[int] = []
+    lines = [ln for ln in text.read_text(encoding="utf-8").splitlines() if ln.strip()][:n_lines]
+    for ln in lines:
+        ids += [tok.bos_token_id] + tok.encode(ln, add_special_tokens=False)
+    n = len(ids) // window
+    return torch.tensor(ids[: n * window]).view(n, window)
+
+
+@pytest.fixture(scope="session")
+def text_windows():
+    """text_windows(tokenizer_dir, text, n_lines, window=512) -> [n, window] token ids: each line BOS + tokens,
+    concatenated, cut into whole windows (the ppl harness's rule, without the short tail)."""
+    return _text_windows
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu():
+    """A VllmConfig on CPU with vLLM's distributed state initialized (1 rank, gloo); returns the config.
+    Use it as `with set_current_vllm_config(cfg):` around layer construction."""
+    pytest.importorskip("vllm")
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(cfg):
+        if not torch.distributed.is_initialized():
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()
+            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+        ensure_model_parallel_initialized(1, 1)
+    return cfg
