@@ -1,0 +1,318 @@
+"""Kernel choice for cublade's linear layers: a scheme says what the weights are, a kernel says whether it
+can run a given layer (`can_implement(layer) -> (ok, reason)`) and how.
+
+One selector (`select_kernel`) walks the scheme's candidates in order and takes the first that can run the
+layer: cublade's own op where it exists, else a named fallback, and last the pure-PyTorch reference (the CPU
+path, bit-exact to `scheme.linear_ref`). It logs one line per distinct choice, with the reason, and the
+reasons of the candidates it passed over; if none can run the layer it raises one error listing them all.
+`CUBLADE_DISABLED_KERNELS=name,name` takes kernels out of the running (as VLLM_DISABLED_KERNELS does).
+
+Candidates per scheme (first that can run the layer wins):
+  fp8    vllm-cutlass-scaled-mm (fallback: cublade has no FP8 GEMM of its own; activations are quantized by
+         cublade's per-token / per-tensor op)  ->  reference
+  w4a16  vllm-machete (fallback, sm_90)  ->  vllm-marlin (fallback)  ->  reference
+  mxfp8  cublade-mxfp8-dequant-matmul (no MX tensor cores before sm_100: dequantize to the activation dtype
+         with cublade's op, then a dense GEMM)  ->  reference
+
+The layer a kernel sees holds the scheme's tensors in cublade's checkpoint layout (cublade.config.schemes),
+as plain Parameters, after cublade.vllm.linear brought them there; a kernel repacks them once, in its
+constructor (called from process_weights_after_loading), and `apply` runs on what it left. Op choices that
+depend on the device are made in the constructor too, so `apply` holds no Python dispatch and traces under
+torch.compile(fullgraph=True), as vLLM compiles models.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, ClassVar
+
+import torch
+
+from cublade.config import Fp8Scheme, MXFP8Scheme, Scheme, W4A16Scheme
+from cublade.ops import fp8_quant as fp8_ops
+from cublade.ops import mxfp8_quant as mxfp8_ops
+from cublade.ops._dispatch import use_kernel
+
+logger = logging.getLogger("vllm.cublade")
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _capability(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def _op(name: str, device: torch.device, reference: Callable) -> tuple[Callable, str]:
+    """cublade's CUDA kernel `torch.ops.cublade.<name>` when built and the layer is on a GPU, else its
+    reference; and a few words saying which."""
+    probe = torch.empty(0, device=device)
+    if use_kernel(probe, name):
+        return getattr(torch.ops.cublade, name), f"cublade's CUDA op {name}"
+    why = "CPU" if device.type != "cuda" else "cublade's CUDA extension has no such op (not built?)"
+    return reference, f"the PyTorch reference of {name} ({why})"
+
+
+def layer_tensors(layer: torch.nn.Module, scheme: Scheme) -> dict[str, torch.Tensor]:
+    """The scheme's tensors as the layer holds them (cublade's layout, one fused matrix)."""
+    N, K = layer.output_size_per_partition, layer.input_size_per_partition
+    return {name: getattr(layer, name) for name in scheme.tensor_specs(N, K)}
+
+
+class LinearKernel:
+    """Runs one layer. Subclasses set `name`, `own` (cublade's own op, or a fallback named as such)."""
+    name: ClassVar[str] = ""
+    own: ClassVar[bool] = False
+
+    @classmethod
+    def can_implement(cls, layer: torch.nn.Module) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    def __init__(self, layer: torch.nn.Module):
+        self.scheme = layer.cublade_scheme
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ReferenceKernel(LinearKernel):
+    """scheme.linear_ref on the layer's tensors: dequantize-in-fp32 math, any device. The CPU path; on a GPU
+    the last resort (e.g. fp32 activations, which no tensor-core kernel takes)."""
+    name = "reference"
+    own = True
+
+    @classmethod
+    def can_implement(cls, layer):
+        return True, "pure-PyTorch reference (cublade.ops), fp32 math on any device"
+
+    def apply(self, layer, x, bias):
+        return self.scheme.linear_ref(x, layer_tensors(layer, self.scheme), bias)
+
+
+# ---- fp8 ------------------------------------------------------------------------------------------------
+
+def _fp8_input_quant(scheme: Fp8Scheme, device: torch.device) -> tuple[Callable, str]:
+    """(x2d, input_scale) -> (e4m3, fp32 scale [M, 1] or [1]), bound to cublade's op or its reference."""
+    if scheme.activations == "dynamic-token":
+        fn, how = _op("fp8_quant_per_token", device, fp8_ops.fp8_quant_per_token_ref)
+        return (lambda x, s: fn(x)), how
+    fn, how = _op("fp8_quant_per_tensor", device, fp8_ops.fp8_quant_per_tensor_ref)
+    if scheme.activations == "dynamic-tensor":
+        return (lambda x, s: fn(x, None)), how
+    return fn, how
+
+
+class VllmCutlassScaledMM(LinearKernel):
+    """vLLM's CUTLASS scaled-mm (a fallback: cublade has no FP8 GEMM of its own). Activations are quantized
+    by cublade's op; the epilogue applies the activation scale (per token or per tensor) and the weight
+    scale (per channel or per tensor)."""
+    name = "vllm-cutlass-scaled-mm"
+    own = False
+
+    @classmethod
+    def can_implement(cls, layer):
+        cap = _capability(layer.weight.device)
+        if cap is None:
+            return False, "needs a CUDA device"
+        if layer.params_dtype not in HALF_DTYPES:
+            return False, f"outputs bf16/fp16 only, the model runs in {layer.params_dtype}"
+        try:
+            from vllm import _custom_ops as ops
+
+            supported = ops.cutlass_scaled_mm_supports_fp8(cap)
+        except (AttributeError, RuntimeError) as e:
+            return False, f"vLLM's _C has no cutlass_scaled_mm ({e})"
+        if not supported:
+            return False, f"vLLM's CUTLASS FP8 GEMM does not run on sm_{cap}"
+        N, K = layer.output_size_per_partition, layer.input_size_per_partition
+        if N % 16 or K % 16:
+            return False, f"N={N}, K={K} are not multiples of 16"
+        return True, f"FP8 tensor cores on sm_{cap}"
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.quant_input, self.quant_how = _fp8_input_quant(self.scheme, layer.weight.device)
+
+    def apply(self, layer, x, bias):
+        from vllm import _custom_ops as ops
+
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, xs = self.quant_input(x2, getattr(layer, "input_scale", None))
+        # CUTLASS takes B column-major: the [N, K] row-major weight transposed is exactly that (no copy).
+        y = ops.cutlass_scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale,
+                                  out_dtype=x.dtype, bias=bias)
+        return y.reshape(*x.shape[:-1], -1)
+
+
+# ---- w4a16 ----------------------------------------------------------------------------------------------
+
+class _VllmMixedPrecision(LinearKernel):
+    """Adapter over vLLM's MPLinearKernel classes (Machete, Marlin): they read compressed-tensors' int4
+    layout, so the constructor rebuilds it from cublade's (same weight words; zero points packed 8 per int32
+    along N) and lets vLLM's kernel repack from there."""
+    vllm_class: ClassVar[str] = ""
+
+    @classmethod
+    def _vllm_kernel(cls):
+        from vllm.model_executor.kernels import linear as vllm_linear
+
+        return getattr(vllm_linear, cls.vllm_class)
+
+    @classmethod
+    def _config(cls, layer):
+        from vllm.model_executor.kernels.linear import MPLinearLayerConfig
+        from vllm.scalar_type import scalar_types
+
+        s: W4A16Scheme = layer.cublade_scheme
+        return MPLinearLayerConfig(
+            full_weight_shape=(layer.input_size, layer.output_size),
+            partition_weight_shape=(layer.input_size_per_partition, layer.output_size_per_partition),
+            # symmetric: unsigned nibble u = q + 8 (uint4b8); asymmetric: u and a zero point (uint4)
+            weight_type=scalar_types.uint4b8 if s.symmetric else scalar_types.uint4,
+            act_type=layer.params_dtype, group_size=s.group_size, zero_points=not s.symmetric,
+            has_g_idx=False)
+
+    @classmethod
+    def can_implement(cls, layer):
+        cap = _capability(layer.weight_packed.device)
+        if cap is None:
+            return False, "needs a CUDA device"
+        if layer.params_dtype not in HALF_DTYPES:
+            return False, f"takes bf16/fp16 activations, the model runs in {layer.params_dtype}"
+        if not layer.cublade_scheme.symmetric and layer.output_size_per_partition % 8:
+            return False, f"zero points pack 8 per int32 along N; N={layer.output_size_per_partition}"
+        k = cls._vllm_kernel()
+        if cap < k.get_min_capability():
+            return False, f"needs sm_{k.get_min_capability()}+, this GPU is sm_{cap}"
+        ok, why = k.can_implement(cls._config(layer))
+        return ok, (f"vLLM's {k.__name__} on sm_{cap}" if ok else f"vLLM's {k.__name__}: {why}")
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        from vllm.model_executor.parameter import (ChannelQuantScaleParameter, GroupQuantScaleParameter,
+                                                   PackedColumnParameter, PackedvLLMParameter)
+
+        from cublade.ops.int4 import pack_int4
+
+        s: W4A16Scheme = self.scheme
+        act = layer.params_dtype
+        noop = lambda *a, **k: None  # noqa: E731  (loading is over)
+        _replace(layer, "weight_packed", PackedvLLMParameter(
+            data=layer.weight_packed.data, input_dim=1, output_dim=0, packed_dim=1, packed_factor=8,
+            weight_loader=noop))
+        scale = layer.weight_scale.data.to(act)
+        zp = getattr(layer, "weight_zero_point", None)
+        zp = None if zp is None else pack_int4(zp.data.t().contiguous()).t().contiguous()  # [N/8, groups]
+        if s.group_size == -1:
+            _replace(layer, "weight_scale", ChannelQuantScaleParameter(data=scale, output_dim=0, weight_loader=noop))
+            if zp is not None:
+                _replace(layer, "weight_zero_point", PackedColumnParameter(
+                    data=zp, output_dim=0, packed_dim=0, packed_factor=8, weight_loader=noop))
+        else:
+            _replace(layer, "weight_scale", GroupQuantScaleParameter(
+                data=scale, output_dim=0, input_dim=1, weight_loader=noop))
+            if zp is not None:
+                _replace(layer, "weight_zero_point", PackedvLLMParameter(
+                    data=zp, input_dim=1, output_dim=0, packed_dim=0, packed_factor=8, weight_loader=noop))
+        self.impl = self._vllm_kernel()(self._config(layer), w_q_param_name="weight_packed",
+                                        w_s_param_name="weight_scale",
+                                        w_zp_param_name=None if s.symmetric else "weight_zero_point")
+        self.impl.process_weights_after_loading(layer)
+
+    def apply(self, layer, x, bias):
+        return self.impl.apply_weights(layer, x, bias)
+
+
+class VllmMachete(_VllmMixedPrecision):
+    name = "vllm-machete"
+    vllm_class = "MacheteLinearKernel"
+
+
+class VllmMarlin(_VllmMixedPrecision):
+    name = "vllm-marlin"
+    vllm_class = "MarlinLinearKernel"
+
+
+# ---- mxfp8 ----------------------------------------------------------------------------------------------
+
+class CubladeMxfp8DequantMatmul(LinearKernel):
+    """Hopper has no MX tensor cores: dequantize the MXFP8 weight to the activation dtype with cublade's op
+    (exact: an e4m3 value times a power of two fits bf16/fp16 unless it leaves their range), then one dense
+    GEMM. Costs a weight-sized write + read per call over an MX GEMM; what it buys is 1-byte storage."""
+    name = "cublade-mxfp8-dequant-matmul"
+    own = True
+
+    @classmethod
+    def can_implement(cls, layer):
+        if layer.weight.device.type != "cuda":
+            return False, "needs a CUDA device"
+        _, how = _op("mxfp8_dequant", layer.weight.device, mxfp8_ops.mxfp8_dequant_ref)
+        return True, f"dequantize with {how}, then a dense {layer.params_dtype} GEMM"
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.dequant, _ = _op("mxfp8_dequant", layer.weight.device, mxfp8_ops.mxfp8_dequant_ref)
+
+    def apply(self, layer, x, bias):
+        w = self.dequant(layer.weight, layer.weight_scale, x.dtype)
+        return torch.nn.functional.linear(x, w, bias)
+
+
+# ---- the selector ---------------------------------------------------------------------------------------
+
+CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel], ...]] = {
+    Fp8Scheme: (VllmCutlassScaledMM, ReferenceKernel),
+    W4A16Scheme: (VllmMachete, VllmMarlin, ReferenceKernel),
+    MXFP8Scheme: (CubladeMxfp8DequantMatmul, ReferenceKernel),
+}
+
+_logged: set[tuple] = set()
+
+
+def disabled_kernels() -> set[str]:
+    return {k.strip() for k in os.environ.get("CUBLADE_DISABLED_KERNELS", "").split(",") if k.strip()}
+
+
+def select_kernel(layer: torch.nn.Module, prefix: str) -> LinearKernel:
+    """The first candidate for the layer's scheme that can run it, constructed (it repacks the layer)."""
+    scheme: Scheme = layer.cublade_scheme
+    candidates = CANDIDATES.get(type(scheme))
+    if candidates is None:
+        raise NotImplementedError(f"{prefix}: cublade has no linear kernel for scheme {scheme.describe()}")
+    disabled = disabled_kernels()
+    skipped: list[str] = []
+    for k in candidates:
+        if k.name in disabled:
+            skipped.append(f"{k.name}: disabled by CUBLADE_DISABLED_KERNELS")
+            continue
+        ok, reason = k.can_implement(layer)
+        if not ok:
+            skipped.append(f"{k.name}: {reason}")
+            continue
+        key = (scheme.describe(), str(layer.params_dtype), k.name, reason, tuple(skipped))
+        if key not in _logged:
+            _logged.add(key)
+            logger.info("cublade: %s layers like %s [N=%d, K=%d, %s] run on %s%s: %s%s", scheme.describe(), prefix,
+                        layer.output_size_per_partition, layer.input_size_per_partition, layer.params_dtype,
+                        k.name, "" if k.own else " (fallback)", reason,
+                        f"; passed over {'; '.join(skipped)}" if skipped else "")
+        return k(layer)
+    raise NotImplementedError(f"{prefix}: no kernel can run scheme {scheme.describe()} "
+                              f"[N={layer.output_size_per_partition}, K={layer.input_size_per_partition}, "
+                              f"{layer.params_dtype}]: " + "; ".join(skipped))
+
+
+def _replace(layer: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """Set a layer tensor as a Parameter (vLLM's compiled graphs take layer tensors as parameters)."""
+    if name in layer._parameters:
+        del layer._parameters[name]
+    elif hasattr(layer, name):
+        delattr(layer, name)
+    if value is None:
+        setattr(layer, name, None)
+        return
+    if not isinstance(value, torch.nn.Parameter):
+        value = torch.nn.Parameter(value, requires_grad=False)
+    layer.register_parameter(name, value)

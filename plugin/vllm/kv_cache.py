@@ -1,0 +1,114 @@
+"""FP8 KV cache: the checkpoint's per-layer k_scale / v_scale reach vLLM's attention layer, and (opt-in) the
+cache write runs cublade's op.
+
+Scales. A checkpoint with `kv_cache: fp8` stores `<attention module>.k_scale` / `.v_scale` (fp32 scalars,
+e.g. `model.layers.0.self_attn.k_scale`). vLLM's loader maps them onto the Attention layer
+(`...self_attn.attn.k_scale`, QuantizationConfig.get_cache_scale_mapper) and CubladeKVCacheMethod, vLLM's
+BaseKVCacheMethod with two changes, takes them from there:
+  * the scale parameters are fp32 (vLLM creates them in the model dtype, which would round a calibrated
+    0.0123 to 0.0123291015625 under bf16 and quantize the cache differently from the reference backend);
+  * a scale that never arrived is an error naming the checkpoint tensor (vLLM would fall back to 1.0 with a
+    warning, silently wrong for a cache calibrated in cublade's format).
+The cache dtype follows the checkpoint: CubladeConfig.kv_cache_scheme makes `--kv-cache-dtype auto` fp8.
+
+The cache write. vLLM 0.26 has a registry for attention backends with one slot for third parties,
+`AttentionBackendEnum.CUSTOM` (vllm.v1.attention.backends.registry.register_backend); a backend there is
+picked with `--attention-backend CUSTOM`. cublade.vllm.register() puts CubladeFlashAttentionBackend in that
+slot: vLLM's FlashAttention backend, unchanged but for `do_kv_cache_update`, which writes the FP8 cache with
+`cublade.ops.fp8_kv_cache_write` (cublade's CUDA kernel when built, else its reference) instead of vLLM's
+`reshape_and_cache_flash`. The two produce the same bytes (the op's contract). Nothing in vLLM is patched;
+without the flag vLLM's own backend and cache write run. It cannot be made the default without the flag:
+the backend is chosen from the attention config before any quantization config is consulted, and
+overriding vLLM's FLASH_ATTN entry would change every model served in a process that has cublade installed.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+from vllm.utils.torch_utils import is_quantized_kv_cache
+
+logger = logging.getLogger("vllm.cublade")
+
+SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
+
+
+def checkpoint_module(prefix: str) -> str:
+    """The checkpoint's attention module for vLLM's Attention layer: `...self_attn.attn` -> `...self_attn`."""
+    return prefix[: -len(".attn")] if prefix.endswith(".attn") else prefix
+
+
+class CubladeKVCacheMethod(BaseKVCacheMethod):
+    def __init__(self, quant_config, prefix: str = ""):
+        super().__init__(quant_config)
+        self.prefix = prefix
+
+    def create_weights(self, layer: torch.nn.Module):
+        super().create_weights(layer)
+        for name in SCALE_NAMES:  # fp32, whatever the model dtype (see the module docstring)
+            p = getattr(layer, name)
+            p.data = p.data.float()
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if (hasattr(layer, "k_scale") and is_quantized_kv_cache(layer.kv_cache_dtype)
+                and not layer.calculate_kv_scales):
+            for name in ("k_scale", "v_scale"):
+                v = float(getattr(layer, name))
+                if not (v > 0 and math.isfinite(v)):
+                    what = "is missing from the checkpoint" if v == -1.0 else f"is {v}"
+                    raise ValueError(f"{checkpoint_module(self.prefix)}.{name} {what}: the checkpoint's "
+                                     f"quantization_config has kv_cache fp8, which needs a positive finite "
+                                     f"per-layer {name} (cublade convert --kv-cache fp8 writes it)")
+        super().process_weights_after_loading(layer)
+
+
+def _flash_attention():
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
+
+    return FlashAttentionBackend, FlashAttentionImpl
+
+
+_FlashAttentionBackend, _FlashAttentionImpl = _flash_attention()
+
+
+class CubladeFlashAttentionImpl(_FlashAttentionImpl):
+    """vLLM's FlashAttention, with the FP8 KV-cache write done by cublade.ops.fp8_kv_cache_write."""
+
+    _logged = False
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.kv_cache_dtype not in ("fp8", "fp8_e4m3"):
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        from vllm.v1.attention.backend import AttentionType
+
+        from cublade.ops import fp8_kv_cache_write
+        from cublade.ops._dispatch import use_kernel
+
+        if self.attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
+            return None
+        if not CubladeFlashAttentionImpl._logged:
+            CubladeFlashAttentionImpl._logged = True
+            logger.info("cublade: FP8 KV-cache write runs %s", "cublade's CUDA op fp8_kv_cache_write"
+                        if use_kernel(key, "fp8_kv_cache_write") else "the PyTorch reference of fp8_kv_cache_write")
+        # The same views of the cache as vLLM's FlashAttention backend: [num_blocks, H, block_size, 2*D]
+        # -> K and V, each [num_blocks, block_size, H, D] (strided views; the op writes through them).
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        # key/value may be padded past the real tokens (CUDA graphs); slot_mapping is not.
+        n = slot_mapping.shape[0]
+        fp8_kv_cache_write(key[:n], value[:n], key_cache, value_cache, slot_mapping, layer._k_scale,
+                           layer._v_scale)
+        return None
+
+
+class CubladeFlashAttentionBackend(_FlashAttentionBackend):
+    """Registered as AttentionBackendEnum.CUSTOM by cublade.vllm.register()."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return CubladeFlashAttentionImpl

@@ -1,0 +1,279 @@
+"""cublade's vLLM linear method: one class for every scheme (fp8, w4a16, mxfp8); the scheme says what the
+tensors are, cublade.vllm.kernels says how a layer runs.
+
+Lifecycle of a layer (vLLM calls these in order):
+  create_weights   the scheme's tensors as vLLM parameter classes (ModelWeightParameter, Channel/Group/
+                   PerTensor scale parameters, PackedvLLMParameter), so vLLM's own loaders shard them for
+                   tensor parallelism and place fused shards (q/k/v, gate/up). Each loader is wrapped to
+                   check the checkpoint tensor against the scheme (shape, dtype) and record which shards
+                   arrived, so a bad checkpoint fails naming the tensor instead of an assert deep in vLLM.
+  loading          vLLM's weight loaders, through those wrappers.
+  process_weights_after_loading
+                   a tensor the scheme needs that never arrived is an error naming it; the tensors are
+                   brought to cublade's checkpoint layout (cublade.config.schemes) as one fused matrix:
+                   * fp8 per-tensor weight scales of fused shards: one scale per shard cannot ride one GEMM
+                     as a scalar. Equal scales stay one scalar; different ones become a per-channel scale
+                     vector (each shard's scale repeated over its rows). Exact, unlike vLLM's
+                     requantize-to-the-max-scale, and every FP8 kernel here takes per-channel weight scales.
+                   * static fp8 input scales of fused shards: their max, as vLLM does (the shards see the
+                     same input, so calibration gives them the same scale; the max only matters otherwise);
+                   * compressed-tensors layouts: [N, 1] FP8 channel scales -> [N]; int4 zero points packed
+                     8 per int32 along N -> uint8 [N, groups];
+                   then the kernel selector picks the layer's kernel, which repacks once.
+  apply            the kernel.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.model_executor.layers.linear import (LinearMethodBase, MergedColumnParallelLinear, QKVParallelLinear,
+                                               register_weight_loader_v2_supported_method)
+from vllm.model_executor.parameter import (BasevLLMParameter, ChannelQuantScaleParameter,
+                                           GroupQuantScaleParameter, ModelWeightParameter, PackedColumnParameter,
+                                           PackedvLLMParameter, PerTensorScaleParameter)
+from vllm.model_executor.utils import set_weight_attrs
+
+from cublade.config import Fp8Scheme, MXFP8Scheme, Scheme, W4A16Scheme
+from cublade.constants import INT4_PER_INT32, MX_BLOCK
+from cublade.ops.fp8_quant import FP8_DTYPE
+from cublade.ops.int4 import unpack_int4
+from cublade.vllm.config import CT_METHOD, CubladeConfig
+from cublade.vllm.kernels import _replace, select_kernel
+
+logger = logging.getLogger("vllm.cublade")
+
+QKV_INDEX = {"q": 0, "k": 1, "v": 2}
+# Checkpoint tensors that only describe another one (compressed-tensors' `weight_shape`): loaded and dropped.
+_DESCRIPTIVE = ("weight_shape",)
+
+
+@register_weight_loader_v2_supported_method
+class CubladeLinearMethod(LinearMethodBase):
+    """One layer's method (vLLM makes one per layer through CubladeConfig.get_quant_method)."""
+
+    def __init__(self, config: CubladeConfig, scheme: Scheme, prefix: str):
+        self.config = config
+        self.scheme = scheme
+        self.prefix = prefix
+        self.source = config.source
+        self.shards = config.shard_names(prefix)
+        self.loaded: dict[str, set] = {}  # tensor suffix -> shard ids loaded (None: the whole layer)
+        self.param_names: list[str] = []
+        self.kernel = None
+
+    # ---- create_weights --------------------------------------------------------------------------------
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        vllm_loader = extra_weight_attrs.pop("weight_loader")
+        N, K = sum(output_partition_sizes), input_size_per_partition
+        self._check_partition(output_partition_sizes, K, input_size)
+        layer.cublade_scheme = self.scheme
+        layer.logical_widths = list(output_partition_sizes)
+        layer.input_size_per_partition, layer.output_size_per_partition = K, N
+        layer.params_dtype = params_dtype
+        for name, make in self._param_factories(output_partition_sizes, K, params_dtype).items():
+            param = make(self._checked_loader(layer, name, vllm_loader))
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, extra_weight_attrs)
+            self.param_names.append(name)
+
+    def _check_partition(self, parts: list[int], K: int, K_full: int) -> None:
+        s = self.scheme
+        tp = f" (K={K_full} split over tensor-parallel ranks)" if K != K_full else ""
+        if isinstance(s, W4A16Scheme):
+            if K % INT4_PER_INT32:
+                raise ValueError(f"{self.prefix}: w4a16 needs in_features per rank divisible by {INT4_PER_INT32}, "
+                                 f"got {K}{tp}")
+            if s.group_size != -1 and K % s.group_size:
+                raise ValueError(f"{self.prefix}: w4a16 group_size={s.group_size} does not divide in_features per "
+                                 f"rank {K}{tp}")
+            if self.source == CT_METHOD and not s.symmetric and any(p % INT4_PER_INT32 for p in parts):
+                raise ValueError(f"{self.prefix}: compressed-tensors packs zero points 8 per int32 along the "
+                                 f"output dim; output sizes per rank {parts} are not multiples of 8")
+        if isinstance(s, MXFP8Scheme) and K % MX_BLOCK:
+            raise ValueError(f"{self.prefix}: mxfp8 needs in_features per rank divisible by the MX block "
+                             f"{MX_BLOCK}, got {K}{tp}")
+
+    def _param_factories(self, parts: list[int], K: int, params_dtype: torch.dtype) -> dict:
+        """suffix -> (weight_loader -> vLLM parameter), in the checkpoint's layout (cublade's, or
+        compressed-tensors' where it differs)."""
+        s, N, ct = self.scheme, sum(parts), self.source == CT_METHOD
+        e = torch.empty
+        f: dict = {}
+        if isinstance(s, Fp8Scheme):
+            f["weight"] = lambda wl: ModelWeightParameter(data=e(N, K, dtype=FP8_DTYPE), input_dim=1,
+                                                          output_dim=0, weight_loader=wl)
+            if s.weight_strategy == "channel":
+                shape = (N, 1) if ct else (N,)
+                f["weight_scale"] = lambda wl: ChannelQuantScaleParameter(
+                    data=e(shape, dtype=torch.float32), output_dim=0, weight_loader=wl)
+            else:  # one scale per fused shard; reconciled after loading
+                f["weight_scale"] = lambda wl: PerTensorScaleParameter(
+                    data=e(len(parts), dtype=torch.float32), weight_loader=wl)
+            if s.static:
+                f["input_scale"] = lambda wl: PerTensorScaleParameter(
+                    data=e(len(parts), dtype=torch.float32), weight_loader=wl)
+        elif isinstance(s, W4A16Scheme):
+            groups = 1 if s.group_size == -1 else K // s.group_size
+            scale_dtype = params_dtype if ct else s.tensor_specs(N, K)["weight_scale"][1]
+            f["weight_packed"] = lambda wl: PackedvLLMParameter(
+                data=e(N, K // INT4_PER_INT32, dtype=torch.int32), input_dim=1, output_dim=0, packed_dim=1,
+                packed_factor=INT4_PER_INT32, weight_loader=wl)
+            # Per-channel scales are [N, 1] whatever the rank's K: replicated, never split along K.
+            if s.group_size == -1:
+                f["weight_scale"] = lambda wl: ChannelQuantScaleParameter(
+                    data=e(N, 1, dtype=scale_dtype), output_dim=0, weight_loader=wl)
+            else:
+                f["weight_scale"] = lambda wl: GroupQuantScaleParameter(
+                    data=e(N, groups, dtype=scale_dtype), output_dim=0, input_dim=1, weight_loader=wl)
+            if not s.symmetric and ct:
+                zshape = (N // INT4_PER_INT32, groups)
+                if s.group_size == -1:
+                    f["weight_zero_point"] = lambda wl: PackedColumnParameter(
+                        data=torch.zeros(zshape, dtype=torch.int32), output_dim=0, packed_dim=0,
+                        packed_factor=INT4_PER_INT32, weight_loader=wl)
+                else:
+                    f["weight_zero_point"] = lambda wl: PackedvLLMParameter(
+                        data=torch.zeros(zshape, dtype=torch.int32), input_dim=1, output_dim=0, packed_dim=0,
+                        packed_factor=INT4_PER_INT32, weight_loader=wl)
+            elif not s.symmetric:
+                if s.group_size == -1:
+                    f["weight_zero_point"] = lambda wl: ChannelQuantScaleParameter(
+                        data=e(N, 1, dtype=torch.uint8), output_dim=0, weight_loader=wl)
+                else:
+                    f["weight_zero_point"] = lambda wl: GroupQuantScaleParameter(
+                        data=e(N, groups, dtype=torch.uint8), output_dim=0, input_dim=1, weight_loader=wl)
+            if ct:
+                f["weight_shape"] = lambda wl: BasevLLMParameter(data=e(2, dtype=torch.int64), weight_loader=wl)
+        elif isinstance(s, MXFP8Scheme):
+            f["weight"] = lambda wl: ModelWeightParameter(data=e(N, K, dtype=FP8_DTYPE), input_dim=1,
+                                                          output_dim=0, weight_loader=wl)
+            f["weight_scale"] = lambda wl: GroupQuantScaleParameter(
+                data=e(N, K // MX_BLOCK, dtype=torch.uint8), output_dim=0, input_dim=1, weight_loader=wl)
+        else:
+            raise NotImplementedError(f"{self.prefix}: cublade has no vLLM linear method for scheme "
+                                      f"{s.describe()}")
+        return f
+
+    # ---- loading ---------------------------------------------------------------------------------------
+    def _module(self, shard_id) -> str:
+        """Checkpoint module name of a loaded shard."""
+        if shard_id is None or isinstance(shard_id, tuple) or len(self.shards) == 1:
+            return self.prefix
+        idx = QKV_INDEX[shard_id] if isinstance(shard_id, str) else shard_id
+        return self.shards[idx] if idx < len(self.shards) else f"{self.prefix}[shard {shard_id}]"
+
+    @staticmethod
+    def _rows(layer: torch.nn.Module, shard_id) -> int | None:
+        """Full (all ranks) output rows of a checkpoint shard; None where vLLM's layer does not say."""
+        if shard_id is None:
+            return layer.output_size
+        if isinstance(layer, QKVParallelLinear) and shard_id in QKV_INDEX:
+            heads = layer.total_num_heads if shard_id == "q" else layer.total_num_kv_heads
+            return heads * (layer.v_head_size if shard_id == "v" else layer.head_size)
+        if isinstance(layer, MergedColumnParallelLinear) and isinstance(shard_id, int):
+            return layer.output_sizes[shard_id]
+        return None
+
+    def expected(self, rows: int, K: int) -> dict[str, tuple[tuple, torch.dtype | None]]:
+        """suffix -> (shape, dtype) of a checkpoint tensor for a [rows, K] module; dtype None: any float."""
+        specs = dict(self.scheme.tensor_specs(rows, K))
+        if self.source != CT_METHOD:
+            return specs
+        s = self.scheme
+        out = {}
+        for name, (shape, dtype) in specs.items():
+            if isinstance(s, Fp8Scheme) and name == "weight_scale" and s.weight_strategy == "channel":
+                shape = (rows, 1)
+            if name in ("weight_scale", "input_scale"):
+                dtype = None  # compressed-tensors stores scales in the model's dtype or fp32
+            if name == "weight_zero_point":
+                shape, dtype = (-(-rows // INT4_PER_INT32), shape[1]), torch.int32
+            out[name] = (shape, dtype)
+        if isinstance(s, W4A16Scheme):
+            out["weight_shape"] = ((2,), torch.int64)
+        return out
+
+    def _checked_loader(self, layer: torch.nn.Module, name: str, vllm_loader):
+        def load(param, loaded_weight: torch.Tensor, *args, **kwargs):
+            shard_id = args[0] if args else kwargs.get("loaded_shard_id")
+            rows = self._rows(layer, shard_id)
+            if rows is not None:
+                self._check_tensor(f"{self._module(shard_id)}.{name}", loaded_weight,
+                                   *self.expected(rows, layer.input_size)[name])
+            vllm_loader(param, loaded_weight, *args, **kwargs)
+            self.loaded.setdefault(name, set()).add(shard_id)
+        return load
+
+    def _check_tensor(self, tensor: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None) -> None:
+        got = tuple(t.shape)
+        # A one-element scale may be stored as [1] or as a scalar [].
+        if got != tuple(shape) and not (tuple(shape) == (1,) and got == ()):
+            raise ValueError(f"{tensor}: shape {list(got)} does not match scheme {self.scheme.describe()}, which "
+                             f"expects {list(shape)} for this module")
+        if dtype is None:
+            if not t.is_floating_point() or t.element_size() == 1:
+                raise ValueError(f"{tensor}: dtype {t.dtype}, expected a float scale (fp32/bf16/fp16)")
+        elif t.dtype != dtype and not (dtype == torch.int64 and not t.is_floating_point()):
+            raise ValueError(f"{tensor}: dtype {t.dtype} does not match scheme {self.scheme.describe()}, which "
+                             f"expects {dtype}" + (" (an unquantized checkpoint?)" if t.is_floating_point()
+                                                   and t.element_size() > 1 else ""))
+
+    def _check_complete(self, layer: torch.nn.Module, names: list[str]) -> None:
+        """Every tensor the scheme needs arrived, for every shard."""
+        if not any(self.loaded.values()):
+            # Nothing was loaded through this layer at all: vLLM's dummy/random weights (--load-format dummy),
+            # which set the parameters without the loaders.
+            return
+        if isinstance(layer, QKVParallelLinear):
+            shards = set(QKV_INDEX)
+        elif isinstance(layer, MergedColumnParallelLinear):
+            shards = set(range(len(layer.output_sizes)))
+        else:
+            shards = {None}
+        for name in names:
+            got = self.loaded.get(name, set())
+            if None in got:
+                continue  # fused on disk: the whole matrix in one tensor
+            missing = sorted(shards - got, key=str)
+            if missing:
+                tensors = ", ".join(f"{self._module(m)}.{name}" for m in missing)
+                raise ValueError(f"checkpoint has no {tensors}: scheme {self.scheme.describe()} of "
+                                 f"{self.prefix} needs it (quantization_config says this module is quantized)")
+
+    # ---- after loading ---------------------------------------------------------------------------------
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self._check_complete(layer, [n for n in self.param_names if n not in _DESCRIPTIVE])
+        for n in _DESCRIPTIVE:
+            layer._parameters.pop(n, None)
+        s = self.scheme
+        if isinstance(s, Fp8Scheme):
+            _replace(layer, "weight", layer.weight.data)
+            scale = layer.weight_scale.data.float()
+            if s.weight_strategy == "channel":
+                scale = scale.reshape(-1)
+            elif scale.numel() > 1 and bool((scale != scale[0]).any()):
+                widths = torch.tensor(layer.logical_widths, device=scale.device)
+                scale = torch.repeat_interleave(scale, widths)  # per-tensor shard scales -> per channel
+            else:
+                scale = scale[:1]
+            _replace(layer, "weight_scale", scale.contiguous())
+            if s.static:
+                _replace(layer, "input_scale", layer.input_scale.data.float().max().reshape(1))
+        elif isinstance(s, W4A16Scheme):
+            _replace(layer, "weight_packed", layer.weight_packed.data)
+            _replace(layer, "weight_scale", layer.weight_scale.data)
+            if not s.symmetric:
+                zp = layer.weight_zero_point.data
+                if self.source == CT_METHOD:  # int32 [N/8, groups], packed along N -> uint8 [N, groups]
+                    zp = unpack_int4(zp.t().contiguous())[:, :layer.output_size_per_partition].t()
+                _replace(layer, "weight_zero_point", zp.contiguous())
+        elif isinstance(s, MXFP8Scheme):
+            _replace(layer, "weight", layer.weight.data)
+            _replace(layer, "weight_scale", layer.weight_scale.data)
+        self.kernel = select_kernel(layer, self.prefix)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernel.apply(layer, x, bias)

@@ -1,0 +1,52 @@
+"""Real vLLM 0.26.0 Python layers on a CPU machine (see ../shared/notes/vllm-on-cpu.md): one gloo process group
+per test process (vLLM's distributed state can be set up once per process), vLLM's config context per test,
+the platform left as UnspecifiedPlatform (a CpuPlatform breaks layer construction on the CUDA wheel)."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm==0.26.0 --no-deps, see README)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_vllm_config():
+    from vllm.config import DeviceConfig, VllmConfig
+
+    return VllmConfig(device_config=DeviceConfig(device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def vllm_dist():
+    """Tensor-parallel size 1 over gloo, once per process; registers cublade with vLLM."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    import cublade.vllm
+
+    with set_current_vllm_config(cpu_vllm_config()):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{free_port()}", 0, "gloo")
+        initialize_model_parallel(1, 1)
+    cublade.vllm.register()
+    yield
+
+
+@pytest.fixture
+def vllm_ctx(vllm_dist):
+    """vLLM's current config, the layer dtype bf16 (vLLM builds layers under the model dtype), restored after."""
+    from vllm.config import set_current_vllm_config
+
+    old = torch.get_default_dtype()
+    with set_current_vllm_config(cpu_vllm_config()):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(old)
