@@ -3,27 +3,336 @@
 Entry point for the cublade QuantizationConfig (plugin/vllm/config.py): for a FusedMoE layer whose expert
 linears the policy maps to an `FP4Scheme`, `get_quant_method` returns
 
-    CubladeFp4MoEMethod(scheme, layer.moe_config)
+    CubladeFp4MoEMethod(scheme, layer.moe_config, prefix)
 
-(`layer` is vLLM's RoutedExperts; `scheme` is `policy.scheme_for(f"{prefix}.0.w1")`, an FP4Scheme).
+(`layer` is vLLM's RoutedExperts; `scheme` is `policy.scheme_for(f"{prefix}.0.w1")`).
 
-Work in progress: parameters, weight loading and the kernel choice land in the next commits.
+Parameters (E local experts, H hidden, I intermediate per TP rank, B = 32 mxfp4 / 16 nvfp4), the checkpoint's
+per-expert tensors stacked by vLLM's FusedMoE weight loader (w13 = [w1; w3] rows, as vLLM fuses them):
+    w13_weight_packed        uint8 [E, 2I, H/2]      w2_weight_packed        uint8 [E, H, I/2]
+    w13_weight_scale         E8M0 uint8 / e4m3 [E, 2I, H/B]                 w2_weight_scale [E, H, I/B]
+    w13_weight_global_scale  fp32 [E, 2] (nvfp4: w1, w3)                     w2_weight_global_scale fp32 [E]
+Checkpoint `...experts.{e}.w1.weight_packed` lands in `w13_weight_packed[e, :I]`, w3 in `[e, I:]`, w2 in
+`w2_weight_packed[e]` (TP: w1/w3 split along rows, w2 along columns; I/TP must be a multiple of B). A tensor of
+the wrong shape or dtype is refused at load with its checkpoint name.
+
+Kernel choice (one per layer, in process_weights_after_loading; first that can run the layer wins; logged
+once per distinct choice with the reason; CUBLADE_DISABLED_KERNELS=name,... takes kernels out):
+  cublade-fp4-moe    cublade's FP4 dequant-GEMM op (cublade.ops.fp4_gemm), CUDA
+  vllm-marlin-moe    fallback: vLLM's fused Marlin MoE (FP4 weights, bf16/fp16 activations), CUDA; weights
+                     repacked once into Marlin's layout. NVFP4 needs one global scale per expert for w1 and w3.
+  reference          pure PyTorch: every expert linear is scheme.linear_ref on the stored FP4 tensors (the
+                     reference backend's numerics, cublade.experts.experts_forward_ref); the CPU path. On a GPU
+                     it is the last resort: slow, and it syncs with the host, so it refuses CUDA-graph capture
+                     (serve with --enforce-eager).
 """
 from __future__ import annotations
 
-from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
-from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+import logging
+import os
+import types
+from typing import ClassVar
 
-from cublade.config.schemes import FP4Scheme
+import torch
+import torch.nn.functional as F
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
+from vllm.model_executor.utils import set_weight_attrs
+
+from cublade.config.schemes import FP4Scheme, UnsupportedShape
+from cublade.constants import E8M0_NAN
+from cublade.experts import experts_forward_ref
+
+logger = logging.getLogger("vllm.cublade")
+
+SHARD_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
 class CubladeFp4MoEMethod(FusedMoEMethodBase):
     """FP4 experts of one FusedMoE layer (see the module docstring)."""
 
     def __init__(self, scheme: FP4Scheme, moe: FusedMoEConfig, prefix: str = ""):
+        where = prefix or "FusedMoE layer"
         if not isinstance(scheme, FP4Scheme):
-            raise ValueError(f"{prefix or 'FusedMoE'}: CubladeFp4MoEMethod takes an fp4 scheme, got "
-                             f"{type(scheme).__name__}")
+            raise NotImplementedError(
+                f"{where}: cublade serves MoE experts in fp4 (preset fp4-experts-fp8-dense), not "
+                f"{scheme.describe()}; put the experts in the policy's ignore list or quantize them with fp4")
         super().__init__(moe)
         self.scheme = scheme
         self.prefix = prefix
+        self.kernel: MoEKernel | None = None
+        if not moe.is_act_and_mul or moe.activation != MoEActivation.SILU:
+            raise NotImplementedError(f"{where}: cublade FP4 experts support the gated SiLU (SwiGLU) of "
+                                      f"Mixtral-style experts, not activation {moe.activation.value!r}")
+        if moe.has_bias:
+            raise NotImplementedError(f"{where}: cublade FP4 experts have no bias (the checkpoint format "
+                                      f"stores none)")
+
+    # --- parameters -----------------------------------------------------------------------------------
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        E, H, I = num_experts, hidden_size, intermediate_size_per_partition
+        where = self.prefix or getattr(layer, "layer_name", "FusedMoE layer")
+        if layer.apply_router_weight_on_input:
+            raise NotImplementedError(f"{where}: apply_router_weight_on_input is not supported by cublade's "
+                                      f"FP4 experts")
+        B = self.scheme.block
+        for what, v in (("hidden_size", H), ("intermediate_size per TP rank", I)):
+            if v % B:
+                raise UnsupportedShape(f"{where}: not supported by scheme fp4 because {what}={v} is not a "
+                                       f"multiple of the {self.scheme.format} block size {B}")
+        self._sizes = (E, H, I)
+        group = {"quant_method": FusedMoeWeightScaleSupported.GROUP.value}
+        tensor = {"quant_method": FusedMoeWeightScaleSupported.TENSOR.value}
+        for w, (N, K) in (("w13", (2 * I, H)), ("w2", (H, I))):
+            for suffix, (shape, dtype) in self.scheme.tensor_specs(N, K).items():
+                if suffix == "weight_global_scale":  # one per checkpoint tensor: w1 and w3 of each expert
+                    full, attrs = ((E, 2) if w == "w13" else (E,)), tensor
+                else:
+                    full, attrs = (E, *shape), (group if suffix == "weight_scale" else {})
+                p = torch.nn.Parameter(torch.zeros(full, dtype=dtype), requires_grad=False)
+                layer.register_parameter(f"{w}_{suffix}", p)
+                set_weight_attrs(p, {**extra_weight_attrs, **attrs})
+                p.weight_loader = self._checked_loader(layer, suffix, extra_weight_attrs["weight_loader"])
+
+    def _checked_loader(self, layer, suffix: str, loader):
+        """vLLM's FusedMoE loader, after a check that names the checkpoint tensor: copy_ would broadcast or
+        cast a tensor of the wrong shape or dtype silently (or fail without naming it)."""
+
+        def load(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+            self._check_loaded(layer, suffix, param, loaded_weight, shard_id, expert_id)
+            return loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=return_success)
+
+        return load
+
+    def _check_loaded(self, layer, suffix, param, t, shard_id, expert_id) -> None:
+        ckpt = {"w1": layer.ckpt_gate_proj_name, "w2": layer.ckpt_down_proj_name,
+                "w3": layer.ckpt_up_proj_name}.get(shard_id, shard_id)
+        name = f"{layer.layer_name}.{expert_id}.{ckpt}.{suffix}"
+        if t.dim() == 3:
+            raise ValueError(f"{name}: a fused 3-D expert tensor {list(t.shape)} in a cublade checkpoint; cublade "
+                             f"checkpoints store experts per expert (cublade convert splits fused layouts)")
+        if expert_id >= layer.global_num_experts:
+            raise ValueError(f"{name}: expert id {expert_id}, but the model has {layer.global_num_experts} experts")
+        if t.dtype != param.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype}, expected {param.dtype} for scheme "
+                             f"{self.scheme.describe()}")
+        if suffix == "weight_global_scale":
+            want = (1,)
+            got = (t.numel(),)
+        else:
+            tp = layer.moe_config.moe_parallel_config.tp_size
+            rows, cols = param.shape[1:]
+            # Per checkpoint tensor: w1/w3 are [I_full, H/..] (split by rows), w2 is [H, I_full/..] (by columns).
+            want = (rows // 2 * tp, cols) if shard_id in ("w1", "w3") else (rows, cols * tp)
+            got = tuple(t.shape)
+        if got != want:
+            E, H, I = self._sizes
+            raise ValueError(f"{name}: shape {list(t.shape)}, expected {list(want)} for scheme "
+                             f"{self.scheme.describe()} (hidden_size={H}, intermediate_size="
+                             f"{I * layer.moe_config.moe_parallel_config.tp_size}, block {self.scheme.block})")
+
+    # --- after loading: checks and the kernel ---------------------------------------------------------
+    def process_weights_after_loading(self, layer) -> None:
+        where = self.prefix or layer.layer_name
+        if self.scheme.format == "mxfp4":
+            for w in ("w13", "w2"):
+                bad = (getattr(layer, f"{w}_weight_scale") == E8M0_NAN)
+                if bad.any():
+                    e = int(bad.nonzero()[0, 0])
+                    raise ValueError(f"{where}.{w}_weight_scale: expert {e} has an E8M0 NaN scale (code "
+                                     f"{E8M0_NAN}); the checkpoint is corrupt")
+        else:
+            for w in ("w13", "w2"):
+                g = getattr(layer, f"{w}_weight_global_scale")
+                if not (torch.isfinite(g).all() and (g > 0).all()):
+                    raise ValueError(f"{where}.{w}_weight_global_scale: every nvfp4 global scale must be finite "
+                                     f"and > 0, got {g.flatten()[:8].tolist()}")
+        self.kernel = select_moe_kernel(layer, self.scheme, where)
+
+    def get_fused_moe_quant_config(self, layer) -> FusedMoEQuantConfig | None:
+        # The experts run in this method's apply() (the old, non-modular path: vLLM's router picks top-k,
+        # then apply()); vLLM's modular kernels never see these weights.
+        return FusedMoEQuantConfig.make()
+
+    def maybe_make_prepare_finalize(self, routing_tables=None):
+        if self.moe.moe_parallel_config.use_all2all_kernels:
+            raise NotImplementedError(f"{self.prefix}: cublade FP4 experts do not support expert-parallel "
+                                      f"all2all kernels; serve without --enable-expert-parallel")
+        return None
+
+    def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        if self.kernel is None:
+            raise RuntimeError(f"{self.prefix}: apply() before process_weights_after_loading()")
+        return self.kernel.apply(layer, x, topk_weights, topk_ids)
+
+
+# --- kernels ---------------------------------------------------------------------------------------------
+
+def expert_tensors(layer, scheme: FP4Scheme, e: int, proj: str) -> dict[str, torch.Tensor]:
+    """One expert linear's tensors in the checkpoint layout (views into the layer's stacked parameters)."""
+    I = layer.w13_weight_packed.shape[1] // 2
+    w, rows = ("w2", slice(None)) if proj == "down" else ("w13", slice(0, I) if proj == "gate" else slice(I, 2 * I))
+    t = {"weight_packed": getattr(layer, f"{w}_weight_packed")[e, rows],
+         "weight_scale": getattr(layer, f"{w}_weight_scale")[e, rows]}
+    if scheme.format == "nvfp4":
+        g = getattr(layer, f"{w}_weight_global_scale")
+        t["weight_global_scale"] = g[e, 0 if proj == "gate" else 1].reshape(1) if w == "w13" else g[e].reshape(1)
+    return t
+
+
+def local_topk_ids(layer, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Global expert ids -> this rank's (expert parallel: -1 for experts held elsewhere)."""
+    expert_map = getattr(layer, "expert_map", None)
+    return topk_ids if expert_map is None else expert_map[topk_ids.long()]
+
+
+class MoEKernel:
+    name: ClassVar[str] = ""
+    own: ClassVar[bool] = True  # cublade's own op (False: a named fallback)
+
+    @classmethod
+    def can_implement(cls, layer, scheme: FP4Scheme) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    def __init__(self, layer, scheme: FP4Scheme):
+        self.scheme = scheme
+
+    def apply(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ReferenceMoE(MoEKernel):
+    """Pure PyTorch, from the stored FP4 tensors (scheme.linear_ref per expert linear)."""
+    name = "reference"
+
+    @classmethod
+    def can_implement(cls, layer, scheme):
+        if layer.w13_weight_packed.is_cuda:
+            return True, "last resort on a GPU: dequantizes every expert on every call and syncs with the host"
+        return True, "pure-PyTorch reference (scheme.linear_ref per expert), the CPU path"
+
+    def __init__(self, layer, scheme):
+        super().__init__(layer, scheme)
+        self.num_experts = layer.w13_weight_packed.shape[0]
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("cublade FP4 MoE: the reference kernel cannot run under CUDA-graph capture "
+                               "(it syncs with the host); serve with --enforce-eager, or build cublade's CUDA "
+                               "extension / use a GPU where vLLM's Marlin MoE runs")
+
+        def linear(e, proj, h):
+            return self.scheme.linear_ref(h, expert_tensors(layer, self.scheme, e, proj))
+
+        return experts_forward_ref(x, local_topk_ids(layer, topk_ids), topk_weights, linear, self.num_experts,
+                                   F.silu)
+
+
+class VllmMarlinMoE(MoEKernel):
+    """Fallback: vLLM's fused Marlin MoE kernel over FP4 weights (bf16/fp16 activations)."""
+    name = "vllm-marlin-moe"
+    own = False
+
+    @classmethod
+    def can_implement(cls, layer, scheme):
+        w = layer.w13_weight_packed
+        if not w.is_cuda:
+            return False, "needs a CUDA device"
+        if layer.params_dtype not in (torch.bfloat16, torch.float16):
+            return False, f"activations are {layer.params_dtype}; Marlin takes bf16/fp16"
+        try:
+            from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import is_fp4_marlin_supported
+            import vllm._moe_C  # noqa: F401  (registers torch.ops._moe_C.moe_wna16_marlin_gemm)
+        except ImportError as e:
+            return False, f"vLLM's MoE CUDA ops are not importable ({e})"
+        if not is_fp4_marlin_supported():
+            return False, "vLLM says this GPU has no FP4 Marlin support"
+        E, I2, _ = w.shape
+        H, I = layer.w2_weight_packed.shape[1], I2 // 2
+        if H % 128 or I % max(64, scheme.block):
+            return False, f"Marlin MoE tiles need hidden_size % 128 == 0 and intermediate % 64 == 0 (H={H}, I={I})"
+        if scheme.format == "nvfp4":
+            g = layer.w13_weight_global_scale
+            if not torch.equal(g[:, 0], g[:, 1]):
+                return False, ("nvfp4 w1 and w3 of an expert have different global scales; Marlin takes one per "
+                               "expert for the fused w13")
+        return True, f"vLLM's fused Marlin MoE over {scheme.format} weights"
+
+    def __init__(self, layer, scheme):
+        super().__init__(layer, scheme)
+        from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4 as mu
+        from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_workspace_new
+        from vllm.scalar_type import scalar_types
+
+        E, I2, H2 = layer.w13_weight_packed.shape
+        self.quant_type_id = scalar_types.float4_e2m1f.id
+        # Marlin's tiled layout (gptq_marlin_repack per expert) and its permuted scales, made once here; the
+        # checkpoint-layout tensors are dropped.
+        if scheme.format == "mxfp4":
+            w13, w2, s13, s2, _, _ = mu.prepare_moe_mxfp4_layer_for_marlin(
+                layer, layer.w13_weight_packed.data, layer.w2_weight_packed.data,
+                layer.w13_weight_scale.data, layer.w2_weight_scale.data, None, None)
+            g13 = g2 = None
+        else:
+            # vLLM's nvfp4 helper reads these four sizes off the layer it is given.
+            sizes = types.SimpleNamespace(num_experts=E, hidden_size=H2 * 2, intermediate_size_per_partition=I2 // 2,
+                                          params_dtype=layer.params_dtype)
+            w13, s13, g13, w2, s2, g2 = mu.prepare_nvfp4_moe_layer_for_marlin(
+                sizes, layer.w13_weight_packed.data, layer.w13_weight_scale.data,
+                layer.w13_weight_global_scale.data[:, 0].contiguous(), layer.w2_weight_packed.data,
+                layer.w2_weight_scale.data, layer.w2_weight_global_scale.data, True)
+        self.workspace = marlin_make_workspace_new(layer.w13_weight_packed.device, 4)
+        for name, value in (("w13_weight_packed", w13), ("w2_weight_packed", w2), ("w13_weight_scale", s13),
+                            ("w2_weight_scale", s2), ("w13_weight_global_scale", g13),
+                            ("w2_weight_global_scale", g2)):
+            if hasattr(layer, name):
+                delattr(layer, name)
+            if value is not None:
+                layer.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
+
+        return fused_marlin_moe(
+            x, layer.w13_weight_packed, layer.w2_weight_packed, None, None,
+            layer.w13_weight_scale, layer.w2_weight_scale, topk_weights, topk_ids,
+            quant_type_id=self.quant_type_id, global_num_experts=layer.global_num_experts,
+            expert_map=layer.expert_map, activation=layer.activation, workspace=self.workspace,
+            global_scale1=getattr(layer, "w13_weight_global_scale", None),
+            global_scale2=getattr(layer, "w2_weight_global_scale", None))
+
+
+CANDIDATES: list[type[MoEKernel]] = [VllmMarlinMoE, ReferenceMoE]
+_logged: set[tuple] = set()
+
+
+def disabled_kernels() -> set[str]:
+    return {k.strip() for k in os.environ.get("CUBLADE_DISABLED_KERNELS", "").split(",") if k.strip()}
+
+
+def select_moe_kernel(layer, scheme: FP4Scheme, where: str) -> MoEKernel:
+    """The first candidate that can run the layer, constructed (it repacks the layer's weights once)."""
+    disabled = disabled_kernels()
+    skipped: list[str] = []
+    for k in CANDIDATES:
+        if k.name in disabled:
+            skipped.append(f"{k.name}: disabled by CUBLADE_DISABLED_KERNELS")
+            continue
+        ok, reason = k.can_implement(layer, scheme)
+        if not ok:
+            skipped.append(f"{k.name}: {reason}")
+            continue
+        E, I2, _ = layer.w13_weight_packed.shape
+        key = (scheme.describe(), str(layer.params_dtype), k.name, reason, tuple(skipped))
+        if key not in _logged:
+            _logged.add(key)
+            logger.info("cublade: MoE experts %s like %s [E=%d, H=%d, I=%d, %s] run on %s%s: %s%s",
+                        scheme.describe(), where, E, layer.w2_weight_packed.shape[1], I2 // 2, layer.params_dtype,
+                        k.name, "" if k.own else " (fallback)", reason,
+                        f"; passed over {'; '.join(skipped)}" if skipped else "")
+        return k(layer, scheme)
+    raise NotImplementedError(f"{where}: no kernel can run MoE experts {scheme.describe()}: " + "; ".join(skipped))

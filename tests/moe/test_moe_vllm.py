@@ -1,0 +1,233 @@
+"""CubladeFp4MoEMethod inside real vLLM 0.26 FusedMoE layers on CPU: create_weights, loading a converted
+checkpoint's per-expert FP4 tensors through vLLM's FusedMoE loader, process_weights_after_loading (kernel
+choice: the reference on CPU), and apply() through vLLM's MoE runner vs the reference experts.
+
+The checkpoint is the perturbed MoE fixture (experts differ, k-means router) converted with
+fp4-experts-fp8-dense: any mix-up of experts, of w1/w3, or of scales between experts changes the output."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+pytest.importorskip("vllm")
+
+from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.model_executor.layers.fused_moe import FusedMoE  # noqa: E402
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig  # noqa: E402
+
+from cublade.config import preset  # noqa: E402
+from cublade.config.schemes import Fp8Scheme, FP4Scheme, UnsupportedShape  # noqa: E402
+from cublade.experts import ExpertLayout, QuantExpertsRef  # noqa: E402
+from cublade.vllm.moe import CubladeFp4MoEMethod, ReferenceMoE  # noqa: E402
+
+PREFIX = "model.layers.{l}.block_sparse_moe.experts"
+MIXTRAL = {"model_type": "mixtral", "num_local_experts": 8, "hidden_size": 128, "intermediate_size": 256,
+           "num_experts_per_tok": 2}
+_ids = iter(range(10**6))
+
+
+class _OneSchemeConfig(QuantizationConfig):
+    """A minimal QuantizationConfig that hands every FusedMoE layer CubladeFp4MoEMethod(scheme) (cublade's
+    real config, plugin/vllm/config.py, is tested in tests/vllm)."""
+
+    def __init__(self, scheme):
+        super().__init__()
+        self.scheme = scheme
+
+    def get_name(self):
+        return "cublade"
+
+    def get_supported_act_dtypes(self):
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls):
+        return 0
+
+    @staticmethod
+    def get_config_filenames():
+        return []
+
+    @classmethod
+    def from_config(cls, config):
+        raise NotImplementedError
+
+    def get_quant_method(self, layer, prefix):
+        return CubladeFp4MoEMethod(self.scheme, layer.moe_config, prefix)
+
+
+def softmax_topk(hidden_states, gating_output, topk, renormalize):
+    """Mixtral's routing in plain PyTorch (vLLM's default router calls a CUDA op)."""
+    w, ids = torch.topk(torch.softmax(gating_output.float(), dim=-1), topk, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids.to(torch.int32)
+
+
+def make_layer(cfg, scheme, dtype=torch.bfloat16, hidden=128, inter=256, layer=0):
+    with set_current_vllm_config(cfg):
+        # A fresh layer name each time: vLLM registers every layer by name in the config.
+        prefix = PREFIX.format(l=layer)
+        cfg.compilation_config.static_forward_context.pop(prefix, None)
+        return FusedMoE(num_experts=8, top_k=2, hidden_size=hidden, intermediate_size=inter, params_dtype=dtype,
+                        renormalize=True, quant_config=_OneSchemeConfig(scheme), prefix=prefix,
+                        custom_routing_function=softmax_topk, ckpt_names=("w1", "w2", "w3"))
+
+
+def checkpoint_block(ckpt, l=0) -> dict[str, torch.Tensor]:
+    pre = PREFIX.format(l=l) + "."
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        return {k[len(pre):]: f.get_tensor(k) for k in f.keys() if k.startswith(pre)}
+
+
+def router(ckpt, l=0) -> torch.Tensor:
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        return f.get_tensor(f"model.layers.{l}.block_sparse_moe.gate.weight")
+
+
+def load(layer, block: dict[str, torch.Tensor]) -> list[str]:
+    loaded = list(layer.load_weights(list(block.items())))
+    layer.routed_experts.quant_method.process_weights_after_loading(layer.routed_experts)
+    return loaded
+
+
+def forward(cfg, layer, x, logits):
+    with set_current_vllm_config(cfg), set_forward_context(None, cfg):
+        return layer(x, logits)
+
+
+@pytest.fixture(scope="module", params=["mxfp4", "nvfp4"])
+def fmt(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def ckpt(converted, moe_fixture, fmt):
+    return converted("fp4-experts-fp8-dense", src=moe_fixture("perturbed", "mixtral"), format=fmt)
+
+
+def test_create_weights(vllm_cpu, fmt):
+    scheme = FP4Scheme(format=fmt)
+    re = make_layer(vllm_cpu, scheme).routed_experts
+    B = scheme.block
+    scale_dtype = torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
+    want = {"w13_weight_packed": ((8, 512, 64), torch.uint8), "w2_weight_packed": ((8, 128, 128), torch.uint8),
+            "w13_weight_scale": ((8, 512, 128 // B), scale_dtype), "w2_weight_scale": ((8, 128, 256 // B), scale_dtype)}
+    if fmt == "nvfp4":
+        want |= {"w13_weight_global_scale": ((8, 2), torch.float32), "w2_weight_global_scale": ((8,), torch.float32)}
+    got = {n: (tuple(p.shape), p.dtype) for n, p in re.named_parameters()}
+    assert got == want
+    assert isinstance(re.quant_method, CubladeFp4MoEMethod)
+
+
+def test_load_places_every_expert_tensor(vllm_cpu, ckpt, fmt):
+    """w13[e] = [w1; w3] of expert e, w2[e] = w2 of expert e, scales likewise, nothing left out."""
+    layer = make_layer(vllm_cpu, FP4Scheme(format=fmt))
+    block = checkpoint_block(ckpt)
+    loaded = load(layer, block)
+    assert len(loaded) == len(block) == 8 * 3 * (3 if fmt == "nvfp4" else 2)
+    re = layer.routed_experts
+    assert isinstance(re.quant_method.kernel, ReferenceMoE)
+    for e in range(8):
+        for suffix in ("weight_packed", "weight_scale"):
+            w13 = torch.cat([block[f"{e}.w1.{suffix}"], block[f"{e}.w3.{suffix}"]])
+            assert torch.equal(getattr(re, f"w13_{suffix}")[e].view(torch.uint8), w13.view(torch.uint8))
+            assert torch.equal(getattr(re, f"w2_{suffix}")[e].view(torch.uint8),
+                               block[f"{e}.w2.{suffix}"].view(torch.uint8))
+        if fmt == "nvfp4":
+            assert re.w13_weight_global_scale[e].tolist() == [block[f"{e}.w1.weight_global_scale"].item(),
+                                                              block[f"{e}.w3.weight_global_scale"].item()]
+            assert re.w2_weight_global_scale[e].item() == block[f"{e}.w2.weight_global_scale"].item()
+
+
+def _reference(ckpt, fmt, x, logits):
+    """The reference backend's experts (cublade.experts.QuantExpertsRef) on the same checkpoint tensors."""
+    layout = ExpertLayout.from_config(MIXTRAL)
+    scheme = FP4Scheme(format=fmt)
+    t: dict = {}
+    for name, v in checkpoint_block(ckpt).items():
+        e, proj, suffix = name.split(".")
+        t.setdefault((int(e), {"w1": "gate", "w3": "up", "w2": "down"}[proj]), {})[suffix] = v
+    ref = QuantExpertsRef(PREFIX.format(l=0), layout, {k: scheme for k in t}, t)
+    w, ids = softmax_topk(x, logits, 2, True)
+    return ref(x, ids, w)
+
+
+def test_apply_equals_reference_experts(vllm_cpu, ckpt, fmt):
+    """fp32 layer: vLLM's runner + router + this method == the reference experts, bit for bit (same op;
+    equal only if every tensor landed where the reference reads it). bf16 layer: within bf16 rounding."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 128, generator=g)  # 37 tokens: not a multiple of anything
+    logits = x @ router(ckpt).t()
+    want = _reference(ckpt, fmt, x, logits)
+
+    layer = make_layer(vllm_cpu, FP4Scheme(format=fmt), dtype=torch.float32)
+    load(layer, checkpoint_block(ckpt))
+    got = forward(vllm_cpu, layer, x, logits)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    layer16 = make_layer(vllm_cpu, FP4Scheme(format=fmt), dtype=torch.bfloat16)
+    load(layer16, checkpoint_block(ckpt))
+    got16 = forward(vllm_cpu, layer16, x.bfloat16(), logits.bfloat16()).float()
+    rel = (got16 - want).abs().mean() / want.abs().mean()
+    print(f"\n{fmt}: bf16 layer vs fp32 reference: mean|d|/mean|ref| = {rel:.2e}")
+    assert rel < 2e-2  # bf16 activations (8 mantissa bits) through two GEMMs and SiLU
+
+    # A mix-up would show: the same tokens through a layer whose experts 2 and 5 are swapped.
+    block = checkpoint_block(ckpt)
+    swap = {"2": "5", "5": "2"}
+    swapped = {".".join([swap.get(k.split(".")[0], k.split(".")[0]), *k.split(".")[1:]]): v
+               for k, v in block.items()}
+    assert set(swapped) == set(block) and not torch.equal(swapped["2.w1.weight_packed"], block["2.w1.weight_packed"])
+    layer_sw = make_layer(vllm_cpu, FP4Scheme(format=fmt), dtype=torch.float32)
+    load(layer_sw, swapped)
+    assert (forward(vllm_cpu, layer_sw, x, logits) - want).abs().max() > 1e-3
+
+
+def test_load_errors_name_the_tensor(vllm_cpu, ckpt, fmt):
+    block = checkpoint_block(ckpt)
+    scheme = FP4Scheme(format=fmt)
+    where = PREFIX.format(l=0)
+    bad = dict(block)
+    bad["3.w3.weight_scale"] = block["3.w3.weight_scale"][:, :2].contiguous()
+    with pytest.raises(ValueError, match=rf"{where}\.3\.w3\.weight_scale: shape \[256, 2\], expected \[256, "
+                                         rf"{128 // scheme.block}\]"):
+        load(make_layer(vllm_cpu, scheme), bad)
+    bad = dict(block)
+    bad["6.w2.weight_packed"] = block["6.w2.weight_packed"][:, :64].contiguous()
+    with pytest.raises(ValueError, match=rf"{where}\.6\.w2\.weight_packed: shape \[128, 64\], expected \[128, 128\]"):
+        load(make_layer(vllm_cpu, scheme), bad)
+    bad = dict(block)
+    bad["0.w1.weight_scale"] = block["0.w1.weight_scale"].float()
+    with pytest.raises(ValueError, match=rf"{where}\.0\.w1\.weight_scale: dtype torch.float32, expected"):
+        load(make_layer(vllm_cpu, scheme), bad)
+
+
+def test_bad_scale_values_refused_after_load(vllm_cpu, ckpt, fmt):
+    """An E8M0 NaN code (mxfp4) or a zero global scale (nvfp4) is refused, naming the parameter and expert."""
+    block = dict(checkpoint_block(ckpt))
+    if fmt == "mxfp4":
+        s = block["4.w2.weight_scale"].clone()
+        s[7, 1] = 255
+        block["4.w2.weight_scale"] = s
+        match = r"w2_weight_scale: expert 4 has an E8M0 NaN scale"
+    else:
+        block["4.w3.weight_global_scale"] = torch.zeros_like(block["4.w3.weight_global_scale"])
+        match = r"w13_weight_global_scale: every nvfp4 global scale must be finite and > 0"
+    with pytest.raises(ValueError, match=match):
+        load(make_layer(vllm_cpu, FP4Scheme(format=fmt)), block)
+
+
+def test_refusals(vllm_cpu, monkeypatch):
+    with pytest.raises(NotImplementedError, match=r"experts: cublade serves MoE experts in fp4.*not fp8"):
+        make_layer(vllm_cpu, Fp8Scheme())
+    with pytest.raises(UnsupportedShape, match=r"intermediate_size per TP rank=200 is not a multiple of the "
+                                               r"mxfp4 block size 32"):
+        make_layer(vllm_cpu, FP4Scheme(), inter=200)
+    monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "reference")
+    layer = make_layer(vllm_cpu, FP4Scheme())
+    with pytest.raises(NotImplementedError, match=r"no kernel can run MoE experts fp4.*vllm-marlin-moe: needs a "
+                                                  r"CUDA device; reference: disabled"):
+        layer.routed_experts.quant_method.process_weights_after_loading(layer.routed_experts)
