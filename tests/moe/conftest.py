@@ -59,21 +59,27 @@ def text_windows():
     return _text_windows
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_cpu():
     """A VllmConfig on CPU with vLLM's distributed state initialized (1 rank, gloo); returns the config.
-    Use it as `with set_current_vllm_config(cfg):` around layer construction."""
+    Use it as `with set_current_vllm_config(cfg):` around layer construction. The state is torn down after the
+    module when this fixture set it up (other test directories set it up once per session their own way)."""
     pytest.importorskip("vllm")
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
+                                  ensure_model_parallel_initialized, init_distributed_environment)
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    mine = not model_parallel_is_initialized()
     with set_current_vllm_config(cfg):
-        if not torch.distributed.is_initialized():
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            s.close()
+        if mine:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
             init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
         ensure_model_parallel_initialized(1, 1)
-    return cfg
+    yield cfg
+    if mine:
+        destroy_model_parallel()
+        destroy_distributed_environment()
