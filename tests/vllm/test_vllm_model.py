@@ -1,0 +1,202 @@
+"""Whole converted stories260K checkpoints loaded by vLLM's own model loader (get_model) on CPU, then run
+layer by layer and compared with cublade's reference backend (cublade.reference, a transformers model
+computing from the same checkpoint through the reference ops).
+
+vLLM's attention needs its GPU backends and forward context, so the forward here runs vLLM's modules (the
+embedding, RMSNorms, rotary embedding, SiluAndMul, every quantized linear through cublade's method) and puts
+torch SDPA where vLLM's attention kernel would be; with an FP8 KV cache, K and V are rounded through FP8 with
+the scales vLLM's attention layer ended up with (layer._k_scale / _v_scale), as its cache write would.
+Compared in fp32 over 3 windows of 128 tokens of the validation text: the loss agrees to 1e-4 and the
+logits to a mean relative difference of 1e-5 (measured: |d loss| <= 2e-7 and <= 3.2e-7 relative for
+fp8-dynamic, w4a16, mxfp8 and fp8 + FP8 KV; the two stacks order some float ops differently, which could
+flip an FP8 rounding of an activation, hence the margin).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cublade.config import preset
+
+PRESETS = ["fp8-dynamic", "w4a16", "mxfp8"]
+
+
+@pytest.fixture
+def cpu_attention(monkeypatch):
+    """get_model on UnspecifiedPlatform needs an attention backend class to build Attention layers; no attention
+    kernel runs in these tests (test-side patch, see ../shared/notes/vllm-on-cpu.md)."""
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    monkeypatch.setattr(UnspecifiedPlatform, "get_attn_backend_cls", classmethod(
+        lambda cls, *a, **k: "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"), raising=False)
+
+
+def load_vllm(ckpt, dtype="float32", **kw):
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+
+    mc = ModelConfig(model=str(ckpt), skip_tokenizer_init=True, dtype=dtype, **kw)
+    vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"), load_config=LoadConfig())
+    old = torch.get_default_dtype()
+    try:
+        with set_current_vllm_config(vc):
+            return get_model(vllm_config=vc), mc
+    finally:
+        torch.set_default_dtype(old)
+
+
+def fp8_round(x, scale):
+    from cublade.ops.fp8_kv_cache_write import fp8_kv_quant_ref
+
+    return (fp8_kv_quant_ref(x, scale).float() * scale).to(x.dtype)
+
+
+@torch.inference_mode()
+def vllm_logits(model, ids: torch.Tensor, kv_fp8: bool = False) -> torch.Tensor:
+    m = model.model
+    T = ids.shape[0]
+    pos = torch.arange(T)
+    h = m.embed_tokens(ids)
+    for layer in m.layers:
+        a = layer.self_attn
+        x = layer.input_layernorm.forward_native(h)
+        qkv, _ = a.qkv_proj(x)
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q, k = a.rotary_emb.forward_native(pos, q, k)
+        if kv_fp8:
+            k, v = fp8_round(k, a.attn._k_scale), fp8_round(v, a.attn._v_scale)
+        heads = lambda t, n: t.reshape(T, n, a.head_dim).transpose(0, 1)  # noqa: E731
+        o = torch.nn.functional.scaled_dot_product_attention(
+            heads(q, a.num_heads), heads(k, a.num_kv_heads), heads(v, a.num_kv_heads), is_causal=True,
+            scale=a.scaling, enable_gqa=True)
+        o, _ = a.o_proj(o.transpose(0, 1).reshape(T, -1))
+        h = h + o
+        x = layer.post_attention_layernorm.forward_native(h)
+        gu, _ = layer.mlp.gate_up_proj(x)
+        d, _ = layer.mlp.down_proj(layer.mlp.act_fn.forward_native(gu))
+        h = h + d
+    return m.norm.forward_native(h) @ model.lm_head.weight.t()
+
+
+def windows(model_dir, text, n=3, length=128):
+    from cublade.ppl import tokenize
+
+    ids = tokenize(model_dir, text, slice(0, 60))
+    return [torch.tensor(ids[i * length:(i + 1) * length]) for i in range(n)]
+
+
+def loss(logits, ids):
+    return torch.nn.functional.cross_entropy(logits[:-1].float(), ids[1:]).item()
+
+
+def compare(ckpt, text, kv_fp8=False):
+    from cublade.reference import load_reference_model
+
+    model, _ = load_vllm(ckpt)
+    ref, _ = load_reference_model(ckpt)
+    lv, lr, dl = [], [], []
+    for ids in windows(ckpt, text):
+        a = vllm_logits(model, ids, kv_fp8)
+        with torch.inference_mode():
+            b = ref(ids[None]).logits[0]
+        lv.append(loss(a, ids))
+        lr.append(loss(b, ids))
+        dl.append(((a - b).abs().mean() / b.abs().mean()).item())
+    return model, sum(lv) / len(lv), sum(lr) / len(lr), max(dl)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_converted_checkpoint_through_vllm_matches_reference(vllm_dist, cpu_attention, converted, valid_text, name):
+    from cublade.vllm.linear import CubladeLinearMethod
+
+    ckpt = converted(name)
+    model, loss_vllm, loss_ref, rel = compare(ckpt, valid_text)
+    methods = [m.quant_method for n, m in model.named_modules() if n.endswith(("_proj"))]
+    assert len(methods) == 4 * 5 and all(isinstance(q, CubladeLinearMethod) for q in methods)
+    assert abs(loss_vllm - loss_ref) < 1e-4, (loss_vllm, loss_ref)
+    assert rel < 1e-5
+    assert 1.0 < loss_ref < 3.0  # a trained model, not noise
+
+
+def with_kv_scales(src, dst, scales: dict[int, tuple[float, float]]):
+    """A copy of a converted checkpoint with kv_cache fp8 and the given per-layer (k_scale, v_scale)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache"] = {"dtype": "fp8"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(dst / "model.safetensors"))
+    for i, (k, v) in scales.items():
+        t[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
+        t[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+KV_SCALES = {i: (0.0123 + 0.001 * i, 0.0071 + 0.0005 * i) for i in range(5)}
+
+
+def test_kv_cache_scales_reach_the_attention_layers(vllm_dist, cpu_attention, converted, valid_text, tmp_path):
+    ckpt = with_kv_scales(converted("fp8-dynamic"), tmp_path / "kv", KV_SCALES)
+    model, mc = load_vllm(ckpt, dtype="bfloat16")
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn.attn
+        assert attn.kv_cache_dtype == "fp8"  # follows the checkpoint (--kv-cache-dtype auto)
+        k, v = KV_SCALES[i]
+        # exactly the checkpoint's fp32 values (vLLM alone would round them to bf16 first)
+        assert attn._k_scale.item() == torch.tensor(k).item() and attn._k_scale_float == torch.tensor(k).item()
+        assert attn._v_scale.item() == torch.tensor(v).item()
+    model, loss_vllm, loss_ref, rel = compare(ckpt, valid_text, kv_fp8=True)
+    assert abs(loss_vllm - loss_ref) < 1e-4, (loss_vllm, loss_ref)
+    assert rel < 1e-5
+
+
+def test_missing_kv_scale_is_an_error_naming_it(vllm_dist, cpu_attention, converted, tmp_path):
+    ckpt = with_kv_scales(converted("fp8-dynamic"), tmp_path / "kv", {i: KV_SCALES[i] for i in range(5)})
+    t = load_file(str(ckpt / "model.safetensors"))
+    del t["model.layers.3.self_attn.v_scale"]
+    save_file(t, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.self_attn\.v_scale is missing from the checkpoint"):
+        load_vllm(ckpt, dtype="bfloat16")
+
+
+def test_missing_and_misshapen_tensors_fail_the_load_naming_them(vllm_dist, cpu_attention, converted, tmp_path):
+    src = converted("fp8-dynamic")
+    for case, edit, match in [
+        ("missing", lambda t: t.pop("model.layers.2.self_attn.v_proj.weight_scale"),
+         r"checkpoint has no model\.layers\.2\.self_attn\.v_proj\.weight_scale"),
+        ("shape", lambda t: t.update({"model.layers.1.mlp.down_proj.weight_scale": torch.ones(127)}),
+         r"model\.layers\.1\.mlp\.down_proj\.weight_scale: shape \[127\] .* expects \[128\]"),
+    ]:
+        dst = tmp_path / case
+        shutil.copytree(src, dst)
+        t = load_file(str(dst / "model.safetensors"))
+        edit(t)
+        save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=match):
+            load_vllm(dst)
+
+
+def test_compressed_tensors_checkpoint_with_the_flag(vllm_dist, cpu_attention, converted, valid_text, tmp_path):
+    """A converted fp8-dynamic checkpoint rewritten as compressed-tensors writes FP8_DYNAMIC ([N, 1] bf16
+    channel scales, compressed-tensors config) serves with --quantization cublade and computes the same."""
+    from test_vllm_interop import FP8_DYNAMIC
+
+    src = converted("fp8-dynamic")
+    dst = tmp_path / "ct"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = FP8_DYNAMIC
+    (dst / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(dst / "model.safetensors"))
+    for name in [n for n in t if n.endswith(".weight_scale")]:
+        t[name] = t[name].reshape(-1, 1)  # fp32 kept, so the numbers equal cublade's checkpoint
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    model, mc = load_vllm(dst, quantization="cublade")
+    assert mc.quantization == "cublade"
+    ours, _ = load_vllm(src)
+    for ids in windows(src, valid_text, n=1):
+        assert torch.equal(vllm_logits(model, ids), vllm_logits(ours, ids))
