@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from cublade.checkpoint import FLOAT_DTYPES, INDEX_NAME, CheckpointError, iter_tensors, tensor_infos
 from cublade.config import Policy, UnsupportedShape, to_quantization_config
+from cublade.experts import check_router_policy, expert_layout, expert_tensor_infos, expert_tensors
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt)$|.*\.safetensors\.index\.json$|.*\.bin\.index\.json$")
@@ -39,7 +40,8 @@ class Plan:
 def plan_conversion(src: Path, policy: Policy, skip_unsupported: bool) -> Plan:
     """Check every tensor's name, shape and dtype against the policy without loading any data."""
     plan = Plan()
-    for path, name, shape, dtype in tensor_infos(src):
+    # MoE experts: fused 3-D tensors are split per expert, expert count and shapes checked (cublade.experts).
+    for path, name, shape, dtype in expert_tensor_infos(tensor_infos(src), expert_layout(src)):
         plan.n_tensors += 1
         if not name.endswith(".weight"):
             continue
@@ -160,7 +162,8 @@ def _source_config(src: Path) -> dict:
 def convert(src, out, policy: Policy, *, overwrite: bool = False,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, skip_unsupported: bool = False,
             dtype: torch.dtype | None = None, calib_text=None, calib_tokens: int | None = None,
-            calib_lines: slice | None = None, progress: bool | None = None) -> Path:
+            calib_lines: slice | None = None, progress: bool | None = None,
+            allow_quantized_router: bool = False) -> Path:
     """Convert the checkpoint at `src` with `policy` into a new directory `out`; returns `out`.
 
     dtype: cast the tensors that stay unquantized (embeddings, norms, biases, ignored layers) to this dtype
@@ -176,6 +179,7 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
         raise ValueError(f"preset {policy.preset!r} needs calibration data for {' and '.join(needs)}: "
                          f"pass --calib-text FILE (and optionally --calib-tokens N)")
     _source_config(src)
+    check_router_policy(policy, expert_layout(src), allow_quantized_router)
     plan = plan_conversion(src, policy, skip_unsupported)
 
     calib = None
@@ -192,7 +196,7 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
         writer = ShardWriter(tmp, max_shard_bytes)
         bar = tqdm(total=plan.n_tensors, desc=f"convert {policy.preset}", unit="tensor",
                    disable=progress is False or (progress is None and not _stderr_tty()))
-        for name, t in iter_tensors(src):
+        for name, t in expert_tensors(iter_tensors(src), expert_layout(src)):
             module = name[: -len(".weight")] if name.endswith(".weight") else None
             scheme = plan.quantize.get(module)
             if scheme is None:

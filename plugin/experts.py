@@ -12,7 +12,7 @@ per-expert names of the model type, so vLLM loads it), each expert linear quanti
 `...experts.{e}.w1.weight_packed`, `.weight_scale`, ... (tensor format: cublade.config.schemes).
 
 What the converter calls (cublade.convert):
-  layout = ExpertLayout.from_config(config_dict)     # None for a model without routed experts
+  layout = expert_layout(src)                         # None for a model without routed experts
   check_router_policy(policy, allow_quantized_router) # before converting anything
   expert_tensor_infos(tensor_infos(src), layout)      # the plan: fused tensors split, shapes/count checked
   expert_tensors(iter_tensors(src), layout)           # the data, split the same way
@@ -164,6 +164,20 @@ class ExpertLayout:
 
 
 # --- converter hooks --------------------------------------------------------------------------------------
+
+def expert_layout(model_dir) -> ExpertLayout | None:
+    """ExpertLayout.from_config of a checkpoint directory's config.json (None without one: the checkpoint
+    reader reports a missing or unreadable config.json in its own words)."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return ExpertLayout.from_config(cfg) if isinstance(cfg, dict) else None
+
 
 _FUSED = re.compile(r".*\.experts\.(gate_up_proj|down_proj)")
 
