@@ -193,6 +193,8 @@ def calibrate(src_dir, policy: Policy, text_path, n_tokens: int | None, lines: s
         info["kv_cache_scale"] = "absmax/448 of K (after RoPE) and V per attention layer"
     if run.skipped:
         info["skipped"] = sorted(run.skipped)
+    if run.rtn_experts:
+        info["gptq"]["experts_round_to_nearest"] = len(run.rtn_experts)
     result.info = info
     log.info("calibration: %s", info)
     return result
@@ -206,6 +208,14 @@ class _Run:
         self.model, self.policy, self.result, self.gptq, self.sequential = model, policy, result, gptq, sequential
         self.gptq_errors: list[float] = []  # per GPTQ linear: output error / RTN's on its calibration inputs
         self.skipped: dict[str, str] = {}
+        self.rtn_experts: list[str] = []  # w4a16 expert linears left to round-to-nearest
+
+    def _check_experts(self, prefix: str) -> None:
+        """MoE experts run quantized (round-to-nearest) while calibrating; GPTQ would need per-expert inputs,
+        which this pass does not gather: say which w4a16 experts keep round-to-nearest."""
+        for module, scheme in self.model.quantized_experts.items():
+            if module.startswith(prefix + ".") and isinstance(scheme, W4A16Scheme) and self.gptq is not None:
+                self.rtn_experts.append(module)
 
     def _plan(self, layer: nn.Module, prefix: str) -> dict[str, tuple[str, nn.Linear, object]]:
         """full name -> (path in layer, module, scheme) of every linear of the layer the policy quantizes."""
@@ -226,7 +236,8 @@ class _Run:
     def layer(self, i: int, hidden: list[torch.Tensor], pos: list) -> list[torch.Tensor]:
         model = self.model
         prefix = model.layer_name(i)
-        layer = model.load_layer(i)
+        layer = model.load_layer(i, self.policy)
+        self._check_experts(prefix)
         plan = self._plan(layer, prefix)
         if self.sequential:
             groups = linear_groups(layer, prefix, set(plan), lambda: model.run_layer(layer, hidden[0], pos[0]))

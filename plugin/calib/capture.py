@@ -13,6 +13,7 @@ Observers (forward pre-hooks on the layer's nn.Linear modules, and an attention 
 """
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from cublade.checkpoint import CheckpointError, open_shard, tensor_infos
+from cublade.experts import ExpertLayout
 
 CALIB_ATTENTION = "cublade_calib"
 
@@ -166,9 +168,10 @@ def replace_module(root: nn.Module, path: str, new: nn.Module) -> None:
 class LayerwiseModel:
     """A causal LM whose decoder layers are loaded from the checkpoint one at a time.
 
-    Supports the Llama-style layout transformers uses for Llama, Mistral, Qwen2/3 and similar models:
-    `model.embed_tokens`, `model.rotary_emb`, `model.layers[i]`, with checkpoint tensor names equal to the
-    module names. Other layouts get a NotImplementedError naming what is missing."""
+    Supports the Llama-style layout transformers uses for Llama, Mistral, Qwen2/3, Mixtral and similar
+    models: `model.embed_tokens`, `model.rotary_emb`, `model.layers[i]`, with checkpoint tensor names equal to
+    the module names, except MoE experts, read in the layouts cublade.experts knows. Other layouts get a
+    NotImplementedError naming what is missing."""
 
     def __init__(self, src_dir: Path, device: torch.device, dtype: torch.dtype = torch.float32):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -194,6 +197,9 @@ class LayerwiseModel:
         with torch.device(self.device):
             self.rotary = type(base.rotary_emb)(config=self.config).to(torch.float32)
         self.files: dict[str, Path] = {name: path for path, name, _, _ in tensor_infos(self.src_dir)}
+        self.config_dict = json.loads((self.src_dir / "config.json").read_text())
+        self.experts = ExpertLayout.from_config(self.config_dict)  # None: no routed experts
+        self.quantized_experts: dict[str, object] = {}  # expert linear -> scheme, filled by load_layer
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -220,18 +226,49 @@ class LayerwiseModel:
         w = self._load([name])[name]
         return [nn.functional.embedding(torch.tensor([ids], device=self.device), w) for ids in windows]
 
-    def load_layer(self, i: int) -> nn.Module:
+    def load_layer(self, i: int, policy=None) -> nn.Module:
+        """Layer i with its weights from the checkpoint. MoE experts (read in either layout, see
+        cublade.experts) are quantized with `policy`'s schemes and run through the reference experts, as the
+        converted checkpoint will run them; their weights are not calibrated."""
         layer = self.layers[i]
         prefix = self.layer_name(i)
-        names = [n for n, _ in layer.named_parameters()] + [n for n, _ in layer.named_buffers()
-                                                             if f"{prefix}.{n}" in self.files]
-        tensors = self._load([f"{prefix}.{n}" for n in names])
-        layer.load_state_dict({n: tensors[f"{prefix}.{n}"] for n in names}, strict=False, assign=True)
+        tensors = self._load([n for n in self.files if n.startswith(prefix + ".")])
+        if self.experts is not None:
+            self._prepare_experts(prefix, layer, tensors, policy)
+        state = {n[len(prefix) + 1:]: t for n, t in tensors.items()}
+        layer.load_state_dict(state, strict=False, assign=True)
         still_meta = [n for n, t in (*layer.named_parameters(), *layer.named_buffers()) if t.is_meta]
         if still_meta:
             raise NotImplementedError(f"calibration: layer {prefix} has tensors the checkpoint does not "
                                       f"name as module paths: {', '.join(still_meta[:4])}")
         return layer.eval()
+
+    def _prepare_experts(self, prefix: str, layer: nn.Module, tensors: dict[str, torch.Tensor], policy) -> None:
+        from cublade.experts import expert_tensors, prepare_moe_reference
+
+        split = dict(expert_tensors(list(tensors.items()), self.experts))
+        tensors.clear()
+        for name, t in split.items():
+            p = self.experts.parse_expert(name)
+            scheme = policy.scheme_for(name[: -len(".weight")]) if p and p[3] == "weight" and policy else None
+            if scheme is None:
+                tensors[name] = t
+                continue
+            module = name[: -len(".weight")]
+            if getattr(scheme, "static", False):
+                raise NotImplementedError(f"calibration: {module}: static FP8 input scales for MoE experts are not "
+                                          f"supported (this pass does not gather per-expert inputs); give experts "
+                                          f"dynamic activations (e.g. the fp4-experts-fp8-dense preset)")
+            self.quantized_experts[module] = scheme
+            tensors.update({f"{module}.{k}": v for k, v in scheme.quantize(t).items()})
+        # prepare_moe_reference finds the experts module by its full name: hang the layer at its path.
+        root = cur = nn.Module()
+        *parents, last = prefix.split(".")
+        for part in parents:
+            cur.add_module(part, nn.Module())
+            cur = getattr(cur, part)
+        cur.add_module(last, layer)
+        prepare_moe_reference(root, tensors, policy, self.config_dict)
 
     def release_layer(self, i: int) -> None:
         """Drop layer i (its weights and any quantized stand-ins): each layer is run once."""
