@@ -45,14 +45,22 @@ def _capability(device: torch.device) -> int | None:
     return major * 10 + minor
 
 
+# cublade's CUDA extension is built for sm_90a (setup.py), whose code runs on sm_90 only.
+KERNEL_ARCH = 90
+
+
 def _op(name: str, device: torch.device, reference: Callable) -> tuple[Callable, str]:
-    """cublade's CUDA kernel `torch.ops.cublade.<name>` when built and the layer is on a GPU, else its
-    reference; and a few words saying which."""
-    probe = torch.empty(0, device=device)
-    if use_kernel(probe, name):
-        return getattr(torch.ops.cublade, name), f"cublade's CUDA op {name}"
-    why = "CPU" if device.type != "cuda" else "cublade's CUDA extension has no such op (not built?)"
-    return reference, f"the PyTorch reference of {name} ({why})"
+    """cublade's CUDA kernel `torch.ops.cublade.<name>` when built and the layer is on an sm_90 GPU, else
+    its reference; and a few words saying which."""
+    cap = _capability(device)
+    if cap is None:
+        return reference, f"the PyTorch reference of {name} (CPU)"
+    if cap != KERNEL_ARCH:
+        return reference, (f"the PyTorch reference of {name} (cublade's kernels are built for sm_90a, "
+                           f"this GPU is sm_{cap})")
+    if not use_kernel(torch.empty(0, device=device), name):
+        return reference, f"the PyTorch reference of {name} (cublade's CUDA extension has no such op: not built?)"
+    return getattr(torch.ops.cublade, name), f"cublade's CUDA op {name}"
 
 
 def layer_tensors(layer: torch.nn.Module, scheme: Scheme) -> dict[str, torch.Tensor]:

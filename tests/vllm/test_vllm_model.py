@@ -20,7 +20,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cublade.config import preset
 
 PRESETS = ["fp8-dynamic", "w4a16", "mxfp8"]
 

@@ -31,7 +31,8 @@ class LayerKind:
 L0 = "model.layers.0"
 KINDS = {
     "qkv": LayerKind("qkv", f"{L0}.self_attn.qkv_proj", HIDDEN,
-                     (("q", f"{L0}.self_attn.q_proj", HEADS * HEAD_DIM), ("k", f"{L0}.self_attn.k_proj", KV_HEADS * HEAD_DIM),
+                     (("q", f"{L0}.self_attn.q_proj", HEADS * HEAD_DIM),
+                      ("k", f"{L0}.self_attn.k_proj", KV_HEADS * HEAD_DIM),
                       ("v", f"{L0}.self_attn.v_proj", KV_HEADS * HEAD_DIM))),
     "gate_up": LayerKind("gate_up", f"{L0}.mlp.gate_up_proj", HIDDEN,
                          ((0, f"{L0}.mlp.gate_proj", MLP), (1, f"{L0}.mlp.up_proj", MLP))),
