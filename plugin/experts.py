@@ -406,11 +406,11 @@ def _stack_unquantized(tensors: dict, layout: ExpertLayout, prefix: str, mod_nam
         for proj in PROJS:
             name = f"{layout.expert_name(prefix, e, proj)}.weight"
             t = got.get((e, proj), {})
+            if "weight" not in t:
+                raise ValueError(f"{name}: missing from the checkpoint (the policy leaves this expert unquantized)")
             if set(t) != {"weight"}:
-                missing = "weight" not in t
-                raise ValueError(f"{name if missing else layout.expert_name(prefix, e, proj) + '.' + sorted(set(t) - {'weight'})[0]}"
-                                 f": {'missing from the checkpoint' if missing else 'unexpected tensor'} "
-                                 f"(the policy leaves this expert unquantized)")
+                extra = f"{layout.expert_name(prefix, e, proj)}.{sorted(set(t) - {'weight'})[0]}"
+                raise ValueError(f"{extra}: unexpected tensor (the policy leaves this expert unquantized)")
             layout.check_weight(name, proj, tuple(t["weight"].shape))
             w[(e, proj)] = t["weight"]
     E = layout.num_experts

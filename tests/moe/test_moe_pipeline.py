@@ -4,7 +4,6 @@ converted checkpoint loaded by vLLM's own model loader (get_model) with cublade'
 against the reference backend."""
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -73,7 +72,8 @@ def _edited_copy(src, dst, edit):
 
 
 @pytest.mark.parametrize("layout, edit, match", [
-    ("fused", lambda t: t.update({"model.layers.2.mlp.experts.down_proj": t["model.layers.2.mlp.experts.down_proj"][:7]}),
+    ("fused", lambda t: t.update({"model.layers.2.mlp.experts.down_proj":
+                                  t["model.layers.2.mlp.experts.down_proj"][:7]}),
      r"model\.layers\.2\.mlp\.experts\.down_proj: 7 experts, but config\.json says 8"),
     ("mixtral", lambda t: t.pop("model.layers.1.block_sparse_moe.experts.5.w3.weight"),
      r"model\.layers\.1\.block_sparse_moe\.experts\.5\.w3\.weight: missing from the checkpoint"),

@@ -17,7 +17,6 @@ from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.model_executor.layers.fused_moe import FusedMoE  # noqa: E402
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig  # noqa: E402
 
-from cublade.config import preset  # noqa: E402
 from cublade.config.schemes import Fp8Scheme, FP4Scheme, UnsupportedShape  # noqa: E402
 from cublade.experts import ExpertLayout, QuantExpertsRef  # noqa: E402
 from cublade.vllm.moe import CubladeFp4MoEMethod, ReferenceMoE  # noqa: E402
