@@ -182,7 +182,7 @@ def calibrate(src_dir, policy: Policy, text_path, n_tokens: int | None, lines: s
             hidden = run.layer(i, hidden, pos)
 
     info: dict = {"text": text_path.name, "lines": _slice_str(lines), "tokens": len(ids), "window": win,
-                  "device": dev.type, "sequential": sequential, "computed": needs}
+                  "device": dev.type, "sequential": sequential, "method": needs}
     if "gptq" in needs:
         errs = run.gptq_errors
         info["gptq"] = {**gptq.to_dict(), "layers": len(errs),

@@ -51,7 +51,7 @@ def test_w4a16_result_names_shapes_and_info(w4a16_kv):
     assert len(r) == 35 * 2 + 10 and r.get("model.layers.0.mlp.down_proj.weight") is None
     json.dumps(r.info)  # goes into config.json
     assert r.info["tokens"] == 3516 and r.info["lines"] == "0:6" and r.info["gptq"]["layers"] == 35
-    assert r.info["computed"] == ["gptq", "kv-cache-scales"]
+    assert r.info["method"] == ["gptq", "kv-cache-scales"]
     # GPTQ lowered the layers' output error on the calibration inputs (mean ratio to RTN; measured 0.49)
     assert r.info["gptq"]["output_error_vs_rtn_mean"] < 0.8
 
@@ -105,7 +105,7 @@ def test_fp8_static_gives_an_input_scale_for_every_linear(padded_model_dir, vali
     assert len(r) == 35 and all(n.endswith(".input_scale") for n in r.names())
     scales = torch.cat([r.get(n) for n in r.names()])
     assert torch.isfinite(scales).all() and (scales > 0).all()
-    assert r.info["tokens"] == 1024 and r.info["computed"] == ["fp8-input-scales"]
+    assert r.info["tokens"] == 1024 and r.info["method"] == ["fp8-input-scales"]
 
 
 def test_streams_one_layer_at_a_time_and_groups_linears_by_input(padded_model_dir, valid_text, monkeypatch):
