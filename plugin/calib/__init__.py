@@ -128,8 +128,7 @@ def calibration_tokens(src_dir, text_path, n_tokens: int | None, lines: slice | 
     the first n_tokens. Raises ValueError for empty, too short, or not-enough text."""
     from cublade.ppl import tokenize
 
-    where = f"{text_path}" + (f" (lines {'' if lines.start is None else lines.start}:"
-                              f"{'' if lines.stop is None else lines.stop})" if lines is not None else "")
+    where = f"{text_path}" + (f" (lines {_slice_str(lines)})" if lines is not None else "")
     if n_tokens is not None and n_tokens < MIN_CALIB_TOKENS:
         raise ValueError(f"--calib-tokens {n_tokens} is too few: calibration needs at least {MIN_CALIB_TOKENS} "
                          f"tokens")
