@@ -232,6 +232,72 @@ class ReferenceMoE(MoEKernel):
                                    F.silu)
 
 
+class CubladeFp4MoE(MoEKernel):
+    """cublade's FP4 GEMM (cublade.ops.fp4_gemm), grouped over experts: one call for w13 and one for w2 per
+    layer, tokens sorted by expert on the device (no host sync: CUDA-graph capturable)."""
+    name = "cublade-fp4-moe"
+
+    @classmethod
+    def can_implement(cls, layer, scheme):
+        from cublade.ops._dispatch import use_kernel
+
+        w = layer.w13_weight_packed
+        if not w.is_cuda:
+            return False, "needs a CUDA device"
+        if not use_kernel(torch.empty(0, device=w.device), "fp4_gemm"):
+            return False, "cublade's CUDA extension has no fp4_gemm op here (not built, or not this GPU)"
+        if layer.params_dtype != torch.bfloat16:
+            return False, f"activations are {layer.params_dtype}; cublade's fp4_gemm takes bf16"
+        H, I = layer.w2_weight_packed.shape[1], w.shape[1] // 2
+        if H % 32 or I % 32:
+            return False, f"fp4_gemm needs K % 32 == 0 for both GEMMs (hidden_size={H}, intermediate={I})"
+        return True, f"cublade's grouped FP4 dequant-GEMM ({scheme.format} weights, bf16 math)"
+
+    def __init__(self, layer, scheme):
+        super().__init__(layer, scheme)
+        from cublade.ops.fp4_gemm import fp4_repack
+
+        E, I2, _ = layer.w13_weight_packed.shape
+        self.num_experts, self.I, self.H = E, I2 // 2, layer.w2_weight_packed.shape[1]
+        # The kernel's tiled layout (fp4_repack, see cublade.ops.fp4_gemm), made once; the checkpoint-layout
+        # parameters are dropped. nvfp4: w13's [E, 2] global scales become per-row scales of w1 and w3 rows.
+        nv = scheme.format == "nvfp4"
+        for w in ("w13", "w2"):
+            rp = fp4_repack(getattr(layer, f"{w}_weight_packed").data, getattr(layer, f"{w}_weight_scale").data,
+                            scheme.format, getattr(layer, f"{w}_weight_global_scale").data if nv else None)
+            for name in ("weight_packed", "weight_scale", "weight_global_scale"):
+                if hasattr(layer, f"{w}_{name}"):
+                    delattr(layer, f"{w}_{name}")
+            layer.register_parameter(f"{w}_fp4_packed", torch.nn.Parameter(rp.packed, requires_grad=False))
+            layer.register_parameter(f"{w}_fp4_scales", torch.nn.Parameter(rp.scales, requires_grad=False))
+            if rp.row_scale is not None:
+                layer.register_parameter(f"{w}_fp4_row_scale", torch.nn.Parameter(rp.row_scale, requires_grad=False))
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        from cublade.ops.fp4_gemm import fp4_gemm
+
+        T, k = topk_ids.shape
+        E, I, H = self.num_experts, self.I, self.H
+        fmt = self.scheme.format
+        ids = local_topk_ids(layer, topk_ids).reshape(-1).long()
+        ids = torch.where((ids >= 0) & (ids < E), ids, E)  # experts of other ranks: sorted last, in no range
+        order = torch.argsort(ids, stable=True)
+        counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        offsets = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+        offsets[1:] = torch.cumsum(counts[:E], dim=0)
+        xs = x[order // k]
+        # Top-k picks distinct experts per token, so no expert has more than T rows: max_m = T.
+        h = fp4_gemm(xs, layer.w13_fp4_packed, layer.w13_fp4_scales, getattr(layer, "w13_fp4_row_scale", None),
+                     fmt, 2 * I, offsets, T)
+        a = F.silu(h[:, :I]) * h[:, I:]
+        y = fp4_gemm(a, layer.w2_fp4_packed, layer.w2_fp4_scales, getattr(layer, "w2_fp4_row_scale", None),
+                     fmt, H, offsets, T)
+        y = torch.where((ids[order] < E)[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+        unsorted = torch.empty_like(y).index_copy_(0, order, y)
+        return (unsorted.view(T, k, H).float() * topk_weights.view(T, k, 1).float()).sum(dim=1).to(x.dtype)
+
+
 class VllmMarlinMoE(MoEKernel):
     """Fallback: vLLM's fused Marlin MoE kernel over FP4 weights (bf16/fp16 activations)."""
     name = "vllm-marlin-moe"
@@ -306,7 +372,7 @@ class VllmMarlinMoE(MoEKernel):
             global_scale2=getattr(layer, "w2_weight_global_scale", None))
 
 
-CANDIDATES: list[type[MoEKernel]] = [VllmMarlinMoE, ReferenceMoE]
+CANDIDATES: list[type[MoEKernel]] = [CubladeFp4MoE, VllmMarlinMoE, ReferenceMoE]
 _logged: set[tuple] = set()
 
 

@@ -230,3 +230,30 @@ def test_refusals(vllm_cpu, monkeypatch):
     with pytest.raises(NotImplementedError, match=r"no kernel can run MoE experts fp4.*vllm-marlin-moe: needs a "
                                                   r"CUDA device; reference: disabled"):
         layer.routed_experts.quant_method.process_weights_after_loading(layer.routed_experts)
+
+
+def test_cublade_kernel_grouping_on_cpu(vllm_cpu, ckpt, fmt):
+    """The cublade-fp4-moe kernel's host logic (repack once, sort tokens by expert on the device, offsets,
+    one grouped GEMM per projection, unsort + weighted sum; ids of other ranks' experts masked), run here with
+    cublade.ops.fp4_gemm's CPU reference in place of the CUDA op, against the reference kernel on the same
+    layer weights (both bf16 math: one fp32 summation order apart)."""
+    from cublade.vllm.moe import CubladeFp4MoE
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(29, 128, generator=g).bfloat16()
+    w, ids = softmax_topk(x, x.float() @ router(ckpt).t(), 2, True)
+    ids[::5, 1] = -1  # as expert_map marks experts held by another rank
+    ref_layer = make_layer(vllm_cpu, FP4Scheme(format=fmt))
+    load(ref_layer, checkpoint_block(ckpt))
+    re_ref = ref_layer.routed_experts
+    want = re_ref.quant_method.kernel.apply(re_ref, x, w, ids)
+
+    layer = make_layer(vllm_cpu, FP4Scheme(format=fmt))
+    load(layer, checkpoint_block(ckpt))
+    re_ = layer.routed_experts
+    kernel = CubladeFp4MoE(re_, FP4Scheme(format=fmt))
+    assert not hasattr(re_, "w13_weight_packed") and re_.w13_fp4_packed.dtype == torch.int32  # repacked once
+    got = kernel.apply(re_, x, w, ids)
+    rel = ((got.float() - want.float()).abs().mean() / want.float().abs().mean()).item()
+    assert rel < 2e-3, rel
+    assert (got.float() - want.float()).abs().max() < 0.05 * want.float().abs().max()
