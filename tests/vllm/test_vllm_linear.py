@@ -208,3 +208,16 @@ def test_disabled_kernels_env_and_no_kernel_error(vllm_ctx, monkeypatch):
                                                   r"vllm-cutlass-scaled-mm: needs a CUDA device; "
                                                   r"reference: disabled by CUBLADE_DISABLED_KERNELS"):
         layer.quant_method.process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize("scheme", [Fp8Scheme(), Fp8Scheme("tensor", "static-tensor"), W4A16Scheme(64, False),
+                                    MXFP8Scheme()], ids=lambda s: s.describe())
+def test_layer_traces_under_torch_compile_fullgraph(vllm_ctx, scheme):
+    """vLLM compiles models with fullgraph=True: apply() must trace without a graph break (Dynamo only here,
+    backend 'eager'; the CUDA kernels' own tracing is checked on the GPU by tests/gpu/test_serve.py)."""
+    kind = KINDS["qkv"]
+    x = torch.randn(3, kind.K).to(torch.bfloat16)
+    tensors = quantized(scheme, random_weights(kind), x)
+    layer = build_and_load(scheme, kind, tensors)
+    compiled = torch.compile(lambda t: layer(t)[0], fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), reference(scheme, kind, tensors, x))
