@@ -237,6 +237,8 @@ def test_cublade_kernel_grouping_on_cpu(vllm_cpu, ckpt, fmt):
     one grouped GEMM per projection, unsort + weighted sum; ids of other ranks' experts masked), run here with
     cublade.ops.fp4_gemm's CPU reference in place of the CUDA op, against the reference kernel on the same
     layer weights (both bf16 math: one fp32 summation order apart)."""
+    pytest.importorskip("cublade.ops.fp4_gemm", reason="cublade.ops.fp4_gemm (issue 4, part B) is not in this "
+                                                       "checkout yet")
     from cublade.vllm.moe import CubladeFp4MoE
 
     g = torch.Generator().manual_seed(3)
