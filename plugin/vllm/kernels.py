@@ -10,7 +10,7 @@ reasons of the candidates it passed over; if none can run the layer it raises on
 Candidates per scheme (first that can run the layer wins):
   fp8    vllm-cutlass-scaled-mm (fallback: cublade has no FP8 GEMM of its own; activations are quantized by
          cublade's per-token / per-tensor op)  ->  reference
-  w4a16  vllm-machete (fallback, sm_90)  ->  vllm-marlin (fallback)  ->  reference
+  w4a16  cublade-w4a16-gemm  ->  vllm-machete (fallback, sm_90)  ->  vllm-marlin (fallback)  ->  reference
   mxfp8  cublade-mxfp8-dequant-matmul (no MX tensor cores before sm_100: dequantize to the activation dtype
          with cublade's op, then a dense GEMM)  ->  reference
 
@@ -49,18 +49,25 @@ def _capability(device: torch.device) -> int | None:
 KERNEL_ARCH = 90
 
 
-def _op(name: str, device: torch.device, reference: Callable) -> tuple[Callable, str]:
-    """cublade's CUDA kernel `torch.ops.cublade.<name>` when built and the layer is on an sm_90 GPU, else
-    its reference; and a few words saying which."""
+def _why_no_kernel(name: str, device: torch.device) -> str | None:
+    """Why cublade's CUDA op `torch.ops.cublade.<name>` cannot run on `device`; None when it can."""
     cap = _capability(device)
     if cap is None:
-        return reference, f"the PyTorch reference of {name} (CPU)"
+        return "CPU"
     if cap != KERNEL_ARCH:
-        return reference, (f"the PyTorch reference of {name} (cublade's kernels are built for sm_90a, "
-                           f"this GPU is sm_{cap})")
+        return f"cublade's kernels are built for sm_90a, this GPU is sm_{cap}"
     if not use_kernel(torch.empty(0, device=device), name):
-        return reference, f"the PyTorch reference of {name} (cublade's CUDA extension has no such op: not built?)"
-    return getattr(torch.ops.cublade, name), f"cublade's CUDA op {name}"
+        return "cublade's CUDA extension has no such op: not built?"
+    return None
+
+
+def _op(name: str, device: torch.device, reference: Callable) -> tuple[Callable, str]:
+    """cublade's CUDA op `torch.ops.cublade.<name>` where it can run, else its reference; and a few words
+    saying which."""
+    why = _why_no_kernel(name, device)
+    if why is None:
+        return getattr(torch.ops.cublade, name), f"cublade's CUDA op {name}"
+    return reference, f"the PyTorch reference of {name} ({why})"
 
 
 def layer_tensors(layer: torch.nn.Module, scheme: Scheme) -> dict[str, torch.Tensor]:
@@ -155,6 +162,52 @@ class VllmCutlassScaledMM(LinearKernel):
 
 
 # ---- w4a16 ----------------------------------------------------------------------------------------------
+
+class CubladeW4A16Gemm(LinearKernel):
+    """cublade's W4A16 GEMM (cublade.ops.w4a16_gemm) on weights repacked once by `w4a16_repack` into the
+    kernel's tile layout; every M runs on it. The kernel is built for decode and re-reads the weights once
+    per 32 tokens above 16, so long prefills are slower than on Machete; sending large M to Machete would
+    keep a second, Machete-layout copy of the weights (twice the memory W4A16 is there to save), so it is
+    not done: `CUBLADE_DISABLED_KERNELS=cublade-w4a16-gemm` runs Machete/Marlin for every M instead."""
+    name = "cublade-w4a16-gemm"
+    own = True
+
+    @staticmethod
+    def _ops():
+        from cublade.ops import w4a16_gemm as w4a16_ops  # the kernel issue's op; absent from older builds
+
+        return w4a16_ops
+
+    @classmethod
+    def can_implement(cls, layer):
+        try:
+            cls._ops()
+        except ImportError:
+            return False, "cublade.ops.w4a16_gemm is not in this build of cublade"
+        device = layer.weight_packed.device
+        if layer.params_dtype not in HALF_DTYPES:
+            return False, f"takes bf16/fp16 activations, the model runs in {layer.params_dtype}"
+        why = _why_no_kernel("w4a16_gemm", device)
+        if why is not None:
+            return False, why
+        return True, "cublade's CUDA op w4a16_gemm, every M"
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        ops = self._ops()
+        self.gemm, _ = _op("w4a16_gemm", layer.weight_packed.device, ops.w4a16_gemm_ref)
+        zp = getattr(layer, "weight_zero_point", None)
+        rp = ops.w4a16_repack(layer.weight_packed.data, layer.weight_scale.data,
+                              None if zp is None else zp.data, self.scheme.group_size)
+        self.size_n = rp.size_n
+        _replace(layer, "weight_packed", rp.packed)  # the kernel's layout replaces the checkpoint's
+        _replace(layer, "weight_scale", rp.scales)  # bf16 scales (and zero points) per tile
+        _replace(layer, "weight_zero_point", None)  # folded into the scales records
+
+    def apply(self, layer, x, bias):
+        y = self.gemm(x, layer.weight_packed, layer.weight_scale, self.scheme.group_size, self.size_n)
+        return y if bias is None else y + bias
+
 
 class _VllmMixedPrecision(LinearKernel):
     """Adapter over vLLM's MPLinearKernel classes (Machete, Marlin): they read compressed-tensors' int4
@@ -272,7 +325,7 @@ class CubladeMxfp8DequantMatmul(LinearKernel):
 
 CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel], ...]] = {
     Fp8Scheme: (VllmCutlassScaledMM, ReferenceKernel),
-    W4A16Scheme: (VllmMachete, VllmMarlin, ReferenceKernel),
+    W4A16Scheme: (CubladeW4A16Gemm, VllmMachete, VllmMarlin, ReferenceKernel),
     MXFP8Scheme: (CubladeMxfp8DequantMatmul, ReferenceKernel),
 }
 
@@ -313,13 +366,13 @@ def select_kernel(layer: torch.nn.Module, prefix: str) -> LinearKernel:
 
 
 def _replace(layer: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:
-    """Set a layer tensor as a Parameter (vLLM's compiled graphs take layer tensors as parameters)."""
+    """Set a layer tensor as a Parameter (vLLM's compiled graphs take layer tensors as parameters); None
+    removes it."""
     if name in layer._parameters:
         del layer._parameters[name]
     elif hasattr(layer, name):
         delattr(layer, name)
     if value is None:
-        setattr(layer, name, None)
         return
     if not isinstance(value, torch.nn.Parameter):
         value = torch.nn.Parameter(value, requires_grad=False)
