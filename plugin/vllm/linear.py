@@ -73,8 +73,8 @@ class CubladeLinearMethod(LinearMethodBase):
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition, layer.output_size_per_partition = K, N
         layer.params_dtype = params_dtype
-        for name, make in self._param_factories(output_partition_sizes, K, params_dtype).items():
-            param = make(self._checked_loader(layer, name, vllm_loader))
+        for name, param in self._make_params(output_partition_sizes, K, params_dtype, vllm_loader).items():
+            param.weight_loader = self._checked_loader(layer, name, vllm_loader)
             layer.register_parameter(name, param)
             set_weight_attrs(param, extra_weight_attrs)
             self.param_names.append(name)
@@ -96,61 +96,61 @@ class CubladeLinearMethod(LinearMethodBase):
             raise ValueError(f"{self.prefix}: mxfp8 needs in_features per rank divisible by the MX block "
                              f"{MX_BLOCK}, got {K}{tp}")
 
-    def _param_factories(self, parts: list[int], K: int, params_dtype: torch.dtype) -> dict:
-        """suffix -> (weight_loader -> vLLM parameter), in the checkpoint's layout (cublade's, or
+    def _make_params(self, parts: list[int], K: int, params_dtype: torch.dtype, wl) -> dict:
+        """suffix -> vLLM parameter (loaded by `wl`), in the checkpoint's layout (cublade's, or
         compressed-tensors' where it differs)."""
         s, N, ct = self.scheme, sum(parts), self.source == CT_METHOD
         e = torch.empty
         f: dict = {}
         if isinstance(s, Fp8Scheme):
-            f["weight"] = lambda wl: ModelWeightParameter(data=e(N, K, dtype=FP8_DTYPE), input_dim=1,
-                                                          output_dim=0, weight_loader=wl)
+            f["weight"] = ModelWeightParameter(data=e(N, K, dtype=FP8_DTYPE), input_dim=1, output_dim=0,
+                                               weight_loader=wl)
             if s.weight_strategy == "channel":
                 shape = (N, 1) if ct else (N,)
-                f["weight_scale"] = lambda wl: ChannelQuantScaleParameter(
+                f["weight_scale"] = ChannelQuantScaleParameter(
                     data=e(shape, dtype=torch.float32), output_dim=0, weight_loader=wl)
             else:  # one scale per fused shard; reconciled after loading
-                f["weight_scale"] = lambda wl: PerTensorScaleParameter(
+                f["weight_scale"] = PerTensorScaleParameter(
                     data=e(len(parts), dtype=torch.float32), weight_loader=wl)
             if s.static:
-                f["input_scale"] = lambda wl: PerTensorScaleParameter(
+                f["input_scale"] = PerTensorScaleParameter(
                     data=e(len(parts), dtype=torch.float32), weight_loader=wl)
         elif isinstance(s, W4A16Scheme):
             groups = 1 if s.group_size == -1 else K // s.group_size
             scale_dtype = params_dtype if ct else s.tensor_specs(N, K)["weight_scale"][1]
-            f["weight_packed"] = lambda wl: PackedvLLMParameter(
+            f["weight_packed"] = PackedvLLMParameter(
                 data=e(N, K // INT4_PER_INT32, dtype=torch.int32), input_dim=1, output_dim=0, packed_dim=1,
                 packed_factor=INT4_PER_INT32, weight_loader=wl)
             # Per-channel scales are [N, 1] whatever the rank's K: replicated, never split along K.
             if s.group_size == -1:
-                f["weight_scale"] = lambda wl: ChannelQuantScaleParameter(
+                f["weight_scale"] = ChannelQuantScaleParameter(
                     data=e(N, 1, dtype=scale_dtype), output_dim=0, weight_loader=wl)
             else:
-                f["weight_scale"] = lambda wl: GroupQuantScaleParameter(
+                f["weight_scale"] = GroupQuantScaleParameter(
                     data=e(N, groups, dtype=scale_dtype), output_dim=0, input_dim=1, weight_loader=wl)
             if not s.symmetric and ct:
                 zshape = (N // INT4_PER_INT32, groups)
                 if s.group_size == -1:
-                    f["weight_zero_point"] = lambda wl: PackedColumnParameter(
+                    f["weight_zero_point"] = PackedColumnParameter(
                         data=torch.zeros(zshape, dtype=torch.int32), output_dim=0, packed_dim=0,
                         packed_factor=INT4_PER_INT32, weight_loader=wl)
                 else:
-                    f["weight_zero_point"] = lambda wl: PackedvLLMParameter(
+                    f["weight_zero_point"] = PackedvLLMParameter(
                         data=torch.zeros(zshape, dtype=torch.int32), input_dim=1, output_dim=0, packed_dim=0,
                         packed_factor=INT4_PER_INT32, weight_loader=wl)
             elif not s.symmetric:
                 if s.group_size == -1:
-                    f["weight_zero_point"] = lambda wl: ChannelQuantScaleParameter(
+                    f["weight_zero_point"] = ChannelQuantScaleParameter(
                         data=e(N, 1, dtype=torch.uint8), output_dim=0, weight_loader=wl)
                 else:
-                    f["weight_zero_point"] = lambda wl: GroupQuantScaleParameter(
+                    f["weight_zero_point"] = GroupQuantScaleParameter(
                         data=e(N, groups, dtype=torch.uint8), output_dim=0, input_dim=1, weight_loader=wl)
             if ct:
-                f["weight_shape"] = lambda wl: BasevLLMParameter(data=e(2, dtype=torch.int64), weight_loader=wl)
+                f["weight_shape"] = BasevLLMParameter(data=e(2, dtype=torch.int64), weight_loader=wl)
         elif isinstance(s, MXFP8Scheme):
-            f["weight"] = lambda wl: ModelWeightParameter(data=e(N, K, dtype=FP8_DTYPE), input_dim=1,
-                                                          output_dim=0, weight_loader=wl)
-            f["weight_scale"] = lambda wl: GroupQuantScaleParameter(
+            f["weight"] = ModelWeightParameter(data=e(N, K, dtype=FP8_DTYPE), input_dim=1, output_dim=0,
+                                               weight_loader=wl)
+            f["weight_scale"] = GroupQuantScaleParameter(
                 data=e(N, K // MX_BLOCK, dtype=torch.uint8), output_dim=0, input_dim=1, weight_loader=wl)
         else:
             raise NotImplementedError(f"{self.prefix}: cublade has no vLLM linear method for scheme "
