@@ -1,25 +1,60 @@
 """Where an op runs: cublade's CUDA kernel when the extension is built and the tensor is on a GPU,
-else the pure-PyTorch reference (the CPU path, and the numerics every kernel reproduces bit for bit)."""
+else the pure-PyTorch reference (the CPU path, and the numerics every kernel reproduces bit for bit).
+
+The extension `cublade._C` is imported once, when this module is first imported (not lazily inside an op
+call), so that `torch.compile` never traces an import: under dynamo, `use_kernel` is plain attribute reads.
+Set CUBLADE_DISABLE_KERNELS=1 to force the references everywhere."""
 from __future__ import annotations
 
-import functools
 import os
+from typing import Callable
 
 import torch
 
+_LOADED: bool | None = None
+_LOAD_ERROR: str | None = None
 
-@functools.cache
-def extension_loaded() -> bool:
-    """Import the compiled extension once; it registers the `torch.ops.cublade.*` kernels."""
+
+def _load() -> bool:
+    global _LOAD_ERROR
     if os.environ.get("CUBLADE_DISABLE_KERNELS") == "1":
+        _LOAD_ERROR = "CUBLADE_DISABLE_KERNELS=1"
         return False
     try:
-        from cublade import _C  # noqa: F401  (registers TORCH_LIBRARY(cublade))
-    except ImportError:
+        from cublade import _C  # noqa: F401  (registers TORCH_LIBRARY(cublade) and the CUDA kernels)
+    except ImportError as e:  # no build (CPU machines), or a build for another torch
+        _LOAD_ERROR = f"{type(e).__name__}: {e}"
         return False
     return True
+
+
+def extension_loaded() -> bool:
+    """True when `cublade._C` imported (its `torch.ops.cublade.*` kernels are registered)."""
+    global _LOADED
+    if _LOADED is None:
+        _LOADED = _load()
+    return _LOADED
+
+
+def extension_load_error() -> str | None:
+    """Why the extension is not loaded (None when it is)."""
+    extension_loaded()
+    return _LOAD_ERROR
 
 
 def use_kernel(x: torch.Tensor, op_name: str) -> bool:
     """True when `torch.ops.cublade.<op_name>` exists and can take `x` (a CUDA tensor)."""
     return x.is_cuda and extension_loaded() and hasattr(torch.ops.cublade, op_name)
+
+
+def register_fake(qualname: str) -> Callable:
+    """`torch.library.register_fake(qualname)` when the extension (which defines the op's schema) is
+    loaded, else a no-op: the fake sits next to the op's Python entry either way."""
+    def deco(fn: Callable) -> Callable:
+        if extension_loaded():
+            torch.library.register_fake(qualname)(fn)
+        return fn
+    return deco
+
+
+extension_loaded()  # import-time load; see the module docstring

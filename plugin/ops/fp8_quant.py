@@ -3,18 +3,28 @@ per-channel / per-tensor (weights, offline).
 
 Numerics (the contract every kernel reproduces bit for bit):
   * all arithmetic in fp32; a bf16/fp16 input is widened exactly;
-  * scale = max(amax / 448, FP8_MIN_SCALE) for dynamic scales (an all-zero row gives zeros, not NaN);
-  * q = e4m3(clamp(x * (1 / scale), -448, 448)), the reciprocal rounded once to fp32 and the cast
-    round-to-nearest-even (as vLLM's scaled_fp8_quant: one multiply per element, no divide);
+  * scale = max(amax / 448, FP8_MIN_SCALE) for dynamic scales (an all-zero row gives zeros, not NaN), the
+    division a true fp32 division;
+  * per-tensor (dynamic and static) and weights: q = e4m3(clamp(x * (1 / scale), -448, 448)), the
+    reciprocal rounded once to fp32 and the cast round-to-nearest-even (vLLM's scaled_fp8_quant per-tensor
+    path, static and dynamic: one multiply per element);
+  * dynamic per-token: q = e4m3(clamp(x / scale, -448, 448)), a true fp32 division. vLLM's
+    dynamic_per_token_scaled_fp8_quant divides here ("we don't use inverted scales so we can match FBGemm",
+    csrc/quantization/w8a8/fp8/common.cu: scaled_fp8_conversion<false>), so cublade's per-token bytes equal
+    vLLM's. (This reference multiplied by the reciprocal before; x * RN(1/s) and RN(x / s) differ by one fp32
+    ulp for about half of all inputs, which changes the E4M3 byte when that ulp crosses a rounding point.)
   * NaN propagates: a NaN anywhere in a row (or tensor) makes its scale NaN and every output NaN. An Inf
-    makes the scale Inf, so finite values quantize to 0 and the Inf itself to NaN (Inf * 0).
+    makes the scale Inf, so finite values quantize to 0 and the Inf itself to NaN (Inf / Inf, Inf * 0).
+
+Divisions by a Python float are written as divisions by a tensor: on CUDA, PyTorch computes
+`tensor / python_scalar` as `tensor * (1 / scalar)`, which would make the reference differ between devices.
 """
 from __future__ import annotations
 
 import torch
 
 from cublade.constants import F8E4M3_MAX, FP8_MIN_SCALE
-from cublade.ops._dispatch import use_kernel
+from cublade.ops._dispatch import register_fake, use_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -26,8 +36,8 @@ def _amax(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
 
 
 def dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 scale for an fp32 amax: amax / 448, floored at FP8_MIN_SCALE, NaN kept."""
-    s = amax / F8E4M3_MAX
+    """fp32 scale for an fp32 amax: amax / 448 (true division), floored at FP8_MIN_SCALE, NaN kept."""
+    s = amax.float() / torch.full((), F8E4M3_MAX, dtype=torch.float32, device=amax.device)
     # torch.clamp_min keeps NaN (max(NaN, c) = NaN), matching the kernels' NaN-propagating max.
     return torch.clamp_min(s, FP8_MIN_SCALE)
 
@@ -39,19 +49,31 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return y.clamp(-F8E4M3_MAX, F8E4M3_MAX).to(FP8_DTYPE)
 
 
+def quantize_div_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3(clamp(x / scale, ±448)), a true fp32 division; `scale` is a tensor broadcasting against `x`."""
+    y = x.float() / scale.float()
+    return y.clamp(-F8E4M3_MAX, F8E4M3_MAX).to(FP8_DTYPE)
+
+
 # ---- dynamic per-token (activations) ----------------------------------------------------------------
 
 def fp8_quant_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] float -> (e4m3 [M, K], fp32 scale [M, 1])."""
+    """[..., K] float -> (e4m3 [..., K], fp32 scale [..., 1])."""
     xf = x.float()
     scale = dynamic_scale(_amax(xf, dim=-1, keepdim=True))
-    return quantize_with_scale(xf, scale), scale
+    return quantize_div_scale(xf, scale), scale
 
 
 def fp8_quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if use_kernel(x, "fp8_quant_per_token"):
         return torch.ops.cublade.fp8_quant_per_token(x)
     return fp8_quant_per_token_ref(x)
+
+
+@register_fake("cublade::fp8_quant_per_token")
+def _fp8_quant_per_token_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device))
 
 
 # ---- per-tensor (activations: dynamic or static) ----------------------------------------------------
@@ -65,14 +87,22 @@ def fp8_quant_per_tensor_ref(x: torch.Tensor, scale: torch.Tensor | None = None
         scale = dynamic_scale(_amax(xf)).reshape(1)
     else:
         scale = scale.float().reshape(1)
-    return quantize_with_scale(xf, scale), scale
+    return quantize_with_scale(xf, scale).reshape(x.shape), scale  # reshape: a 0-dim x stays 0-dim
 
 
 def fp8_quant_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel returns its own copy of a static scale (shape [1], fp32); the reference a view of it."""
     if use_kernel(x, "fp8_quant_per_tensor"):
-        return torch.ops.cublade.fp8_quant_per_tensor(x, scale)
+        return torch.ops.cublade.fp8_quant_per_tensor(x, None if scale is None else scale.float())
     return fp8_quant_per_tensor_ref(x, scale)
+
+
+@register_fake("cublade::fp8_quant_per_tensor")
+def _fp8_quant_per_tensor_fake(x: torch.Tensor, scale: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty((1,), dtype=torch.float32, device=x.device))
 
 
 # ---- weights (offline, in the converter) ------------------------------------------------------------

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from cublade.constants import F8E4M3_EMAX, F8E4M3_MAX, MX_BLOCK
-from cublade.ops._dispatch import use_kernel
-from cublade.ops.mx import DEFAULT_SCALE_RULE, block_scales, e8m0_to_float
+from cublade.ops._dispatch import register_fake, use_kernel
+from cublade.ops.mx import DEFAULT_SCALE_RULE, SCALE_RULES, block_scales, e8m0_to_float
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -32,6 +32,8 @@ def mxfp8_dequant_ref(q: torch.Tensor, codes: torch.Tensor, dtype=torch.float32)
 
 
 def mxfp8_quant(x: torch.Tensor, rule: str = DEFAULT_SCALE_RULE) -> tuple[torch.Tensor, torch.Tensor]:
+    if rule not in SCALE_RULES:  # checked here: the kernel only takes rceil=True/False
+        raise ValueError(f"mxfp8_quant: unknown MX scale rule {rule!r}; valid: {', '.join(SCALE_RULES)}")
     if use_kernel(x, "mxfp8_quant"):
         return torch.ops.cublade.mxfp8_quant(x, rule == "rceil")
     return mxfp8_quant_ref(x, rule)
@@ -41,3 +43,14 @@ def mxfp8_dequant(q: torch.Tensor, codes: torch.Tensor, dtype=torch.bfloat16) ->
     if use_kernel(q, "mxfp8_dequant"):
         return torch.ops.cublade.mxfp8_dequant(q, codes, dtype)
     return mxfp8_dequant_ref(q, codes, dtype)
+
+
+@register_fake("cublade::mxfp8_quant")
+def _mxfp8_quant_fake(x: torch.Tensor, rceil: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty((*x.shape[:-1], x.shape[-1] // MX_BLOCK), dtype=torch.uint8, device=x.device))
+
+
+@register_fake("cublade::mxfp8_dequant")
+def _mxfp8_dequant_fake(q: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=dtype, device=q.device)

@@ -1,0 +1,123 @@
+"""Shared timing and printing for benchmarks/bench_*.py.
+
+Timing: the median of `triton.testing.do_bench` (CUDA events around each call, warm-up first; do_bench
+zeroes a 256 MB buffer before every call, so each call starts with a cold L2 and inputs stream from DRAM)
+unless a bench asks for CUDA-graph replay (`graph=True`: launch gaps removed, for the
+small sizes vLLM serves from CUDA graphs). Bandwidth: explicit bytes read + bytes written once, over the
+median. The copy ceiling is measured in the same run (a device-to-device copy, bytes read + written).
+
+Every bench prints a header (GPU, versions, copy ceiling), then one markdown row per (op, size) and, when
+CUBLADE_BENCH_JSON is set, appends the same rows as JSON lines to that file."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+REFERENCE_COPY_TBPS = 4.28  # the H200's device-to-device copy measured for issue 4 (bytes read + written)
+
+
+def vllm_ops():
+    """vLLM's `_custom_ops` (the baselines), or None with the reason printed."""
+    try:
+        from vllm import _custom_ops as ops  # noqa: PLC0415
+        import vllm  # noqa: PLC0415
+
+        return ops, vllm.__version__
+    except Exception as e:  # noqa: BLE001  (ImportError, or vLLM failing to initialise on this machine)
+        print(f"baseline: vLLM not importable ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        return None, None
+
+
+def versions(vllm_version: str | None = None) -> dict:
+    import triton  # noqa: PLC0415
+
+    p = torch.cuda.get_device_properties(0)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": p.name, "sms": p.multi_processor_count, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "triton": triton.__version__, "vllm": vllm_version or "not importable", "python": platform.python_version(),
+    }
+
+
+def bench_us(fn, *, graph: bool = False, warmup_ms: int = 25, rep_ms: int = 200) -> float:
+    """Median time of fn() in microseconds."""
+    import triton.testing  # noqa: PLC0415
+
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+
+
+_COPY_TBPS: float | None = None
+
+
+def copy_ceiling_tbps() -> float:
+    """Device-to-device copy of 2 GiB (bytes read + written) / median time, once per process."""
+    global _COPY_TBPS
+    if _COPY_TBPS is None:
+        src = torch.randn(512 * 2**20, device="cuda")  # 2 GiB fp32
+        dst = torch.empty_like(src)
+        us = bench_us(lambda: dst.copy_(src))
+        _COPY_TBPS = 2 * src.numel() * 4 / (us * 1e-6) / 1e12
+        del src, dst
+        torch.cuda.empty_cache()
+    return _COPY_TBPS
+
+
+@dataclass
+class Row:
+    op: str
+    size: str
+    cublade_us: float
+    baseline: str = ""
+    baseline_us: float | None = None
+    bytes: int = 0
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tbps(self) -> float:
+        return self.bytes / (self.cublade_us * 1e-6) / 1e12
+
+    @property
+    def ratio(self) -> float | None:
+        """baseline time / cublade time: > 1 means cublade is faster."""
+        return None if self.baseline_us is None else self.baseline_us / self.cublade_us
+
+
+def header(title: str, vllm_version: str | None) -> dict:
+    v = versions(vllm_version)
+    ceil = copy_ceiling_tbps()
+    print(f"\n## {title}")
+    print(f"{v['date']} | {v['gpu']} ({v['sms']} SMs) | torch {v['torch']} (CUDA {v['cuda']}) | "
+          f"triton {v['triton']} | vLLM {v['vllm']}")
+    print(f"copy ceiling measured now: {ceil:.2f} TB/s (reference {REFERENCE_COPY_TBPS} TB/s)")
+    print("| op | size | cublade us | baseline | baseline us | ratio | TB/s | % of copy | note |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    return v
+
+
+def emit(row: Row) -> None:
+    ceil = copy_ceiling_tbps()
+    b_us = "-" if row.baseline_us is None else f"{row.baseline_us:.1f}"
+    ratio = "-" if row.ratio is None else f"{row.ratio:.2f}x"
+    print(f"| {row.op} | {row.size} | {row.cublade_us:.1f} | {row.baseline or '-'} | {b_us} | {ratio} | "
+          f"{row.tbps:.2f} | {100 * row.tbps / ceil:.0f}% | {row.note} |", flush=True)
+    path = os.environ.get("CUBLADE_BENCH_JSON")
+    if path:
+        with open(path, "a") as f:
+            d = asdict(row)
+            d.update(tbps=row.tbps, ratio=row.ratio, copy_tbps=ceil)
+            f.write(json.dumps(d) + "\n")
+
+
+def require_gpu() -> None:
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to benchmark")
+        sys.exit(0)

@@ -1,0 +1,30 @@
+// The schemas of every cublade op (one m.def line per op) and the Python module `cublade._C`.
+// Kernels register their CUDA implementations next to them, in plugin/csrc/<op>.cu
+// (TORCH_LIBRARY_IMPL(cublade, CUDA, m)). Python entries, fakes and references: plugin/ops/<op>.py.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(cublade, m) {
+  // Dynamic per-token FP8: x [..., K] -> (e4m3 [..., K], fp32 scale [..., 1]).
+  m.def("fp8_quant_per_token(Tensor x) -> (Tensor, Tensor)");
+  // Per-tensor FP8, dynamic (scale=None) or static: x -> (e4m3 of x's shape, fp32 scale [1]).
+  m.def("fp8_quant_per_tensor(Tensor x, Tensor? scale=None) -> (Tensor, Tensor)");
+  // MXFP8: x [..., K] -> (e4m3 [..., K], uint8 E8M0 [..., K/32]); rceil picks the scale rule.
+  m.def("mxfp8_quant(Tensor x, bool rceil) -> (Tensor, Tensor)");
+  m.def("mxfp8_dequant(Tensor q, Tensor codes, ScalarType dtype) -> Tensor");
+  // FP8 KV-cache write into vLLM's paged cache (reshape_and_cache_flash layout), in place.
+  m.def("fp8_kv_cache_write(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> ()");
+  // Part B (W4A16 decode GEMM, FP4 dequant GEMM) appends its m.def lines below.
+  // W4A16 GEMM: x [..., K] bf16/fp16 @ int4 weights in w4a16_repack's layout -> [..., size_n] (x's dtype).
+  m.def("w4a16_gemm(Tensor x, Tensor packed, Tensor scales, int group_size, int size_n, int split_k=0) -> Tensor");
+  // FP4 (MXFP4 / NVFP4) GEMM for MoE experts: x [T, K] bf16 (rows sorted by expert, expert_offsets [E+1]
+  // int32; none = one expert) @ weights in fp4_repack's layout -> bf16 [T, size_n].
+  m.def("fp4_gemm(Tensor x, Tensor packed, Tensor scales, Tensor? row_scale, str format, int size_n, "
+        "Tensor? expert_offsets=None, int max_m=0, int split_k=0) -> Tensor");
+}
+
+// `import cublade._C` loads this library; the TORCH_LIBRARY blocks above and in the .cu files register
+// the ops as torch.ops.cublade.* at load time. The module itself has no Python-level contents.
+static struct PyModuleDef cublade_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&cublade_c_module); }

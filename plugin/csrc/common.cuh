@@ -1,0 +1,280 @@
+// Shared helpers for cublade's kernels. Two parts:
+//   1. framework-free device helpers (this part builds with -DCUBLADE_LAUNCHER_ONLY and no torch);
+//   2. under #ifndef CUBLADE_LAUNCHER_ONLY, host helpers for the torch wrappers (checks, errors).
+// Conventions (see README.md): strides in elements, launchers return cudaError_t and never allocate.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+namespace cublade {
+
+// Input element types the kernels take (activations, K/V).
+enum class InDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
+
+inline int in_dtype_size(InDtype t) { return t == InDtype::kF32 ? 4 : 2; }
+
+constexpr float kF8E4M3Max = 448.0f;
+// Floor of dynamic per-token / per-tensor scales: 1/(448*512), the same float as vLLM's
+// min_scaling_factor and cublade.constants.FP8_MIN_SCALE (rounded once to fp32).
+constexpr float kFp8MinScale = 1.0f / (448.0f * 512.0f);
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// True when p is aligned to `bytes`.
+inline bool is_aligned(const void* p, int bytes) {
+  return (reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes)) == 0;
+}
+
+// ---- loads and stores ------------------------------------------------------------------------------
+// Streaming 16-byte load through the read-only path; no L1 allocation (every byte is used once).
+__device__ __forceinline__ uint4 ld_nc_na_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// 16-byte load marked evict-first in L1 and L2 (read once; do not displace data still wanted in L2).
+__device__ __forceinline__ uint4 ld_cs_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Evict-first (streaming) stores: outputs are not re-read by this kernel.
+__device__ __forceinline__ void st_cs_v4(void* p, uint4 v) {
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+__device__ __forceinline__ void st_cs_v2(void* p, uint2 v) {
+  asm volatile("st.global.cs.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+__device__ __forceinline__ void st_cs_u32(void* p, uint32_t v) {
+  asm volatile("st.global.cs.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+// ---- element conversions -----------------------------------------------------------------------------
+template <InDtype T> struct Elem;
+template <> struct Elem<InDtype::kBF16> {
+  using type = __nv_bfloat16;
+  static constexpr int kPerVec = 8;  // elements per 16-byte vector
+  __device__ __forceinline__ static float to_float(type v) { return __bfloat162float(v); }
+};
+template <> struct Elem<InDtype::kF16> {
+  using type = __half;
+  static constexpr int kPerVec = 8;
+  __device__ __forceinline__ static float to_float(type v) { return __half2float(v); }
+};
+template <> struct Elem<InDtype::kF32> {
+  using type = float;
+  static constexpr int kPerVec = 4;
+  __device__ __forceinline__ static float to_float(type v) { return v; }
+};
+
+// Widen the elements of one 16-byte vector to fp32 (exact for all three types).
+template <InDtype T>
+__device__ __forceinline__ void vec_to_float(const uint4& v, float (&f)[Elem<T>::kPerVec]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (T == InDtype::kF32) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(w[i]);
+  } else if constexpr (T == InDtype::kBF16) {
+    // bf16 is the top half of an fp32: a shift / mask, exact.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
+      const float2 p = __half22float2(h);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+}
+
+// Two fp32 -> two E4M3 bytes (lo = a, hi = b): round to nearest even, finite saturation (|x| > 448 and
+// +-inf give +-448), NaN -> NaN. One instruction on sm_89+.
+__device__ __forceinline__ uint16_t f32x2_to_e4m3x2(float a, float b) {
+  uint16_t r;
+  asm("{ .reg .b16 t;\n"
+      "  cvt.rn.satfinite.e4m3x2.f32 t, %2, %1;\n"  // first source goes to the upper byte
+      "  mov.b16 %0, t; }"
+      : "=h"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t f32x4_to_e4m3x4(float a, float b, float c, float d) {
+  return static_cast<uint32_t>(f32x2_to_e4m3x2(a, b)) |
+         (static_cast<uint32_t>(f32x2_to_e4m3x2(c, d)) << 16);
+}
+__device__ __forceinline__ uint8_t f32_to_e4m3(float a) {
+  return static_cast<uint8_t>(f32x2_to_e4m3x2(a, 0.0f) & 0xFF);
+}
+
+// Two E4M3 bytes (lo, hi) -> fp32, exact (E4M3 -> f16 is exact, f16 -> f32 too); NaN stays NaN.
+__device__ __forceinline__ float2 e4m3x2_to_f32x2(uint16_t v) {
+  uint32_t h2;
+  asm("{ .reg .b16 t; mov.b16 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h2) : "h"(v));
+  return __half22float2(*reinterpret_cast<const __half2*>(&h2));
+}
+
+// ---- NaN-propagating max (torch.amax semantics; fmaxf would drop NaN) ----------------------------------
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+// |x| max over packed pairs, NaN-propagating; the abs clears the sign bits (NaN stays NaN).
+__device__ __forceinline__ uint32_t absmax_bf16x2(uint32_t acc, uint32_t v) {
+  uint32_t r;
+  const uint32_t a = v & 0x7FFF7FFFu;
+  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(acc), "r"(a));
+  return r;
+}
+__device__ __forceinline__ uint32_t absmax_f16x2(uint32_t acc, uint32_t v) {
+  uint32_t r;
+  const uint32_t a = v & 0x7FFF7FFFu;
+  asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(acc), "r"(a));
+  return r;
+}
+
+// Running |x| max of one 16-byte vector, kept packed for 16-bit types (two elements per instruction).
+// `acc` holds two packed 16-bit maxima (or one fp32 in .x for kF32); absmax_finish() widens it.
+template <InDtype T>
+__device__ __forceinline__ uint32_t absmax_vec(uint32_t acc, const uint4& v) {
+  if constexpr (T == InDtype::kBF16) {
+    acc = absmax_bf16x2(acc, v.x); acc = absmax_bf16x2(acc, v.y);
+    acc = absmax_bf16x2(acc, v.z); acc = absmax_bf16x2(acc, v.w);
+  } else if constexpr (T == InDtype::kF16) {
+    acc = absmax_f16x2(acc, v.x); acc = absmax_f16x2(acc, v.y);
+    acc = absmax_f16x2(acc, v.z); acc = absmax_f16x2(acc, v.w);
+  } else {
+    float m = __uint_as_float(acc);
+    m = max_nan(m, fabsf(__uint_as_float(v.x))); m = max_nan(m, fabsf(__uint_as_float(v.y)));
+    m = max_nan(m, fabsf(__uint_as_float(v.z))); m = max_nan(m, fabsf(__uint_as_float(v.w)));
+    acc = __float_as_uint(m);
+  }
+  return acc;
+}
+// Packed accumulator -> fp32 max (exact widening). Start accumulators at 0 (+0 in every format).
+template <InDtype T>
+__device__ __forceinline__ float absmax_finish(uint32_t acc) {
+  if constexpr (T == InDtype::kBF16) {
+    return max_nan(__uint_as_float(acc << 16), __uint_as_float(acc & 0xFFFF0000u));
+  } else if constexpr (T == InDtype::kF16) {
+    const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&acc));
+    return max_nan(p.x, p.y);
+  } else {
+    return __uint_as_float(acc);
+  }
+}
+
+__device__ __forceinline__ float warp_max_nan(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+
+// Dynamic FP8 scale from an fp32 abs-max: amax / 448 (IEEE division), floored at 1/(448*512), NaN kept.
+__device__ __forceinline__ float fp8_dynamic_scale(float amax) {
+  return max_nan(__fdiv_rn(amax, kF8E4M3Max), kFp8MinScale);
+}
+
+// ---- division ----------------------------------------------------------------------------------------
+// a / b rounded to nearest even, bit-identical to __fdiv_rn(a, b), in 1 FMUL + 4 FFMA instead of the ~20
+// instructions (and a convergence barrier) of the compiler's IEEE division; y = __frcp_rn(b) once per scale.
+// Markstein's argument: q0 = a*y is within 2 ulp of a/b; one correction makes it faithful; for a faithful q
+// the residual a - b*q is exact in an FMA, and q + r*y with y = RN(1/b) is then the correctly rounded a/b.
+// Valid when nothing overflows or underflows on the way: callers guarantee b finite with
+// 2^-60 <= |b| <= 2^125 (div_fast_ok) and a*y finite. Where |a| is so small that the residual underflows,
+// |a/b| < 2^-34 and the result still rounds to +-0 in E4M3, the only use of it here.
+__device__ __forceinline__ bool div_fast_ok(float b) {
+  const float ab = fabsf(b);
+  return ab >= 0x1p-60f && ab <= 0x1p125f;  // false for NaN and inf
+}
+__device__ __forceinline__ float div_rn_fast(float a, float b, float y) {
+  float q = __fmul_rn(a, y);
+  float r = __fmaf_rn(-q, b, a);
+  q = __fmaf_rn(r, y, q);
+  r = __fmaf_rn(-q, b, a);
+  return __fmaf_rn(r, y, q);
+}
+
+}  // namespace cublade
+
+#ifndef CUBLADE_LAUNCHER_ONLY
+// ---- host helpers for the torch wrappers ----------------------------------------------------------------
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+// ValueError / NotImplementedError in Python, with the op's name first.
+#define CUBLADE_CHECK_VALUE(cond, op, ...) TORCH_CHECK_VALUE(cond, "cublade.", op, ": ", __VA_ARGS__)
+#define CUBLADE_CHECK_NOT_IMPLEMENTED(cond, op, ...) \
+  TORCH_CHECK_NOT_IMPLEMENTED(cond, "cublade.", op, ": ", __VA_ARGS__)
+
+namespace cublade {
+
+inline int device_attr(cudaDeviceAttr attr, int device) {
+  int v = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, device));
+  return v;
+}
+
+// The extension holds sm_90a code only (Hopper fp8 conversions, arch-specific features): refuse other GPUs
+// by name instead of failing later with "no kernel image is available".
+inline void check_arch(const char* op, const at::Tensor& t) {
+  const int dev = t.device().index();
+  const int major = device_attr(cudaDevAttrComputeCapabilityMajor, dev);
+  const int minor = device_attr(cudaDevAttrComputeCapabilityMinor, dev);
+  if (major == 9 && minor == 0) return;
+  cudaDeviceProp p;
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
+  CUBLADE_CHECK_NOT_IMPLEMENTED(false, op, "this build has sm_90a (Hopper) kernels only; device ", dev, " is ",
+                                p.name, " (sm_", major, minor, ")");
+}
+
+inline void check_launch(const char* op, cudaError_t err) {
+  TORCH_CHECK(err == cudaSuccess, "cublade.", op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+inline int sm_count(const at::Tensor& t) {
+  return device_attr(cudaDevAttrMultiProcessorCount, t.device().index());
+}
+
+inline InDtype in_dtype_of(const char* op, const char* name, const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return InDtype::kBF16;
+    case at::kHalf: return InDtype::kF16;
+    case at::kFloat: return InDtype::kF32;
+    default:
+      CUBLADE_CHECK_NOT_IMPLEMENTED(false, op, name, " must be bfloat16, float16 or float32, got ",
+                                    t.scalar_type());
+  }
+  return InDtype::kF32;  // unreachable
+}
+
+// A one-element fp32 scale tensor on x's device (the layer's static scale, k_scale, ...).
+inline void check_scale_tensor(const char* op, const char* name, const at::Tensor& s, const at::Tensor& x) {
+  CUBLADE_CHECK_VALUE(s.numel() == 1, op, name, " must have one element, got shape ", s.sizes());
+  CUBLADE_CHECK_VALUE(s.scalar_type() == at::kFloat, op, name, " must be float32, got ", s.scalar_type());
+  CUBLADE_CHECK_VALUE(s.device() == x.device(), op, name, " must be on ", x.device(), ", got ", s.device());
+}
+
+}  // namespace cublade
+#endif  // CUBLADE_LAUNCHER_ONLY

@@ -1,0 +1,206 @@
+// Dynamic per-token FP8 E4M3 quantization: x [M, K] (bf16/fp16/fp32) -> q e4m3 [M, K], scale fp32 [M].
+//   scale = max(amax_row / 448, 1/(448*512)) (NaN kept), q = e4m3(x / scale) (IEEE division, as vLLM's
+//   dynamic_per_token_scaled_fp8_quant, so the bytes match vLLM's op), saturating at +-448.
+// Layout and the reasons: README.md, "fp8_quant_per_token".
+#include "common.cuh"
+
+namespace cublade {
+namespace {
+
+constexpr int kWarpRowsPerBlock = 8;      // warp-per-row mode: 8 rows per 256-thread block
+constexpr int kMaxVecsWarpMode = 32 * 8;  // rows up to 256 vectors (K <= 2048 bf16) take a warp
+constexpr int kMaxThreads = 1024;
+constexpr int kMaxVecsFast = kMaxThreads * 8;  // longer rows go to the two-read fallback
+
+// Quantize one 16-byte input vector with the row's scale and store its 8 (or 4) fp8 bytes.
+// kFast: s passed div_fast_ok (every finite row scale does: s >= 1/(448*512), s <= bf16/fp32 max / 448), and
+// then every x of the row is finite with |x / s| <= 448, so div_rn_fast is exact; a row with NaN/Inf has a
+// NaN/Inf scale and takes the IEEE division.
+template <InDtype T, bool kFast>
+__device__ __forceinline__ void quant_store_div(const uint4& v, float s, float y, uint8_t* dst) {
+  constexpr int N = Elem<T>::kPerVec;
+  float f[N];
+  vec_to_float<T>(v, f);
+#pragma unroll
+  for (int i = 0; i < N; ++i) f[i] = kFast ? div_rn_fast(f[i], s, y) : __fdiv_rn(f[i], s);
+  if constexpr (N == 8) {
+    uint2 o;
+    o.x = f32x4_to_e4m3x4(f[0], f[1], f[2], f[3]);
+    o.y = f32x4_to_e4m3x4(f[4], f[5], f[6], f[7]);
+    st_cs_v2(dst, o);
+  } else {
+    st_cs_u32(dst, f32x4_to_e4m3x4(f[0], f[1], f[2], f[3]));
+  }
+}
+
+// Fast path. The row stays in registers (VPT vectors per thread) between the abs-max and the cast, so it
+// is read from DRAM once. kWarpPerRow: a warp owns a row (shuffles only); else the block owns one row.
+template <InDtype T, int VPT, bool kWarpPerRow>
+__global__ void __launch_bounds__(kMaxThreads)
+per_token_vec_kernel(const typename Elem<T>::type* __restrict__ x, int64_t M, int nvec, int64_t row_stride,
+                     uint8_t* __restrict__ q, int64_t K, float* __restrict__ scale) {
+  constexpr int N = Elem<T>::kPerVec;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  int64_t row;
+  int t, nthreads;
+  if constexpr (kWarpPerRow) {
+    row = static_cast<int64_t>(blockIdx.x) * kWarpRowsPerBlock + warp;
+    if (row >= M) return;  // whole warp leaves; no block-wide barrier in this mode
+    t = lane;
+    nthreads = 32;
+  } else {
+    row = blockIdx.x;
+    t = threadIdx.x;
+    nthreads = blockDim.x;
+  }
+  const typename Elem<T>::type* xr = x + row * row_stride;
+
+  uint4 v[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int idx = t + i * nthreads;
+    v[i] = idx < nvec ? ld_nc_na_v4(xr + static_cast<int64_t>(idx) * N) : make_uint4(0, 0, 0, 0);
+  }
+  uint32_t acc = 0;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) acc = absmax_vec<T>(acc, v[i]);  // zero padding does not change the max
+  float amax = warp_max_nan(absmax_finish<T>(acc));
+
+  if constexpr (!kWarpPerRow) {
+    __shared__ float warp_max[kMaxThreads / 32];
+    if (lane == 0) warp_max[warp] = amax;
+    __syncthreads();
+    const int nwarps = blockDim.x >> 5;
+    amax = warp_max[0];
+    for (int w = 1; w < nwarps; ++w) amax = max_nan(amax, warp_max[w]);
+  }
+  const float s = fp8_dynamic_scale(amax);
+  if (t == 0) scale[row] = s;
+
+  uint8_t* qr = q + row * K;
+  if (div_fast_ok(s)) {  // uniform over the row
+    const float y = __frcp_rn(s);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int idx = t + i * nthreads;
+      if (idx < nvec) quant_store_div<T, true>(v[i], s, y, qr + static_cast<int64_t>(idx) * N);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int idx = t + i * nthreads;
+      if (idx < nvec) quant_store_div<T, false>(v[i], s, 0.0f, qr + static_cast<int64_t>(idx) * N);
+    }
+  }
+}
+
+// Fallback: any K, any strides, unaligned views. One block per row, reads the row twice, byte stores.
+template <InDtype T>
+__global__ void __launch_bounds__(256)
+per_token_scalar_kernel(const typename Elem<T>::type* __restrict__ x, int64_t M, int64_t K, int64_t row_stride,
+                        int64_t col_stride, uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int64_t row = blockIdx.x;
+  const typename Elem<T>::type* xr = x + row * row_stride;
+  float amax = 0.0f;
+  for (int64_t k = threadIdx.x; k < K; k += blockDim.x) amax = max_nan(amax, fabsf(Elem<T>::to_float(xr[k * col_stride])));
+  amax = warp_max_nan(amax);
+  __shared__ float warp_max[8];
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
+  __syncthreads();
+  amax = warp_max[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) amax = max_nan(amax, warp_max[w]);
+  const float s = fp8_dynamic_scale(amax);
+  if (threadIdx.x == 0) scale[row] = s;
+  for (int64_t k = threadIdx.x; k < K; k += blockDim.x)
+    q[row * K + k] = f32_to_e4m3(__fdiv_rn(Elem<T>::to_float(xr[k * col_stride]), s));
+}
+
+template <InDtype T, int VPT, bool kWarpPerRow>
+cudaError_t launch_vec(const void* x, int64_t M, int nvec, int64_t row_stride, uint8_t* q, int64_t K,
+                       float* scale, int threads, cudaStream_t stream) {
+  const int64_t grid = kWarpPerRow ? ceil_div(M, kWarpRowsPerBlock) : M;
+  per_token_vec_kernel<T, VPT, kWarpPerRow><<<static_cast<unsigned>(grid), threads, 0, stream>>>(
+      static_cast<const typename Elem<T>::type*>(x), M, nvec, row_stride, q, K, scale);
+  return cudaGetLastError();
+}
+
+template <InDtype T>
+cudaError_t launch_typed(const void* x, int64_t M, int64_t K, int64_t row_stride, int64_t col_stride,
+                         uint8_t* q, float* scale, cudaStream_t stream) {
+  constexpr int N = Elem<T>::kPerVec;
+  const bool fast = col_stride == 1 && K % N == 0 && row_stride % N == 0 && is_aligned(x, 16) &&
+                    K / N <= kMaxVecsFast;
+  if (!fast) {
+    per_token_scalar_kernel<T><<<static_cast<unsigned>(M), 256, 0, stream>>>(
+        static_cast<const typename Elem<T>::type*>(x), M, K, row_stride, col_stride, q, scale);
+    return cudaGetLastError();
+  }
+  const int nvec = static_cast<int>(K / N);
+  if (nvec <= kMaxVecsWarpMode) {
+    const int threads = 32 * kWarpRowsPerBlock;
+    if (nvec <= 32) return launch_vec<T, 1, true>(x, M, nvec, row_stride, q, K, scale, threads, stream);
+    if (nvec <= 64) return launch_vec<T, 2, true>(x, M, nvec, row_stride, q, K, scale, threads, stream);
+    if (nvec <= 128) return launch_vec<T, 4, true>(x, M, nvec, row_stride, q, K, scale, threads, stream);
+    return launch_vec<T, 8, true>(x, M, nvec, row_stride, q, K, scale, threads, stream);
+  }
+  // Block per row: 4 vectors per thread (64 bytes in flight each) until the row needs > 1024 threads.
+  if (nvec <= kMaxThreads * 4) {
+    const int threads = static_cast<int>(ceil_div(ceil_div(nvec, 4), 32) * 32);
+    return launch_vec<T, 4, false>(x, M, nvec, row_stride, q, K, scale, threads, stream);
+  }
+  const int threads = static_cast<int>(ceil_div(ceil_div(nvec, 8), 32) * 32);
+  return launch_vec<T, 8, false>(x, M, nvec, row_stride, q, K, scale, threads, stream);
+}
+
+}  // namespace
+
+// x: [M, K] with strides (row_stride, col_stride) in elements; q: contiguous [M, K] bytes; scale: [M].
+cudaError_t launch_fp8_quant_per_token(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t row_stride,
+                                       int64_t col_stride, uint8_t* q, float* scale, cudaStream_t stream) {
+  if (M == 0) return cudaSuccess;
+  switch (dtype) {
+    case InDtype::kBF16: return launch_typed<InDtype::kBF16>(x, M, K, row_stride, col_stride, q, scale, stream);
+    case InDtype::kF16: return launch_typed<InDtype::kF16>(x, M, K, row_stride, col_stride, q, scale, stream);
+    case InDtype::kF32: return launch_typed<InDtype::kF32>(x, M, K, row_stride, col_stride, q, scale, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace cublade
+
+#ifndef CUBLADE_LAUNCHER_ONLY
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace cublade {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> fp8_quant_per_token(const at::Tensor& x_in) {
+  constexpr const char* op = "fp8_quant_per_token";
+  CUBLADE_CHECK_VALUE(x_in.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
+  const InDtype dt = in_dtype_of(op, "x", x_in);
+  check_arch(op, x_in);
+  const int64_t K = x_in.size(-1);
+  CUBLADE_CHECK_VALUE(K >= 1, op, "x's last dim must be >= 1, got shape ", x_in.sizes());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  // [..., K] -> [M, K]; a view when the leading dims collapse (always for 2-D), else a copy.
+  const at::Tensor x = x_in.dim() == 2 ? x_in : x_in.reshape({-1, K});
+  const int64_t M = x.size(0);
+  at::Tensor q = at::empty(x_in.sizes(), x_in.options().dtype(at::kFloat8_e4m3fn));
+  std::vector<int64_t> scale_shape(x_in.sizes().begin(), x_in.sizes().end());
+  scale_shape.back() = 1;
+  at::Tensor scale = at::empty(scale_shape, x_in.options().dtype(at::kFloat));
+  if (M == 0) return {q, scale};
+  check_launch(op, launch_fp8_quant_per_token(x.data_ptr(), dt, M, K, x.stride(0), x.stride(1),
+                                              static_cast<uint8_t*>(q.data_ptr()), scale.data_ptr<float>(),
+                                              current_stream()));
+  return {q, scale};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cublade, CUDA, m) { m.impl("fp8_quant_per_token", &fp8_quant_per_token); }
+
+}  // namespace cublade
+#endif  // CUBLADE_LAUNCHER_ONLY

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# One script for a GPU lease: build the extension, run the GPU tests of tests/ops, run every
+# benchmarks/bench_*.py, write the logs under $OUT, print a short summary last.
+#
+#   bash scripts/device_check.sh                       (on the device: `run` with this command)
+#
+# With vLLM staged first (../shared/device/README.md: three calls, the last one
+# `bash .device-stage/install.sh && source .device-stage/env.sh && bash scripts/device_check.sh`), the benches
+# measure vLLM's ops as baselines and the vLLM comparison tests run; without it they print
+# "baseline: vLLM not importable" / skip.
+#
+# Env (all optional):
+#   OUT               where logs go (default ./out)
+#   CUBLADE_TESTS     pytest targets (default tests/ops); "none" skips the tests
+#   CUBLADE_PYTEST    extra pytest args (e.g. "-k per_token")
+#   CUBLADE_BENCHES   bench scripts (default benchmarks/bench_*.py); "none" skips them
+#   CUBLADE_CU_ONLY   space-separated .cu stems to build (default: all of plugin/csrc); the others are left out
+#                     of a copy of the tree, so one op's broken build does not cost the lease for the rest
+#   MAX_JOBS          parallel nvcc jobs (default 16)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+SITE=/tmp/site
+t0=$(date +%s)
+summary=()
+stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
+stamp "gpu: $(tail -1 "$OUT/gpu.txt")"
+
+# ---- build ----------------------------------------------------------------------------------------------
+src=$PWD
+if [ -n "${CUBLADE_CU_ONLY:-}" ]; then
+  src=/tmp/cublade-src
+  rm -rf "$src" && mkdir -p "$src"
+  tar -cf - --exclude=./out --exclude=./.device-stage --exclude=./build . | tar -xf - -C "$src"
+  for f in "$src"/plugin/csrc/*.cu; do
+    stem=$(basename "$f" .cu)
+    case " $CUBLADE_CU_ONLY " in *" $stem "*) ;; *) rm -f "$f"; stamp "build: leaving out $stem.cu";; esac
+  done
+fi
+stamp "build: pip install --target $SITE (CUBLADE_BUILD_EXT=1)"
+if (cd "$src" && CUBLADE_BUILD_EXT=1 python3 -m pip install --no-deps --no-build-isolation --upgrade \
+      --target "$SITE" . ) > "$OUT/build.log" 2>&1; then
+  summary+=("build: ok ($(( $(date +%s) - t0 ))s)")
+else
+  grep -E "error|Error" "$OUT/build.log" | head -40
+  summary+=("build: FAILED (see build.log)")
+  printf '%s\n' "${summary[@]}"
+  exit 1
+fi
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+python3 - <<'EOF' 2>&1 | tee "$OUT/import.log"
+import torch
+from cublade.ops import _dispatch
+print("cublade._C loaded:", _dispatch.extension_loaded(), _dispatch.extension_load_error() or "")
+print("ops:", sorted(n for n in dir(torch.ops.cublade) if not n.startswith("_")))
+EOF
+
+# ---- tests ----------------------------------------------------------------------------------------------
+tests=${CUBLADE_TESTS:-tests/ops}
+if [ "$tests" != "none" ]; then
+  stamp "tests: pytest $tests"
+  # -p no:cacheprovider: the tree may be read-only; --durations: where the test time goes
+  python3 -m pytest -q -p no:cacheprovider -rs --durations=8 $tests ${CUBLADE_PYTEST:-} > "$OUT/tests.log" 2>&1
+  rc=$?
+  tail -40 "$OUT/tests.log"
+  summary+=("tests: rc=$rc, $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed).* =+$' "$OUT/tests.log" | tail -1)")
+fi
+
+# ---- benchmarks -----------------------------------------------------------------------------------------
+benches=${CUBLADE_BENCHES:-$(ls benchmarks/bench_*.py 2>/dev/null)}
+if [ "$benches" != "none" ]; then
+  export CUBLADE_BENCH_JSON=$OUT/bench.jsonl
+  : > "$OUT/bench.md"
+  for b in $benches; do
+    stamp "bench: $b"
+    python3 "$b" >> "$OUT/bench.md" 2>&1 || summary+=("bench $b: FAILED rc=$?")
+  done
+  summary+=("benches: $(grep -c '^| ' "$OUT/bench.md") table lines in bench.md")
+fi
+
+stamp "done"
+echo "==== summary"
+printf '%s\n' "${summary[@]}"
+echo "==== bench rows (cublade us | baseline us | ratio | TB/s | % copy)"
+grep -E '^\| (fp8|mx|w4|fp4|copy)' "$OUT/bench.md" 2>/dev/null | awk -F'|' '{printf "%-34s %-22s %8s %8s %7s %6s %5s %s\n", $2, $3, $4, $6, $7, $8, $9, $10}'
+grep -E "^copy ceiling" "$OUT/bench.md" 2>/dev/null | head -1
