@@ -246,11 +246,13 @@ class CubladeLinearMethod(LinearMethodBase):
     # ---- after loading ---------------------------------------------------------------------------------
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self._check_complete(layer, [n for n in self.param_names if n not in _DESCRIPTIVE])
-        for n in _DESCRIPTIVE:
-            layer._parameters.pop(n, None)
+        for n in self.param_names:  # loading is over: plain Parameters from here on
+            if n in _DESCRIPTIVE:
+                _replace(layer, n, None)
+            else:
+                _replace(layer, n, getattr(layer, n).data)
         s = self.scheme
         if isinstance(s, Fp8Scheme):
-            _replace(layer, "weight", layer.weight.data)
             scale = layer.weight_scale.data.float()
             if s.weight_strategy == "channel":
                 scale = scale.reshape(-1)
@@ -262,17 +264,10 @@ class CubladeLinearMethod(LinearMethodBase):
             _replace(layer, "weight_scale", scale.contiguous())
             if s.static:
                 _replace(layer, "input_scale", layer.input_scale.data.float().max().reshape(1))
-        elif isinstance(s, W4A16Scheme):
-            _replace(layer, "weight_packed", layer.weight_packed.data)
-            _replace(layer, "weight_scale", layer.weight_scale.data)
-            if not s.symmetric:
-                zp = layer.weight_zero_point.data
-                if self.source == CT_METHOD:  # int32 [N/8, groups], packed along N -> uint8 [N, groups]
-                    zp = unpack_int4(zp.t().contiguous())[:, :layer.output_size_per_partition].t()
-                _replace(layer, "weight_zero_point", zp.contiguous())
-        elif isinstance(s, MXFP8Scheme):
-            _replace(layer, "weight", layer.weight.data)
-            _replace(layer, "weight_scale", layer.weight_scale.data)
+        elif isinstance(s, W4A16Scheme) and not s.symmetric and self.source == CT_METHOD:
+            # int32 [N/8, groups] packed along N -> uint8 [N, groups]
+            zp = unpack_int4(layer.weight_zero_point.data.t().contiguous())
+            _replace(layer, "weight_zero_point", zp[:, :layer.output_size_per_partition].t().contiguous())
         self.kernel = select_kernel(layer, self.prefix)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
