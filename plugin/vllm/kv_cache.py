@@ -15,8 +15,8 @@ The cache write. vLLM 0.26 has a registry for attention backends with one slot f
 `AttentionBackendEnum.CUSTOM` (vllm.v1.attention.backends.registry.register_backend); a backend there is
 picked with `--attention-backend CUSTOM`. cublade.vllm.register() puts CubladeFlashAttentionBackend in that
 slot: vLLM's FlashAttention backend, unchanged but for `do_kv_cache_update`, which writes the FP8 cache with
-`cublade.ops.fp8_kv_cache_write` (cublade's CUDA kernel when built, else its reference) instead of vLLM's
-`reshape_and_cache_flash`. The two produce the same bytes (the op's contract). Nothing in vLLM is patched;
+cublade's CUDA op `fp8_kv_cache_write` instead of vLLM's `reshape_and_cache_flash` (vLLM's op still runs where
+cublade's extension lacks the kernel). The two produce the same bytes (the op's contract). Nothing in vLLM is patched;
 without the flag vLLM's own backend and cache write run. It cannot be made the default without the flag:
 the backend is chosen from the attention config before any quantization config is consulted, and
 overriding vLLM's FLASH_ATTN entry would change every model served in a process that has cublade installed.
@@ -79,19 +79,27 @@ class CubladeFlashAttentionImpl(_FlashAttentionImpl):
     _logged = False
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        if self.kv_cache_dtype not in ("fp8", "fp8_e4m3"):
-            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         from vllm.v1.attention.backend import AttentionType
 
         from cublade.ops import fp8_kv_cache_write
         from cublade.ops._dispatch import use_kernel
 
-        if self.attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
-            return None
+        if self.kv_cache_dtype not in ("fp8", "fp8_e4m3") or self.attn_type in (AttentionType.ENCODER_ONLY,
+                                                                                  AttentionType.ENCODER):
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        # On a GPU without cublade's kernel, vLLM's own write: the reference's boolean indexing syncs with
+        # the host, which CUDA-graph capture forbids. (The reference runs here only on CPU, for tests.)
+        if use_kernel(key, "fp8_kv_cache_write"):
+            how = "cublade's CUDA op fp8_kv_cache_write"
+        elif key.is_cuda:
+            how = "vLLM's reshape_and_cache_flash (cublade's CUDA extension has no fp8_kv_cache_write)"
+        else:
+            how = "the PyTorch reference of fp8_kv_cache_write (CPU)"
         if not CubladeFlashAttentionImpl._logged:
             CubladeFlashAttentionImpl._logged = True
-            logger.info("cublade: FP8 KV-cache write runs %s", "cublade's CUDA op fp8_kv_cache_write"
-                        if use_kernel(key, "fp8_kv_cache_write") else "the PyTorch reference of fp8_kv_cache_write")
+            logger.info("cublade: FP8 KV-cache write runs %s", how)
+        if how.startswith("vLLM's"):
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         # The same views of the cache as vLLM's FlashAttention backend: [num_blocks, H, block_size, 2*D]
         # -> K and V, each [num_blocks, block_size, H, D] (strided views; the op writes through them).
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
