@@ -18,3 +18,15 @@ convert w4a16-g32 --scheme w4a16 --group-size 32
 
 echo
 cublade ppl "$MODEL" "$OUT"/fp8-dynamic "$OUT"/mxfp8 "$OUT"/mxfp8-floor "$OUT"/w4a16 "$OUT"/w4a16-g32 --text "$TEXT"
+
+# Calibrated checkpoints: calibrate on the first 6 stories, score everything on the other 13 (held out).
+SPLIT=(--calib-text "$TEXT" --calib-lines 0:6)
+convert w4a16-gptq --scheme w4a16 "${SPLIT[@]}"
+convert w4a16-g32-gptq --scheme w4a16 --group-size 32 "${SPLIT[@]}"
+convert fp8-static --scheme fp8-static "${SPLIT[@]}"
+convert fp8-dynamic-kv --scheme fp8-dynamic --kv-cache fp8 "${SPLIT[@]}"
+
+echo
+echo "held-out split (stories 6-18; calibration used stories 0-5):"
+cublade ppl "$MODEL" "$OUT"/w4a16 "$OUT"/w4a16-gptq "$OUT"/w4a16-g32 "$OUT"/w4a16-g32-gptq "$OUT"/fp8-dynamic \
+  "$OUT"/fp8-static "$OUT"/fp8-dynamic-kv --text "$TEXT" --lines 6:
