@@ -52,8 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "stories260K-padded-hf /tmp/s-fp8 --scheme fp8-dynamic")
     c.add_argument("src", type=Path, help="source checkpoint directory (config.json + *.safetensors)")
     c.add_argument("out", type=Path, help="output directory (must not exist unless --overwrite)")
-    c.add_argument("--scheme", required=True, choices=list(PRESETS), metavar="PRESET",
-                   help=f"preset policy: {', '.join(PRESETS)}")
+    which = c.add_mutually_exclusive_group(required=True)
+    which.add_argument("--scheme", choices=list(PRESETS), metavar="PRESET",
+                       help=f"preset policy: {', '.join(PRESETS)}")
+    which.add_argument("--policy", type=Path, metavar="FILE.json",
+                       help="a custom policy: JSON with the quantization_config fields 'schemes', 'rules', "
+                       "'ignore' and 'kv_cache' (see README, Checkpoint format)")
+    c.add_argument("--allow-quantized-router", action="store_true",
+                   help="let a custom policy quantize MoE routers (refused by default: top-k routing is "
+                   "sensitive to small logit changes, and vLLM's Mixtral cannot serve a quantized router)")
     c.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (only once the new "
                    "checkpoint is complete)")
     c.add_argument("--max-shard-size", type=_size, default="2GB", help="largest output shard (default 2GB)")
@@ -126,14 +133,32 @@ def _convert(args) -> int:
 
     overrides = {k: getattr(args, k) for k in ("group_size", "symmetric", "weight_strategy", "activations",
                                                "scale_rule", "format", "kv_cache")}
-    policy = preset(args.scheme, **overrides)
+    if args.policy is not None:
+        given = sorted(k for k, v in overrides.items() if v is not None)
+        if given:
+            raise ValueError(f"--policy takes its schemes from the file; drop {', '.join(given)}")
+        policy = _read_policy(args.policy)
+    else:
+        policy = preset(args.scheme, **overrides)
     t0 = time.time()
     out = convert(args.src, args.out, policy, overwrite=args.overwrite, max_shard_bytes=args.max_shard_size,
-                  skip_unsupported=args.skip_unsupported,
+                  skip_unsupported=args.skip_unsupported, allow_quantized_router=args.allow_quantized_router,
                   dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
                   calib_text=args.calib_text, calib_tokens=args.calib_tokens, calib_lines=args.calib_lines)
-    print(f"wrote {out} ({args.scheme}) in {time.time() - t0:.1f} s")
+    print(f"wrote {out} ({policy.preset}) in {time.time() - t0:.1f} s")
     return 0
+
+
+def _read_policy(path: Path):
+    import json
+
+    from cublade.config import Policy
+
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--policy {path}: cannot read a JSON policy ({e})") from None
+    return Policy.from_dict({"preset": f"custom:{path.name}", **d})
 
 
 def _ppl(args) -> int:

@@ -231,3 +231,21 @@ def test_cli_convert_end_to_end(tmp_path, padded_model_dir):
     t = load_all(tmp_path / "w")
     assert t["model.layers.0.mlp.down_proj.weight_zero_point"].shape == (128, 4)
     assert t["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_cli_custom_policy_file(tmp_path, padded_model_dir):
+    policy = {"schemes": {"w": {"kind": "w4a16", "group_size": 64}, "m": {"kind": "mxfp8"}},
+              "rules": [{"pattern": r".*\.mlp\..*", "scheme": "w"}, {"pattern": r".*", "scheme": "m"}]}
+    f = tmp_path / "policy.json"
+    f.write_text(json.dumps(policy))
+    r = _cli("convert", padded_model_dir, tmp_path / "out", "--policy", f)
+    assert r.returncode == 0, r.stderr
+    t = load_all(tmp_path / "out")
+    assert t["model.layers.0.mlp.up_proj.weight_packed"].dtype == torch.int32
+    assert t["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert t["model.embed_tokens.weight"].dtype == torch.float32  # default ignore list applies
+    r = _cli("convert", padded_model_dir, tmp_path / "o2", "--policy", f, "--group-size", "32")
+    assert r.returncode == 2 and "drop group_size" in r.stderr
+    f.write_text("{")
+    r = _cli("convert", padded_model_dir, tmp_path / "o3", "--policy", f)
+    assert r.returncode == 2 and "cannot read a JSON policy" in r.stderr
