@@ -240,6 +240,18 @@ def expert_tensors(tensors: Iterable[tuple[str, torch.Tensor]],
                 yield n, t[e]
 
 
+def check_checkpoint_experts(model_dir) -> None:
+    """A cublade (or any per-expert) checkpoint's expert tensors against its config.json, from the safetensors
+    headers only: no expert id beyond the config's count, none missing. For loaders that would otherwise drop
+    an extra expert without a word (vLLM's FusedMoE loader maps ids 0..E-1 only)."""
+    from cublade.checkpoint import tensor_infos
+
+    layout = expert_layout(model_dir)
+    if layout is None:
+        return
+    layout.check_complete(name for _, name, _, _ in tensor_infos(model_dir))
+
+
 def check_router_policy(policy: Policy, layout: ExpertLayout | None, allow_quantized_router: bool = False,
                         module_names: Iterable[str] = ()) -> None:
     """Refuse a policy that would quantize an MoE router unless asked for explicitly.

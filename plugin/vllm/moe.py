@@ -63,6 +63,9 @@ class CubladeFp4MoEMethod(FusedMoEMethodBase):
         self.scheme = scheme
         self.prefix = prefix
         self.kernel: MoEKernel | None = None
+        # (suffix, shard id, global expert id) of every checkpoint tensor loaded: vLLM's loader checks that each
+        # parameter got something, not that every expert's slice of it did.
+        self._loaded: set[tuple[str, str, int]] = set()
         if not moe.is_act_and_mul or moe.activation != MoEActivation.SILU:
             raise NotImplementedError(f"{where}: cublade FP4 experts support the gated SiLU (SwiGLU) of "
                                       f"Mixtral-style experts, not activation {moe.activation.value!r}")
@@ -103,7 +106,10 @@ class CubladeFp4MoEMethod(FusedMoEMethodBase):
 
         def load(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
             self._check_loaded(layer, suffix, param, loaded_weight, shard_id, expert_id)
-            return loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=return_success)
+            ok = loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=return_success)
+            if ok is not False:  # False: the expert lives on another rank
+                self._loaded.add((suffix, shard_id, expert_id))
+            return ok
 
         return load
 
@@ -135,8 +141,30 @@ class CubladeFp4MoEMethod(FusedMoEMethodBase):
                              f"{I * layer.moe_config.moe_parallel_config.tp_size}, block {self.scheme.block})")
 
     # --- after loading: checks and the kernel ---------------------------------------------------------
+    def _check_complete(self, layer) -> None:
+        """Every local expert got w1, w3 and w2 of every tensor the scheme has."""
+        E, H, I = self._sizes
+        N_K = {"w1": (I, H), "w3": (I, H), "w2": (H, I)}
+        ckpt = {"w1": layer.ckpt_gate_proj_name, "w2": layer.ckpt_down_proj_name, "w3": layer.ckpt_up_proj_name}
+        for g in range(layer.global_num_experts):
+            if layer._map_global_expert_id_to_local_expert_id(g) == -1:
+                continue
+            for shard in ("w1", "w3", "w2"):
+                for suffix in self.scheme.tensor_specs(*N_K[shard]):
+                    if (suffix, shard, g) not in self._loaded:
+                        raise ValueError(f"{layer.layer_name}.{g}.{ckpt[shard]}.{suffix}: missing from the "
+                                         f"checkpoint (scheme {self.scheme.describe()}; other experts have it)")
+
     def process_weights_after_loading(self, layer) -> None:
         where = self.prefix or layer.layer_name
+        if not self._loaded:
+            # Nothing came through the loader: vLLM's dummy weights (--load-format dummy) or a test. Random
+            # bytes are no checkpoint to check; pick the kernel and run on them.
+            logger.warning("cublade: %s: no expert tensors were loaded (dummy weights?); skipping the checks",
+                           where)
+            self.kernel = select_moe_kernel(layer, self.scheme, where)
+            return
+        self._check_complete(layer)
         if self.scheme.format == "mxfp4":
             for w in ("w13", "w2"):
                 bad = (getattr(layer, f"{w}_weight_scale") == E8M0_NAN)
@@ -312,7 +340,7 @@ class VllmMarlinMoE(MoEKernel):
             return False, f"activations are {layer.params_dtype}; Marlin takes bf16/fp16"
         try:
             from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import is_fp4_marlin_supported
-            import vllm._moe_C  # noqa: F401  (registers torch.ops._moe_C.moe_wna16_marlin_gemm)
+            import vllm._moe_C  # noqa: F401  (registers torch.ops._moe_C.moe_wna16_marlin_gemm)  # pyflakes: ignore
         except ImportError as e:
             return False, f"vLLM's MoE CUDA ops are not importable ({e})"
         if not is_fp4_marlin_supported():

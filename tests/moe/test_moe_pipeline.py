@@ -89,6 +89,24 @@ def test_convert_refuses_bad_expert_tensors(moe_fixture, tmp_path, layout, edit,
     assert not (tmp_path / "out").exists()
 
 
+def test_check_checkpoint_experts(converted, moe_fixture, tmp_path):
+    """What a loader calls before trusting a converted checkpoint's experts (vLLM alone drops an extra expert
+    and leaves a missing one's slice at zero)."""
+    from cublade.experts import check_checkpoint_experts
+
+    ckpt = converted("fp4-experts-fp8-dense", src=moe_fixture("exact", "mixtral"))
+    check_checkpoint_experts(ckpt)
+    extra = _edited_copy(ckpt, tmp_path / "extra", lambda t: t.update({
+        "model.layers.1.block_sparse_moe.experts.8.w1.weight_packed": torch.zeros(256, 64, dtype=torch.uint8)}))
+    with pytest.raises(ValueError, match=r"experts\.8\.w1\.weight_packed: expert id 8, but config\.json says 8"):
+        check_checkpoint_experts(extra)
+    missing = _edited_copy(ckpt, tmp_path / "missing", lambda t: t.pop(
+        "model.layers.3.block_sparse_moe.experts.6.w2.weight_scale"))
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.block_sparse_moe\.experts\.6\.w2\.weight_scale: "
+                                         r"missing from the checkpoint"):
+        check_checkpoint_experts(missing)
+
+
 def test_reference_backend_refuses_bad_quantized_experts(converted, moe_fixture, tmp_path):
     from cublade.reference import load_reference_model
 

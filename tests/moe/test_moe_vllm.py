@@ -198,6 +198,9 @@ def test_load_errors_name_the_tensor(vllm_cpu, ckpt, fmt):
     bad["6.w2.weight_packed"] = block["6.w2.weight_packed"][:, :64].contiguous()
     with pytest.raises(ValueError, match=rf"{where}\.6\.w2\.weight_packed: shape \[128, 64\], expected \[128, 128\]"):
         load(make_layer(vllm_cpu, scheme), bad)
+    bad = {k: v for k, v in block.items() if k != "5.w3.weight_scale"}
+    with pytest.raises(ValueError, match=rf"{where}\.5\.w3\.weight_scale: missing from the checkpoint"):
+        load(make_layer(vllm_cpu, scheme), bad)
     bad = dict(block)
     bad["0.w1.weight_scale"] = block["0.w1.weight_scale"].float()
     with pytest.raises(ValueError, match=rf"{where}\.0\.w1\.weight_scale: dtype torch.float32, expected"):
