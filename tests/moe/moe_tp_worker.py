@@ -1,0 +1,40 @@
+"""One rank of the tensor-parallel MoE test (test_moe_vllm.py::test_tensor_parallel_2): builds the FusedMoE
+layer with cublade's FP4 method at TP=2 on CPU (gloo), loads the full checkpoint block (vLLM's loader takes this
+rank's rows of w1/w3 and columns of w2, packed bytes and scales alike), runs the layer (vLLM all-reduces) and
+saves the output."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def run(rank: int, world: int, port: int, jobs: list[tuple[str, str, str]]) -> None:
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    from cublade.config.schemes import FP4Scheme
+    from test_moe_vllm import checkpoint_block, forward, load, make_layer, router
+
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
+        initialize_model_parallel(world, 1)
+    from pathlib import Path
+
+    for ckpt, fmt, out in jobs:
+        layer = make_layer(cfg, FP4Scheme(format=fmt), dtype=torch.float32)
+        re_ = layer.routed_experts
+        assert re_.w13_weight_packed.shape[1] == 2 * 256 // world, re_.w13_weight_packed.shape
+        load(layer, checkpoint_block(Path(ckpt)))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(37, 128, generator=g)
+        y = forward(cfg, layer, x, x @ router(Path(ckpt)).t())
+        if rank == 0:
+            torch.save(y, out)
+
+
+if __name__ == "__main__":
+    rank, world, port = (int(a) for a in sys.argv[1:4])
+    rest = sys.argv[4:]
+    run(rank, world, port, [tuple(rest[i:i + 3]) for i in range(0, len(rest), 3)])
