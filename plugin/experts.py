@@ -13,11 +13,13 @@ per-expert names of the model type, so vLLM loads it), each expert linear quanti
 
 What the converter calls (cublade.convert):
   layout = expert_layout(src)                         # None for a model without routed experts
-  check_router_policy(policy, allow_quantized_router) # before converting anything
+  check_router_policy(policy, layout, allow_quantized_router)  # before converting anything
   expert_tensor_infos(tensor_infos(src), layout)      # the plan: fused tensors split, shapes/count checked
   expert_tensors(iter_tensors(src), layout)           # the data, split the same way
 What the reference backend calls (cublade.reference), before load_state_dict:
   prepare_moe_reference(model, tensors, policy, config_dict)
+What a serving loader can call on a converted checkpoint (vLLM's FusedMoE loader silently drops expert ids
+beyond config.json's count): check_checkpoint_experts(model_dir)
 """
 from __future__ import annotations
 

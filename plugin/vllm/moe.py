@@ -14,11 +14,13 @@ per-expert tensors stacked by vLLM's FusedMoE weight loader (w13 = [w1; w3] rows
     w13_weight_global_scale  fp32 [E, 2] (nvfp4: w1, w3)                     w2_weight_global_scale fp32 [E]
 Checkpoint `...experts.{e}.w1.weight_packed` lands in `w13_weight_packed[e, :I]`, w3 in `[e, I:]`, w2 in
 `w2_weight_packed[e]` (TP: w1/w3 split along rows, w2 along columns; I/TP must be a multiple of B). A tensor of
-the wrong shape or dtype is refused at load with its checkpoint name.
+the wrong shape or dtype is refused at load, and a local expert missing one of its tensors after loading, each
+with the checkpoint tensor's name. Kernels repack these once (process_weights_after_loading) and drop them.
 
 Kernel choice (one per layer, in process_weights_after_loading; first that can run the layer wins; logged
 once per distinct choice with the reason; CUBLADE_DISABLED_KERNELS=name,... takes kernels out):
-  cublade-fp4-moe    cublade's FP4 dequant-GEMM op (cublade.ops.fp4_gemm), CUDA
+  cublade-fp4-moe    cublade's FP4 dequant-GEMM op (cublade.ops.fp4_gemm), CUDA, bf16: one grouped call per
+                     projection, tokens sorted by expert on the device (CUDA-graph capturable)
   vllm-marlin-moe    fallback: vLLM's fused Marlin MoE (FP4 weights, bf16/fp16 activations), CUDA; weights
                      repacked once into Marlin's layout. NVFP4 needs one global scale per expert for w1 and w3.
   reference          pure PyTorch: every expert linear is scheme.linear_ref on the stored FP4 tensors (the
