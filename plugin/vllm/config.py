@@ -101,6 +101,16 @@ class CubladeConfig(QuantizationConfig):
                          f"not read; cublade serves {QUANT_METHOD!r} checkpoints and {CT_METHOD!r} FP8 W8A8 / "
                          f"int4 W4A16 ones. Drop --quantization to use vLLM's {method!r} method")
 
+    def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
+        """Check a local MoE checkpoint's expert tensors against its config.json before loading: vLLM's FusedMoE
+        loader maps expert ids 0..E-1 only and would drop an extra expert without a word."""
+        from pathlib import Path
+
+        if Path(model_name).is_dir():
+            from cublade.experts import check_checkpoint_experts
+
+            check_checkpoint_experts(model_name)
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
             scheme = self.scheme_for_layer(prefix)

@@ -100,6 +100,13 @@ def test_check_checkpoint_experts(converted, moe_fixture, tmp_path):
         "model.layers.1.block_sparse_moe.experts.8.w1.weight_packed": torch.zeros(256, 64, dtype=torch.uint8)}))
     with pytest.raises(ValueError, match=r"experts\.8\.w1\.weight_packed: expert id 8, but config\.json says 8"):
         check_checkpoint_experts(extra)
+    # vLLM calls it through the quantization config before loading (its loader would drop expert 8 silently)
+    from cublade.config import read_policy
+    from cublade.vllm.config import CubladeConfig
+
+    with pytest.raises(ValueError, match=r"experts\.8\.w1\.weight_packed: expert id 8"):
+        CubladeConfig(read_policy(extra)).maybe_update_config(str(extra))
+    CubladeConfig(read_policy(ckpt)).maybe_update_config(str(ckpt))
     missing = _edited_copy(ckpt, tmp_path / "missing", lambda t: t.pop(
         "model.layers.3.block_sparse_moe.experts.6.w2.weight_scale"))
     with pytest.raises(ValueError, match=r"model\.layers\.3\.block_sparse_moe\.experts\.6\.w2\.weight_scale: "
