@@ -1,0 +1,152 @@
+"""Benchmark cublade's w4a16_gemm against vLLM's Machete and Marlin (its W4A16 kernels on Hopper) and a bf16
+matmul of the dequantized weight, in the same run. int4 weights, group 128, symmetric (uint4b8), bf16
+activations.
+
+    python benchmarks/bench_w4a16_gemm.py [--shapes 8192x28672,4096x14336] [--m 1,4,16,32,64]
+                                          [--sweep] [--json FILE]
+
+Times: median of triton.testing.do_bench (it clears L2 before every call, so the weights come from HBM).
+Bandwidth: weight + scale bytes (N*K/2 + N*K/128*2) over the time, the issue's measure; % of the 4.28 TB/s
+device-to-device copy ceiling measured on the H200. Accuracy: mean|C-ref|/mean|ref| at M=16 against the fp32
+product with the dequantized weights. --sweep also times every split_k (warps per 16-row tile) for tuning.
+Without vLLM (not importable) the baseline columns say so and the rest still runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import torch
+
+COPY_CEILING_TBS = 4.28  # device-to-device copy, bytes read + written, measured on the H200 (issue 4)
+G = 128
+
+
+def bench(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median microseconds (L2 cleared before each call)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+
+
+def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((c.float() - ref).abs().mean() / ref.abs().mean()).item()
+
+
+def vllm_kernels(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int) -> tuple[dict, str]:
+    """{name: fn(x)} for vLLM's Machete and Marlin on the checkpoint tensors (compressed-tensors' int4 layout,
+    which is cublade's), set up the way vLLM's MPLinearKernel classes do at load time."""
+    try:
+        import vllm
+        from vllm.model_executor.kernels import linear as vl
+        from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
+        from vllm.scalar_type import scalar_types
+    except Exception as e:  # noqa: BLE001  (any import failure means: no baseline)
+        return {}, f"baseline: vLLM not importable ({type(e).__name__}: {e})"
+    out = {}
+    noop = lambda *a, **k: None  # noqa: E731
+    cfg = vl.MPLinearLayerConfig(full_weight_shape=(K, N), partition_weight_shape=(K, N),
+                                 weight_type=scalar_types.uint4b8, act_type=torch.bfloat16, group_size=G,
+                                 zero_points=False, has_g_idx=False)
+    for name in ("MacheteLinearKernel", "MarlinLinearKernel"):
+        cls = getattr(vl, name)
+        ok, why = cls.can_implement(cfg)
+        if not ok:
+            out[name] = why
+            continue
+        layer = torch.nn.Module()
+        layer.register_parameter("weight_packed", PackedvLLMParameter(
+            data=wp.clone(), input_dim=1, output_dim=0, packed_dim=1, packed_factor=8, weight_loader=noop))
+        layer.register_parameter("weight_scale", GroupQuantScaleParameter(
+            data=ws.clone(), output_dim=0, input_dim=1, weight_loader=noop))
+        k = cls(cfg, w_q_param_name="weight_packed", w_s_param_name="weight_scale")
+        k.process_weights_after_loading(layer)
+        out[name.replace("LinearKernel", "")] = (lambda kk, ll: (lambda x: kk.apply_weights(ll, x)))(k, layer)
+    return out, f"baseline: vLLM {vllm.__version__} Machete / Marlin (MPLinearKernel)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="8192x28672,4096x14336", help="KxN list")
+    ap.add_argument("--m", default="1,4,16,32,64", help="token counts")
+    ap.add_argument("--sweep", action="store_true", help="also time each split_k (K splits per cluster)")
+    ap.add_argument("--json", default=None, help="write all rows here")
+    args = ap.parse_args()
+
+    from cublade.ops._dispatch import extension_load_error, extension_loaded
+    from cublade.ops.w4a16_gemm import w4a16_dequant_repacked, w4a16_repack
+
+    if not torch.cuda.is_available() or not extension_loaded():
+        raise SystemExit(f"bench_w4a16_gemm: needs a GPU and the built extension ({extension_load_error()})")
+    op = torch.ops.cublade.w4a16_gemm
+    dev = torch.device("cuda")
+    import triton
+
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"python {platform.python_version()}")
+    rows = []
+    note = None
+    for shape in args.shapes.split(","):
+        K, N = (int(v) for v in shape.split("x"))
+        torch.manual_seed(0)
+        # random nibbles and positive scales in the checkpoint layout (cublade = compressed-tensors int4)
+        wp = torch.randint(-2**31, 2**31, (N, K // 8), dtype=torch.int32, device=dev)
+        ws = (torch.rand(N, K // G, device=dev) * 0.01 + 0.002).to(torch.bfloat16)
+        rp = w4a16_repack(wp, ws, None, G)
+        w32 = w4a16_dequant_repacked(rp.packed, G, True, N, K)
+        wbf = w32.to(torch.bfloat16)
+        base, note = vllm_kernels(wp, ws, N, K)
+        wbytes = N * K // 2 + N * (K // G) * 2
+        x16 = torch.randn(16, K, device=dev).to(torch.bfloat16)
+        ref16 = x16.float() @ w32.t()
+        errs = {"cublade": rel_err(op(x16, rp.packed, G, True, N), ref16),
+                "bf16": rel_err(torch.nn.functional.linear(x16, wbf), ref16)}
+        for name, fn in base.items():
+            if callable(fn):
+                errs[name] = rel_err(fn(x16), ref16)
+        del w32
+        for M in (int(m) for m in args.m.split(",")):
+            x = torch.randn(M, K, device=dev).to(torch.bfloat16)
+            r = {"K": K, "N": N, "M": M, "weight_bytes": wbytes}
+            r["cublade_us"] = bench(lambda: op(x, rp.packed, G, True, N))
+            r["bf16_us"] = bench(lambda: torch.nn.functional.linear(x, wbf))
+            for name, fn in base.items():
+                r[f"{name}_us"] = bench(lambda: fn(x)) if callable(fn) else None
+            if args.sweep:
+                for s in (1, 2, 4, 8):
+                    r[f"split{s}_us"] = bench(lambda: op(x, rp.packed, G, True, N, s))
+            r["errors_m16"] = errs
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        del wbf, rp, base
+        torch.cuda.empty_cache()
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "baseline": note,
+                       "rows": rows}, f, indent=1)
+    print(note)
+    print("\nw4a16_gemm, int4 g128 sym, bf16 activations; median us (do_bench, L2 cleared); TB/s = weight+scale "
+          f"bytes / time; % of the {COPY_CEILING_TBS} TB/s copy ceiling")
+    hdr = f"{'K x N':>12} {'M':>3} {'cublade':>8} {'TB/s':>5} {'%ceil':>5} {'Machete':>8} {'Marlin':>8} " \
+          f"{'best vLLM/cublade':>17} {'bf16':>7}"
+    print(hdr)
+    for r in rows:
+        mach, marl = r.get("Machete_us"), r.get("Marlin_us")
+        best = min(v for v in (mach, marl) if v is not None) if (mach or marl) else None
+        tbs = r["weight_bytes"] / r["cublade_us"] / 1e6
+        print(f"{r['K']:>5}x{r['N']:<6} {r['M']:>3} {r['cublade_us']:>8.1f} {tbs:>5.2f} "
+              f"{100 * tbs / COPY_CEILING_TBS:>4.0f}% {mach or float('nan'):>8.1f} {marl or float('nan'):>8.1f} "
+              f"{(best / r['cublade_us']) if best else float('nan'):>16.2f}x {r['bf16_us']:>7.1f}")
+    if args.sweep:
+        print("\nsplit_k sweep (us): " + " | ".join(
+            f"{r['K']}x{r['N']} M={r['M']}: " + " ".join(f"{s}:{r[f'split{s}_us']:.1f}" for s in (1, 2, 4, 8))
+            for r in rows))
+    print("accuracy at M=16 (mean|C-ref|/mean|ref| vs fp32): " + " | ".join(
+        f"{r['K']}x{r['N']}: " + ", ".join(f"{k} {v:.2e}" for k, v in r["errors_m16"].items())
+        for r in rows if r["M"] == rows[0]["M"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""fp4_gemm: repack (round trip to the checkpoint's FP4 dequant), reference GEMM (dense and grouped over
+experts), and the CUDA kernel.
+
+Tolerance classes: the repack is exact for MXFP4 and for NVFP4's e2m1 * block scale; the NVFP4 global scale is
+applied after that product ((v * s) * g), where the checkpoint reference computes v * (s * g): one fp32
+rounding apart (rtol 2^-23). The kernel is a GEMM: mean|C - ref| / mean|ref| <= 2e-3 against the fp32 product
+with the checkpoint-dequantized weights (its weights are exact in bf16, so the error is the final bf16
+rounding, ~1.4e-3 on this metric, plus fp32 summation order).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cublade.ops.fp4 import fp4_dequant_weight, fp4_quant_weight, nvfp4_dequant_weight
+from cublade.ops.fp4_gemm import fp4_dequant_repacked, fp4_gemm, fp4_gemm_ref, fp4_repack
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
+BAR = 2e-3
+FMTS = ["mxfp4", "nvfp4"]
+
+
+def experts(E: int, N: int, K: int, fmt: str, seed: int = 0, parts: int = 1):
+    """Quantized stacked experts [E, N, K] and their fp32 dequantized weights. parts=2: the rows are two
+    tensors (w1; w3) with their own NVFP4 global scales, as vLLM's fused w13."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, N, K, generator=g) * 0.05
+    w[:, N // 2] = 0.0
+    w[0, 0, K // 3] = 2.5  # outlier
+    packed, scale, gs, deq = [], [], [], []
+    for e in range(E):
+        rows = []
+        for p in range(parts):
+            t = fp4_quant_weight(w[e, p * N // parts:(p + 1) * N // parts], fmt)
+            rows.append(t)
+            deq.append(fp4_dequant_weight(t, fmt))
+        packed.append(torch.cat([t["weight_packed"] for t in rows]))
+        scale.append(torch.cat([t["weight_scale"] for t in rows]))
+        if fmt == "nvfp4":
+            gs.append(torch.cat([t["weight_global_scale"] for t in rows]))
+    W = torch.cat(deq).reshape(E, N, K)
+    return torch.stack(packed), torch.stack(scale), (torch.stack(gs) if gs else None), W
+
+
+def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((c.float() - ref).abs().mean() / ref.abs().mean()).item()
+
+
+def grouped_ref(x, offsets, W):
+    y = torch.zeros(x.shape[0], W.shape[1], dtype=torch.float32, device=x.device)
+    o = offsets.tolist()
+    for e in range(W.shape[0]):
+        y[o[e]:o[e + 1]] = x[o[e]:o[e + 1]].float() @ W[e].t()
+    return y
+
+
+# ---- CPU ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("E,N,K", [(1, 16, 64), (3, 40, 96), (2, 37, 160), (4, 24, 256)])
+def test_repack_round_trip(fmt, E, N, K):
+    wp, ws, gs, W = experts(E, N, K, fmt, seed=N * K)
+    rp = fp4_repack(wp, ws, fmt, gs)
+    assert rp.packed.dtype == torch.int32 and rp.packed.shape == (E, -(-N // 64), -(-K // 512), 4, 1152)
+    if fmt == "mxfp4":
+        assert rp.row_scale is None
+        torch.testing.assert_close(fp4_dequant_repacked(rp.packed, None, fmt, N, K), W, rtol=0, atol=0)
+    else:
+        # e2m1 * block scale: exact; the global scale per row: exact copy
+        unscaled = torch.stack([nvfp4_dequant_weight(wp[e], ws[e], torch.ones(1)) for e in range(E)])
+        torch.testing.assert_close(fp4_dequant_repacked(rp.packed, None, fmt, N, K), unscaled, rtol=0, atol=0)
+        torch.testing.assert_close(rp.row_scale[:, :N], gs.reshape(E, 1).expand(E, N), rtol=0, atol=0)
+        assert rp.row_scale.shape == (E, -(-N // 64) * 64) and (rp.row_scale[:, N:] == 0).all()
+        torch.testing.assert_close(fp4_dequant_repacked(rp.packed, rp.row_scale, fmt, N, K), W,
+                                   rtol=2**-23, atol=0)
+
+
+def test_repack_w13_two_global_scales():
+    wp, ws, gs, W = experts(3, 32, 128, "nvfp4", parts=2)
+    assert gs.shape == (3, 2)
+    rp = fp4_repack(wp, ws, "nvfp4", gs)
+    torch.testing.assert_close(rp.row_scale[:, :16], gs[:, :1].expand(3, 16), rtol=0, atol=0)
+    torch.testing.assert_close(rp.row_scale[:, 16:32], gs[:, 1:].expand(3, 16), rtol=0, atol=0)
+    torch.testing.assert_close(fp4_dequant_repacked(rp.packed, rp.row_scale, "nvfp4", 32, 128), W,
+                               rtol=2**-23, atol=0)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dense_two_dim_input(fmt):
+    wp, ws, gs, W = experts(1, 24, 128, fmt)
+    rp = fp4_repack(wp[0], ws[0], fmt, None if gs is None else gs[0])
+    assert rp.packed.shape[0] == 1
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    y = fp4_gemm(x, rp.packed, rp.row_scale, fmt, 24)  # CPU: the reference
+    ref = (x.float() @ W[0].t()).to(torch.bfloat16)
+    tol = dict(rtol=0, atol=0) if fmt == "mxfp4" else dict(rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(y, ref, **tol)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_grouped_reference(fmt):
+    E, N, K = 4, 40, 128
+    wp, ws, gs, W = experts(E, N, K, fmt)
+    rp = fp4_repack(wp, ws, fmt, gs)
+    offsets = torch.tensor([0, 3, 3, 10, 11], dtype=torch.int64)  # expert 1 has no rows; int64 is converted
+    x = torch.randn(11, K).to(torch.bfloat16)
+    y = fp4_gemm(x, rp.packed, rp.row_scale, fmt, N, offsets)
+    assert y.shape == (11, N) and y.dtype == torch.bfloat16
+    tol = dict(rtol=0, atol=0) if fmt == "mxfp4" else dict(rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(y, grouped_ref(x, offsets, W).to(torch.bfloat16), **tol)
+
+
+@pytest.mark.parametrize("call,msg", [
+    (lambda wp, ws, gs: fp4_repack(wp, ws, "fp4", gs), "unknown FP4 format 'fp4'"),
+    (lambda wp, ws, gs: fp4_repack(wp[..., :8], ws, "nvfp4", gs), "K=16 must be a multiple of 32"),
+    (lambda wp, ws, gs: fp4_repack(wp, ws[..., :3], "nvfp4", gs), "weight_scale must be"),
+    (lambda wp, ws, gs: fp4_repack(wp, ws, "nvfp4", None), "nvfp4 needs the global scale"),
+    (lambda wp, ws, gs: fp4_repack(wp, ws, "nvfp4", torch.ones(2, 3)), "global_scale must hold one value"),
+    (lambda wp, ws, gs: fp4_repack(wp.to(torch.int32), ws, "nvfp4", gs), "weight_packed must be uint8"),
+])
+def test_repack_refuses_with_a_message(call, msg):
+    wp, ws, gs, _ = experts(2, 16, 64, "nvfp4")
+    with pytest.raises(ValueError, match=msg):
+        call(wp, ws, gs)
+
+
+def test_reference_needs_offsets_for_several_experts():
+    wp, ws, _, _ = experts(2, 16, 64, "mxfp4")
+    rp = fp4_repack(wp, ws, "mxfp4")
+    with pytest.raises(ValueError, match=r"packed holds 2 experts: pass expert_offsets \[3\]"):
+        fp4_gemm_ref(torch.randn(2, 64).to(torch.bfloat16), rp.packed, None, "mxfp4", 16)
+
+
+# ---- GPU ----------------------------------------------------------------------------------------------
+
+def to_cuda(rp):
+    return rp._replace(packed=rp.packed.cuda(), row_scale=None if rp.row_scale is None else rp.row_scale.cuda())
+
+
+@GPU
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernel_dense_every_m(fmt):
+    for N, K in [(272, 1024), (37, 96), (129, 320)]:
+        wp, ws, gs, W = experts(1, N, K, fmt, seed=N)
+        rp = to_cuda(fp4_repack(wp, ws, fmt, gs))
+        W = W[0].cuda()
+        for M in list(range(1, 65)) + [100, 257]:
+            if N != 272 and M not in (1, 7, 16, 33, 100):
+                continue
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            y = torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, fmt, N)
+            assert y.shape == (M, N) and y.dtype == torch.bfloat16
+            err = rel_err(y, x.float() @ W.t())
+            assert err <= BAR, f"{fmt} N={N} K={K} M={M}: {err:.2e}"
+
+
+@GPU
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("split_k", [0, 1, 2, 4, 8])
+def test_kernel_grouped_experts(fmt, split_k):
+    E, N, K = 8, 96, 512
+    wp, ws, gs, W = experts(E, N, K, fmt, parts=2)
+    rp = to_cuda(fp4_repack(wp, ws, fmt, gs))
+    W = W.cuda()
+    g = torch.Generator().manual_seed(split_k)
+    for counts in ([1, 0, 2, 0, 0, 1, 0, 0], [5, 9, 0, 17, 3, 40, 1, 2], [0] * 7 + [70]):
+        offsets = torch.tensor([0] + counts).cumsum(0).to(torch.int32).cuda()
+        T = int(offsets[-1])
+        x = torch.randn(T, K, generator=g).to(torch.bfloat16).cuda()
+        for max_m in (0, max(counts), 1):  # 1: below the truth, costs passes, stays correct
+            y = torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, fmt, N, offsets, max_m, split_k)
+            err = rel_err(y, grouped_ref(x, offsets, W))
+            assert err <= BAR, f"{fmt} counts={counts} max_m={max_m} split_k={split_k}: {err:.2e}"
+
+
+@GPU
+def test_kernel_nan_scale_and_inputs():
+    wp, ws, gs, W = experts(1, 32, 128, "mxfp4")
+    ws = ws.clone()
+    ws[0, 3, 1] = 255  # E8M0 NaN code: row 3's outputs are NaN, as in the reference
+    rp = to_cuda(fp4_repack(wp, ws, "mxfp4"))
+    x = torch.randn(4, 128, device="cuda").to(torch.bfloat16)
+    x[2, 5] = float("nan")
+    y = torch.ops.cublade.fp4_gemm(x, rp.packed, None, "mxfp4", 32)
+    assert torch.isnan(y[:, 3]).all() and torch.isnan(y[2]).all()
+    keep = torch.ones(32, dtype=torch.bool)
+    keep[3] = False
+    assert torch.isfinite(y[[0, 1, 3]][:, keep]).all()
+    assert (y[[0, 1, 3], 16] == 0).all()  # the all-zero row
+
+
+@GPU
+def test_kernel_refuses_with_a_message():
+    wp, ws, gs, _ = experts(2, 32, 128, "nvfp4")
+    rp = to_cuda(fp4_repack(wp, ws, "nvfp4", gs))
+    op = torch.ops.cublade.fp4_gemm
+    x = torch.randn(3, 128, device="cuda").to(torch.bfloat16)
+    offs = torch.tensor([0, 1, 3], dtype=torch.int32, device="cuda")
+    cases = [
+        (ValueError, "fp4_gemm: format must be 'mxfp4' or 'nvfp4', got 'fp4'",
+         (x, rp.packed, rp.row_scale, "fp4", 32, offs)),
+        (NotImplementedError, "fp4_gemm: x must be bfloat16", (x.half(), rp.packed, rp.row_scale, "nvfp4", 32, offs)),
+        (ValueError, "fp4_gemm: packed holds 2 experts: pass expert_offsets", (x, rp.packed, rp.row_scale, "nvfp4", 32)),
+        (ValueError, r"fp4_gemm: expert_offsets must be a contiguous int32 \[3\]",
+         (x, rp.packed, rp.row_scale, "nvfp4", 32, offs.long())),
+        (ValueError, r"fp4_gemm: packed must be a contiguous int32 \[E, 2, 1, 4, 1152\]",
+         (x, rp.packed, rp.row_scale, "nvfp4", 80, offs)),
+        (ValueError, "fp4_gemm: in_features K=112 must be a positive multiple of 32",
+         (x[:, :112], rp.packed, rp.row_scale, "nvfp4", 32, offs)),
+        (ValueError, "fp4_gemm: row_scale must be a contiguous float32", (x, rp.packed, rp.row_scale[:1], "nvfp4", 32, offs)),
+    ]
+    for exc, msg, args in cases:
+        with pytest.raises(exc, match=msg):
+            op(*args)
+
+
+@GPU
+@pytest.mark.parametrize("fmt", FMTS)
+def test_opcheck(fmt):
+    wp, ws, gs, _ = experts(3, 48, 128, fmt)
+    rp = to_cuda(fp4_repack(wp, ws, fmt, gs))
+    x = torch.randn(6, 128, device="cuda").to(torch.bfloat16)
+    offs = torch.tensor([0, 2, 2, 6], dtype=torch.int32, device="cuda")
+    torch.library.opcheck(torch.ops.cublade.fp4_gemm.default, (x, rp.packed, rp.row_scale, fmt, 48, offs, 4, 0))
+
+
+@GPU
+def test_torch_compile_fullgraph():
+    wp, ws, gs, W = experts(4, 64, 256, "nvfp4")
+    rp = to_cuda(fp4_repack(wp, ws, "nvfp4", gs))
+
+    class Experts(torch.nn.Module):
+        def forward(self, x, offsets):
+            return fp4_gemm(x, rp.packed, rp.row_scale, "nvfp4", 64, offsets, 8) + 1
+
+    mod = Experts()
+    compiled = torch.compile(mod, fullgraph=True)
+    x = torch.randn(5, 256, device="cuda").to(torch.bfloat16)
+    offs = torch.tensor([0, 2, 2, 4, 5], dtype=torch.int32, device="cuda")
+    torch.testing.assert_close(compiled(x, offs), mod(x, offs), rtol=0, atol=0)

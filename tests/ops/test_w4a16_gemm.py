@@ -1,0 +1,255 @@
+"""w4a16_gemm: repack (exact round trip to the checkpoint's dequant), reference GEMM, and the CUDA kernel.
+
+Tolerance classes: the repack and the reference are exact (rtol=0, atol=0: same fp32 weights, same matmul);
+the kernel is a GEMM (fp32 sums in another order, one rounding to bf16/fp16 at the end), so it is held to
+mean|C - ref| / mean|ref| <= 2e-3 against the fp32 product with the dequantized weights (the issue's bar; the
+final bf16 rounding alone is ~1.4e-3 on this metric, fp16's ~2e-4). The kernel applies each group's scale
+to an fp32 partial sum, so the weights themselves are never rounded.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from cublade.ops.int4 import int4_dequant_weight, int4_quant_weight
+from cublade.ops.linear import w4a16_linear_ref
+from cublade.ops.int4 import pack_int4
+from cublade.ops.w4a16_gemm import (record_words, w4a16_dequant_repacked, w4a16_gemm, w4a16_gemm_ref,
+                                    w4a16_repack)
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
+BAR = 2e-3
+
+
+def quantized(N: int, K: int, G: int, sym: bool, seed: int = 0, zero_row: bool = True, outlier: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * 0.05
+    if zero_row:
+        w[N // 2] = 0.0  # all-zero rows exist in real (padded) checkpoints
+    if outlier:
+        w[0, K // 3] = 3.0  # one huge outlier: its group's scale is large, the rest of the group rounds to 0
+    q = int4_quant_weight(w, G, sym)
+    return q["weight_packed"], q["weight_scale"], q.get("weight_zero_point")
+
+
+def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((c.float() - ref).abs().mean() / ref.abs().mean()).item()
+
+
+# ---- CPU: repack and reference ------------------------------------------------------------------------
+
+# (N, K, G): tile multiples and not (N % 16, K % 64), per-channel with K % 64 != 0, G = 32 with K % 64 = 32
+SHAPES = [(32, 128, 128), (40, 256, 128), (37, 96, 32), (16, 200, -1), (33, 192, 64), (1, 64, 64), (50, 320, 32)]
+
+
+@pytest.mark.parametrize("N,K,G", SHAPES)
+@pytest.mark.parametrize("sym", [True, False])
+def test_repack_round_trip_is_exact(N, K, G, sym):
+    wp, ws, wz = quantized(N, K, G, sym, seed=N + K)
+    rp = w4a16_repack(wp, ws, wz, G)
+    assert rp.packed.dtype == torch.int32 and rp.symmetric == sym
+    assert rp.packed.shape == (-(-N // 64), -(-K // 512), 4, 1024 + record_words(G, sym))
+    ref = int4_dequant_weight(wp, ws, wz, G)
+    torch.testing.assert_close(w4a16_dequant_repacked(rp.packed, G, sym, N, K), ref, rtol=0, atol=0)
+
+
+def test_repack_places_each_nibble():
+    """One nonzero weight at a time lands at the documented (tile group, chunk, tile, lane, word, nibble), and
+    its group's scale record right after the tile block's 1024 words."""
+    N, K = 80, 1024
+    for row, k in [(0, 0), (3, 1), (8, 0), (11, 5), (2, 2), (9, 3), (5, 37), (15, 63), (70, 700), (33, 1023)]:
+        u = torch.zeros(N, K, dtype=torch.int64)
+        u[row, k] = 5
+        s = torch.ones(N, K // 128, dtype=torch.bfloat16)
+        s[row, k // 128] = 3.0
+        rp = w4a16_repack(pack_int4(u), s, None, 128)
+        tg, r, rr = row // 64, (row % 64) // 16, row % 16
+        g, rh = rr % 8, rr // 8
+        c, kk = divmod(k, 512)
+        p, kk = divmod(kk, 64)
+        h, kk = divmod(kk, 32)
+        t, kk = divmod(kk, 8)
+        sl, koff = divmod(kk, 4)
+        j = {(0, 0): 0, (0, 1): 4, (1, 0): 1, (1, 1): 5, (0, 2): 2, (0, 3): 6, (1, 2): 3, (1, 3): 7}[(rh, koff)]
+        w = (p * 32 + g * 4 + t) * 4 + 2 * h + sl
+        nz = (rp.packed[..., :1024] != 0).nonzero().tolist()
+        assert nz == [[tg, c, r, w]]
+        assert (rp.packed[tg, c, r, w].item() >> (4 * j)) & 0xF == 5
+        rec = rp.packed[tg, c, r, 1024 + ((k % 512) // 128) * 8 + g].item() & 0xFFFFFFFF
+        assert (rec >> (16 * rh)) & 0xFFFF == 0x4040  # bf16 3.0 in the half of row g (+8 rh)
+
+
+@pytest.mark.parametrize("G,sym", [(128, True), (32, False), (-1, True)])
+def test_reference_equals_linear_reference(G, sym):
+    N, K = 40, 256
+    wp, ws, wz = quantized(N, K, G, sym)
+    rp = w4a16_repack(wp, ws, wz, G)
+    x = torch.randn(3, 5, K).to(torch.bfloat16)
+    y = w4a16_gemm_ref(x, rp.packed, G, sym, N)
+    assert y.shape == (3, 5, N) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, w4a16_linear_ref(x, wp, ws, wz, G), rtol=0, atol=0)
+    # and the fp32 product with the dequantized weights, rounded once
+    ref = (x.float().reshape(-1, K) @ int4_dequant_weight(wp, ws, wz, G).t()).to(torch.bfloat16).reshape(3, 5, N)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+
+
+def test_cpu_entry_is_the_reference():
+    wp, ws, wz = quantized(24, 128, 64, False)
+    rp = w4a16_repack(wp, ws, wz, 64)
+    x = torch.randn(4, 128, dtype=torch.float16)
+    torch.testing.assert_close(w4a16_gemm(x, rp.packed, 64, False, 24),
+                               w4a16_gemm_ref(x, rp.packed, 64, False, 24), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (dict(group_size=256), "group_size must be one of"),
+    (dict(group_size=128, K=192), "not a multiple of group_size=128"),
+    (dict(scale_shape=(8, 3)), "weight_scale must be [8, 2]"),
+    (dict(packed_dtype=torch.int64), "weight_packed must be int32"),
+])
+def test_repack_refuses_with_a_message(bad, msg):
+    K = bad.get("K", 128)
+    wp = torch.zeros(8, K // 8, dtype=bad.get("packed_dtype", torch.int32))
+    ws = torch.ones(bad.get("scale_shape", (8, K // 64)), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+        w4a16_repack(wp, ws, None, bad.get("group_size", 64))
+
+
+# ---- GPU: the kernel --------------------------------------------------------------------------------------
+
+def gpu_case(N, K, G, sym, seed=0):
+    wp, ws, wz = quantized(N, K, G, sym, seed=seed)
+    w = int4_dequant_weight(wp, ws, wz, G).cuda()
+    rp = w4a16_repack(wp.cuda(), ws.cuda(), None if wz is None else wz.cuda(), G)
+    return rp, w
+
+
+def check(x, rp, w, split_k=0):
+    y = torch.ops.cublade.w4a16_gemm(x, rp.packed, rp.group_size, rp.symmetric, rp.size_n, split_k)
+    ref = x.reshape(-1, x.shape[-1]).float() @ w.t()
+    assert y.shape == (*x.shape[:-1], rp.size_n) and y.dtype == x.dtype
+    err = rel_err(y.reshape(-1, rp.size_n), ref)
+    assert err <= BAR, f"mean|C-ref|/mean|ref| = {err:.2e} > {BAR}"
+    return y
+
+
+@GPU
+def test_kernel_every_m_1_to_64_and_large():
+    rp, w = gpu_case(272, 1024, 128, True)
+    for M in list(range(1, 65)) + [100, 257]:
+        check(torch.randn(M, 1024, device="cuda").to(torch.bfloat16), rp, w)
+
+
+@GPU
+@pytest.mark.parametrize("G,sym,dtype", list(itertools.product([32, 64, 128, -1], [True, False],
+                                                                [torch.bfloat16, torch.float16])))
+def test_kernel_groups_sym_asym_dtypes(G, sym, dtype):
+    for N, K in [(304, 2048), (37, 320), (129, 192 if G != 128 else 256)]:
+        if G != -1 and K % G:
+            continue
+        rp, w = gpu_case(N, K, G, sym, seed=N)
+        for M in (1, 3, 8, 9, 16, 19, 33, 64):
+            check(torch.randn(M, K, device="cuda").to(dtype), rp, w)
+
+
+@GPU
+def test_kernel_per_channel_k_not_a_packet_multiple():
+    rp, w = gpu_case(48, 200, -1, False)  # K % 64 = 8: the last packet is partial
+    for M in (1, 7, 20):
+        check(torch.randn(M, 200, device="cuda").to(torch.bfloat16), rp, w)
+
+
+@GPU
+@pytest.mark.parametrize("split_k", [1, 2, 3, 4, 8])  # 3: chunks do not divide evenly
+def test_kernel_split_k(split_k):
+    for G in (32, 128, -1):
+        rp, w = gpu_case(160, 4096, G, G == 32)
+        for M in (1, 16, 40):
+            check(torch.randn(M, 4096, device="cuda").to(torch.bfloat16), rp, w, split_k)
+
+
+@GPU
+def test_kernel_real_decode_shapes():
+    for K, N in [(4096, 14336), (8192, 28672 // 4)]:
+        rp, w = gpu_case(N, K, 128, True)
+        for M in (1, 4, 16):
+            check(torch.randn(M, K, device="cuda").to(torch.bfloat16), rp, w)
+
+
+@GPU
+def test_kernel_strided_and_batched_inputs():
+    rp, w = gpu_case(96, 512, 64, True)
+    big = torch.randn(12, 640, device="cuda").to(torch.bfloat16)
+    check(big[:, 64:576], rp, w)  # row stride 640, offset 64 elements (16-byte aligned)
+    check(big[:, 8:520], rp, w)  # offset 8 elements
+    check(big[:, 1:513], rp, w)  # misaligned start: the op copies
+    check(torch.randn(512, 7, device="cuda").to(torch.bfloat16).t(), rp, w)  # column-strided
+    check(torch.randn(2, 3, 512, device="cuda").to(torch.bfloat16), rp, w)  # [B, S, K]
+
+
+@GPU
+def test_kernel_zero_rows_nan_and_inf():
+    rp, w = gpu_case(64, 256, 128, True)
+    x = torch.randn(4, 256, device="cuda").to(torch.bfloat16)
+    y = check(x, rp, w)
+    assert (y[:, 32] == 0).all()  # the all-zero weight row (N // 2)
+    x[1, 7] = float("nan")
+    x[2, 9] = float("inf")
+    y = torch.ops.cublade.w4a16_gemm(x, rp.packed, 128, True, 64)
+    assert torch.isnan(y[1]).all()
+    assert not torch.isfinite(y[2]).all()
+    assert torch.isfinite(y[0]).all() and torch.isfinite(y[3]).all()
+
+
+@GPU
+def test_kernel_writes_every_output():
+    rp, w = gpu_case(33, 128, 32, False)
+    for _ in range(3):  # the output is fresh memory each call; garbage would show as a large error or NaN
+        y = check(torch.randn(5, 128, device="cuda").to(torch.bfloat16), rp, w)
+        assert torch.isfinite(y).all()
+
+
+@GPU
+def test_kernel_refuses_with_a_message():
+    rp, _ = gpu_case(32, 256, 128, True)
+    op = torch.ops.cublade.w4a16_gemm
+    x = torch.randn(2, 256, device="cuda").to(torch.bfloat16)
+    cases = [
+        (NotImplementedError, "w4a16_gemm: x must be bfloat16 or float16", (x.float(), rp.packed, 128, True, 32)),
+        (ValueError, "w4a16_gemm: group_size must be 32, 64, 128 or -1", (x, rp.packed, 256, True, 32)),
+        (ValueError, "w4a16_gemm: in_features K=252 must be a positive multiple of 8",
+         (x[:, :252], rp.packed, 128, True, 32)),
+        (ValueError, r"w4a16_gemm: packed must be a contiguous int32 \[2, 1, 4, 1056\]", (x, rp.packed, 128, True, 80)),
+        (ValueError, r"w4a16_gemm: packed must be a contiguous int32 \[1, 1, 4, 1088\]", (x, rp.packed, 128, False, 32)),
+        (ValueError, "w4a16_gemm: in_features K=192 is not a multiple of group_size=128",
+         (x[:, :192], rp.packed, 128, True, 32)),
+    ]
+    for exc, msg, args in cases:
+        with pytest.raises(exc, match=msg):
+            op(*args)
+    with pytest.raises(ValueError, match="w4a16_gemm: split_k must be in"):
+        op(x, rp.packed, 128, True, 32, 9)
+
+
+@GPU
+def test_opcheck():
+    rp, _ = gpu_case(48, 256, 64, False)
+    x = torch.randn(3, 256, device="cuda").to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.cublade.w4a16_gemm.default, (x, rp.packed, 64, False, 48, 0))
+
+
+@GPU
+def test_torch_compile_fullgraph():
+    rp, w = gpu_case(64, 512, 128, True)
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(w4a16_gemm(x, rp.packed, 128, True, 64)) * 2
+
+    layer = Layer()
+    compiled = torch.compile(layer, fullgraph=True)
+    for M in (1, 5):
+        x = torch.randn(M, 512, device="cuda").to(torch.bfloat16)
+        torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
