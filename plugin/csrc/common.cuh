@@ -1,6 +1,4 @@
-// Shared helpers for cublade's kernels. Two parts:
-//   1. framework-free device helpers (this part builds with -DCUBLADE_LAUNCHER_ONLY and no torch);
-//   2. under #ifndef CUBLADE_LAUNCHER_ONLY, host helpers for the torch wrappers (checks, errors).
+// Shared device helpers for cublade's kernels (framework-free: no torch; builds with -DCUBLADE_LAUNCHER_ONLY).
 // Conventions (see README.md): strides in elements, launchers return cudaError_t and never allocate.
 #pragma once
 
@@ -11,10 +9,9 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-namespace cublade {
+#include "launchers.h"
 
-// Input element types the kernels take (activations, K/V).
-enum class InDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
+namespace cublade {
 
 inline int in_dtype_size(InDtype t) { return t == InDtype::kF32 ? 4 : 2; }
 
@@ -204,77 +201,20 @@ __device__ __forceinline__ bool div_fast_ok(float b) {
   return ab >= 0x1p-60f && ab <= 0x1p125f;  // false for NaN and inf
 }
 __device__ __forceinline__ float div_rn_fast(float a, float b, float y) {
-  float q = __fmul_rn(a, y);
-  float r = __fmaf_rn(-q, b, a);
-  q = __fmaf_rn(r, y, q);
+  const float q0 = __fmul_rn(a, y);
+  float r = __fmaf_rn(-q0, b, a);
+  float q = __fmaf_rn(r, y, q0);
   r = __fmaf_rn(-q, b, a);
-  return __fmaf_rn(r, y, q);
+  q = __fmaf_rn(r, y, q);
+  // The corrections turn a zero quotient into +0 (-0 + +0 = +0): the sign of a/b is the sign of a*y.
+  return copysignf(q, q0);
 }
 
 }  // namespace cublade
 
-#ifndef CUBLADE_LAUNCHER_ONLY
-// ---- host helpers for the torch wrappers ----------------------------------------------------------------
-#include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/Exception.h>
-
-// ValueError / NotImplementedError in Python, with the op's name first.
-#define CUBLADE_CHECK_VALUE(cond, op, ...) TORCH_CHECK_VALUE(cond, "cublade.", op, ": ", __VA_ARGS__)
-#define CUBLADE_CHECK_NOT_IMPLEMENTED(cond, op, ...) \
-  TORCH_CHECK_NOT_IMPLEMENTED(cond, "cublade.", op, ": ", __VA_ARGS__)
-
-namespace cublade {
-
-inline int device_attr(cudaDeviceAttr attr, int device) {
-  int v = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, device));
-  return v;
-}
-
-// The extension holds sm_90a code only (Hopper fp8 conversions, arch-specific features): refuse other GPUs
-// by name instead of failing later with "no kernel image is available".
-inline void check_arch(const char* op, const at::Tensor& t) {
-  const int dev = t.device().index();
-  const int major = device_attr(cudaDevAttrComputeCapabilityMajor, dev);
-  const int minor = device_attr(cudaDevAttrComputeCapabilityMinor, dev);
-  if (major == 9 && minor == 0) return;
-  cudaDeviceProp p;
-  C10_CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
-  CUBLADE_CHECK_NOT_IMPLEMENTED(false, op, "this build has sm_90a (Hopper) kernels only; device ", dev, " is ",
-                                p.name, " (sm_", major, minor, ")");
-}
-
-inline void check_launch(const char* op, cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, "cublade.", op, ": kernel launch failed: ", cudaGetErrorString(err));
-}
-
-inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-
-inline int sm_count(const at::Tensor& t) {
-  return device_attr(cudaDevAttrMultiProcessorCount, t.device().index());
-}
-
-inline InDtype in_dtype_of(const char* op, const char* name, const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16: return InDtype::kBF16;
-    case at::kHalf: return InDtype::kF16;
-    case at::kFloat: return InDtype::kF32;
-    default:
-      CUBLADE_CHECK_NOT_IMPLEMENTED(false, op, name, " must be bfloat16, float16 or float32, got ",
-                                    t.scalar_type());
-  }
-  return InDtype::kF32;  // unreachable
-}
-
-// A one-element fp32 scale tensor on x's device (the layer's static scale, k_scale, ...).
-inline void check_scale_tensor(const char* op, const char* name, const at::Tensor& s, const at::Tensor& x) {
-  CUBLADE_CHECK_VALUE(s.numel() == 1, op, name, " must have one element, got shape ", s.sizes());
-  CUBLADE_CHECK_VALUE(s.scalar_type() == at::kFloat, op, name, " must be float32, got ", s.scalar_type());
-  CUBLADE_CHECK_VALUE(s.device() == x.device(), op, name, " must be on ", x.device(), ", got ", s.device());
-}
-
-}  // namespace cublade
-#endif  // CUBLADE_LAUNCHER_ONLY
+#if !defined(CUBLADE_LAUNCHER_ONLY) && !defined(CUBLADE_KERNELS_ONLY)
+// Transitional, for .cu files that still hold their torch wrapper: the host helpers now live in
+// torch_utils.h, for wrappers in <op>_torch.cpp (README.md, "File convention"). A .cu without a torch
+// part defines CUBLADE_KERNELS_ONLY before including this file.
+#include "torch_utils.h"
+#endif

@@ -3,6 +3,7 @@
 //   (slot = block * block_size + offset; slot < 0 is padding and skipped), q = e4m3(x / scale) with an
 //   IEEE division and the satfinite conversion, the bytes vLLM's scaled_vec_conversion writes.
 // Layout and the reasons: README.md, "fp8_kv_cache_write".
+#define CUBLADE_KERNELS_ONLY  // the torch wrapper is in fp8_kv_cache_write_torch.cpp
 #include "common.cuh"
 
 namespace cublade {
@@ -38,26 +39,49 @@ __device__ __forceinline__ float kv_div(float x, float s, float y) {
   }
 }
 
-// One block per token; the first half of the vectors are K's, the second V's. A vector is 16 bytes of
-// input (8 bf16/fp16 or 4 fp32 elements) within one head.
-template <InDtype T, bool kFast>
-__device__ __forceinline__ void kv_token_vec(const KvArgs& a, int64_t token, int64_t blk, int64_t off, float ks,
-                                             float vs, float ky, float vy) {
+// Vectors per thread (all loads issued before the first store): 4 for large launches, 1 for small ones, where
+// spreading the items over more SMs matters more (T = 64 tokens of 8 x 128: 64 blocks instead of 16).
+constexpr int64_t kUnrollFromItems = int64_t(1) << 20;
+
+// Work item i = token * (2 * H * D/N) + j: vector j of the token, the first H*D/N of them K's, the rest V's; a
+// vector is 16 bytes of input (8 bf16/fp16 or 4 fp32 elements) within one head. One-shot grid: block b owns
+// items [b * kUnroll * 256, (b + 1) * kUnroll * 256), so a block covers several tokens when a token has fewer
+// than 1024 vectors, and every data and slot load of a thread is in flight before its first store (the data
+// addresses do not depend on the slot). kFast: both scales passed div_fast_ok.
+template <InDtype T, bool kFast, int kUnroll>
+__device__ __forceinline__ void kv_items(const KvArgs& a, int64_t base, float ks, float vs, float ky, float vy) {
   using E = typename Elem<T>::type;
   constexpr int N = Elem<T>::kPerVec;
-  const int64_t nv_head = a.D / N, nv = a.H * nv_head;
-  for (int64_t j = threadIdx.x; j < 2 * nv; j += blockDim.x) {
-    const bool is_v = j >= nv;
-    const int64_t jj = is_v ? j - nv : j;
-    const int64_t h = jj / nv_head, c = (jj % nv_head) * N;
-    const E* src = is_v ? static_cast<const E*>(a.value) + token * a.v_ts + h * a.v_hs + c
-                        : static_cast<const E*>(a.key) + token * a.k_ts + h * a.k_hs + c;
-    uint8_t* dst = (is_v ? a.value_cache : a.key_cache) + blk * a.c_bs + off * a.c_ps + h * a.c_hs + c;
-    const float s = is_v ? vs : ks, y = is_v ? vy : ky;
-    float f[N];
-    vec_to_float<T>(ld_nc_na_v4(src), f);
+  const int64_t nv_head = a.D / N, nv = a.H * nv_head, per_token = 2 * nv, total = a.T * per_token;
+  uint4 v[kUnroll];
+  int64_t slot[kUnroll], h[kUnroll], c[kUnroll];
+  bool is_v[kUnroll];
 #pragma unroll
-    for (int i = 0; i < N; ++i) f[i] = kv_div<kFast>(f[i], s, y);
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = base + u * kMaxThreads;
+    slot[u] = -1;
+    if (i < total) {
+      const int64_t t = i / per_token, j = i - t * per_token;
+      is_v[u] = j >= nv;
+      const int64_t jj = is_v[u] ? j - nv : j;
+      h[u] = jj / nv_head;
+      c[u] = (jj - h[u] * nv_head) * N;
+      const E* src = is_v[u] ? static_cast<const E*>(a.value) + t * a.v_ts + h[u] * a.v_hs + c[u]
+                             : static_cast<const E*>(a.key) + t * a.k_ts + h[u] * a.k_hs + c[u];
+      v[u] = ld_nc_na_v4(src);
+      slot[u] = __ldg(a.slots + t);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    if (slot[u] < 0 || slot[u] >= a.num_slots) continue;  // padding (vLLM's -1), out of range, or no item
+    const int64_t blk = slot[u] / a.block_size, off = slot[u] - blk * a.block_size;
+    uint8_t* dst = (is_v[u] ? a.value_cache : a.key_cache) + blk * a.c_bs + off * a.c_ps + h[u] * a.c_hs + c[u];
+    const float s = is_v[u] ? vs : ks, y = is_v[u] ? vy : ky;
+    float f[N];
+    vec_to_float<T>(v[u], f);
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] = kv_div<kFast>(f[k], s, y);
     if constexpr (N == 8) {
       st_cs_v2(dst, make_uint2(f32x4_to_e4m3x4(f[0], f[1], f[2], f[3]), f32x4_to_e4m3x4(f[4], f[5], f[6], f[7])));
     } else {
@@ -66,17 +90,14 @@ __device__ __forceinline__ void kv_token_vec(const KvArgs& a, int64_t token, int
   }
 }
 
-template <InDtype T>
+template <InDtype T, int kUnroll>
 __global__ void __launch_bounds__(kMaxThreads) kv_write_vec_kernel(const KvArgs a) {
-  const int64_t token = blockIdx.x;
-  const int64_t slot = a.slots[token];
-  if (slot < 0 || slot >= a.num_slots) return;  // padding (vLLM's -1); out of range: never write outside
-  const int64_t blk = slot / a.block_size, off = slot % a.block_size;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * (kMaxThreads * kUnroll) + threadIdx.x;
   const float ks = __ldg(a.k_scale), vs = __ldg(a.v_scale);
   if (div_fast_ok(ks) && div_fast_ok(vs)) {  // uniform over the launch
-    kv_token_vec<T, true>(a, token, blk, off, ks, vs, __frcp_rn(ks), __frcp_rn(vs));
+    kv_items<T, true, kUnroll>(a, base, ks, vs, __frcp_rn(ks), __frcp_rn(vs));
   } else {
-    kv_token_vec<T, false>(a, token, blk, off, ks, vs, 0.0f, 0.0f);
+    kv_items<T, false, kUnroll>(a, base, ks, vs, 0.0f, 0.0f);
   }
 }
 
@@ -112,9 +133,11 @@ cudaError_t launch_typed(const KvArgs& a, cudaStream_t stream) {
                     a.c_bs % N == 0 && a.c_ps % N == 0 && a.c_hs % N == 0 && is_aligned(a.key_cache, N) &&
                     is_aligned(a.value_cache, N) && es * N == 16;
   if (fast) {
-    const int64_t vecs = 2 * a.H * (a.D / N);
-    const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, ceil_div(vecs, 32) * 32));
-    kv_write_vec_kernel<T><<<static_cast<unsigned>(a.T), threads, 0, stream>>>(a);
+    const int64_t items = a.T * 2 * a.H * (a.D / N);
+    if (items >= kUnrollFromItems)
+      kv_write_vec_kernel<T, 4><<<static_cast<unsigned>(ceil_div(items, kMaxThreads * 4)), kMaxThreads, 0, stream>>>(a);
+    else
+      kv_write_vec_kernel<T, 1><<<static_cast<unsigned>(ceil_div(items, kMaxThreads)), kMaxThreads, 0, stream>>>(a);
   } else {
     const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, ceil_div(2 * a.H * a.D, 32) * 32));
     kv_write_scalar_kernel<T><<<static_cast<unsigned>(a.T), threads, 0, stream>>>(a);
@@ -144,61 +167,3 @@ cudaError_t launch_fp8_kv_cache_write(const void* key, const void* value, InDtyp
 }
 
 }  // namespace cublade
-
-#ifndef CUBLADE_LAUNCHER_ONLY
-#include <ATen/ATen.h>
-#include <torch/library.h>
-
-namespace cublade {
-namespace {
-
-void fp8_kv_cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                        at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& k_scale,
-                        const at::Tensor& v_scale) {
-  constexpr const char* op = "fp8_kv_cache_write";
-  const InDtype dt = in_dtype_of(op, "key", key);
-  CUBLADE_CHECK_VALUE(value.scalar_type() == key.scalar_type(), op, "value dtype ", value.scalar_type(),
-                      " differs from key dtype ", key.scalar_type());
-  CUBLADE_CHECK_VALUE(key.dim() == 3, op, "key must be [num_tokens, num_heads, head_size], got shape ", key.sizes());
-  CUBLADE_CHECK_VALUE(value.sizes() == key.sizes(), op, "value shape ", value.sizes(), " differs from key shape ",
-                      key.sizes());
-  for (const at::Tensor* c : {&key_cache, &value_cache}) {
-    CUBLADE_CHECK_NOT_IMPLEMENTED(c->scalar_type() == at::kFloat8_e4m3fn || c->scalar_type() == at::kByte, op,
-                                  "caches must be float8_e4m3fn or uint8 (E4M3 bytes), got ", c->scalar_type());
-    CUBLADE_CHECK_VALUE(c->dim() == 4 && c->size(2) == key.size(1) && c->size(3) == key.size(2), op,
-                        "caches must be [num_blocks, block_size, ", key.size(1), ", ", key.size(2),
-                        "] for key of shape ", key.sizes(), ", got ", c->sizes());
-    CUBLADE_CHECK_VALUE(c->device() == key.device(), op, "caches must be on ", key.device(), ", got ", c->device());
-  }
-  CUBLADE_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), op, "value_cache shape ", value_cache.sizes(),
-                      " differs from key_cache shape ", key_cache.sizes());
-  CUBLADE_CHECK_VALUE(value_cache.strides() == key_cache.strides(), op, "value_cache strides ",
-                      value_cache.strides(), " differ from key_cache strides ", key_cache.strides());
-  CUBLADE_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1, op,
-                      "slot_mapping must be 1-D int64, got ", slot_mapping.scalar_type(), " of shape ",
-                      slot_mapping.sizes());
-  // vLLM pads key/value but not slot_mapping: the slots count the tokens.
-  CUBLADE_CHECK_VALUE(slot_mapping.size(0) <= key.size(0), op, "slot_mapping has ", slot_mapping.size(0),
-                      " entries but key has only ", key.size(0), " tokens");
-  CUBLADE_CHECK_VALUE(slot_mapping.device() == key.device(), op, "slot_mapping must be on ", key.device(),
-                      ", got ", slot_mapping.device());
-  check_scale_tensor(op, "k_scale", k_scale, key);
-  check_scale_tensor(op, "v_scale", v_scale, key);
-  check_arch(op, key);
-  const c10::cuda::CUDAGuard guard(key.device());
-  const at::Tensor slots = slot_mapping.contiguous();
-  check_launch(op, launch_fp8_kv_cache_write(
-                       key.data_ptr(), value.data_ptr(), dt, slots.size(0), key.size(1), key.size(2), key.stride(0),
-                       key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-                       static_cast<uint8_t*>(key_cache.data_ptr()), static_cast<uint8_t*>(value_cache.data_ptr()),
-                       key_cache.size(0), key_cache.size(1), key_cache.stride(0), key_cache.stride(1),
-                       key_cache.stride(2), key_cache.stride(3), slots.data_ptr<int64_t>(),
-                       k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), current_stream()));
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(cublade, CUDA, m) { m.impl("fp8_kv_cache_write", &fp8_kv_cache_write); }
-
-}  // namespace cublade
-#endif  // CUBLADE_LAUNCHER_ONLY

@@ -4,6 +4,7 @@
 //            q = e4m3(x * 2^-e) (exact power-of-two scaling, then RNE + saturation at +-448).
 //   dequant: out = dtype(float(q) * 2^(code - 127)), one rounding (to the output dtype).
 // Layout and the reasons: README.md, "mxfp8_quant / mxfp8_dequant".
+#define CUBLADE_KERNELS_ONLY  // the torch wrapper is in mxfp8_quant_torch.cpp
 #include "common.cuh"
 
 namespace cublade {
@@ -43,9 +44,18 @@ __device__ __forceinline__ uint8_t e8m0_code(float amax, float& inv_scale) {
   } else if (isinf(amax)) {
     e = 127;
   } else if (kRceil) {
-    // amax / 448 rounded once (IEEE division); an underflow to 0 means an exponent far below -127.
-    const float v = __fdiv_rn(amax, kF8E4M3Max);
-    e = v == 0.0f ? -127 : ceil_log2_pos(v);
+    if (amax >= 0x1.cp-118f) {
+      // e = ceil(log2(RN(amax / 448))) without the division: for amax = 1.m * 2^E, RN(amax / 448) <= 2^k iff
+      // amax <= 448 * 2^k (no fp32 lies strictly between 448 * 2^k and 448 * 2^k * (1 + 2^-24), the largest
+      // value that still rounds down to 2^k), so k = E - 8 when 1.m <= 1.75, else E - 7. Needs RN(amax/448)
+      // normal, i.e. amax >= 448 * 2^-126 = 1.75 * 2^-118.
+      const uint32_t b = __float_as_uint(amax);
+      e = static_cast<int>(b >> 23) - 127 - 8 + ((b & 0x7FFFFFu) > 0x600000u);
+    } else {
+      // amax / 448 rounded once (IEEE division); an underflow to 0 means an exponent far below -127.
+      const float v = __fdiv_rn(amax, kF8E4M3Max);
+      e = v == 0.0f ? -127 : ceil_log2_pos(v);
+    }
   } else {
     e = floor_log2_pos(amax) - 8;  // 8 = exponent of the largest power of two <= 448
   }
@@ -253,77 +263,3 @@ cudaError_t launch_mxfp8_dequant(const uint8_t* q, int64_t q_rs, int64_t q_cs, c
 }
 
 }  // namespace cublade
-
-#ifndef CUBLADE_LAUNCHER_ONLY
-#include <ATen/ATen.h>
-#include <torch/library.h>
-
-namespace cublade {
-namespace {
-
-// [..., K] -> [M, K] view (or copy when the leading dims do not collapse).
-at::Tensor as_2d(const at::Tensor& t) { return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)}); }
-
-std::tuple<at::Tensor, at::Tensor> mxfp8_quant(const at::Tensor& x_in, bool rceil) {
-  constexpr const char* op = "mxfp8_quant";
-  CUBLADE_CHECK_VALUE(x_in.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
-  const InDtype dt = in_dtype_of(op, "x", x_in);
-  check_arch(op, x_in);
-  const int64_t K = x_in.size(-1);
-  CUBLADE_CHECK_VALUE(K % 32 == 0, op, "last dim K=", K, " is not a multiple of the MX block size 32 (shape ",
-                      x_in.sizes(), ")");
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  at::Tensor q = at::empty(x_in.sizes(), x_in.options().dtype(at::kFloat8_e4m3fn));
-  std::vector<int64_t> cshape(x_in.sizes().begin(), x_in.sizes().end());
-  cshape.back() = K / 32;
-  at::Tensor codes = at::empty(cshape, x_in.options().dtype(at::kByte));
-  if (x_in.numel() == 0) return {q, codes};
-  const at::Tensor x = as_2d(x_in);
-  check_launch(op, launch_mxfp8_quant(x.data_ptr(), dt, x.size(0), K, x.stride(0), x.stride(1), rceil,
-                                      static_cast<uint8_t*>(q.data_ptr()), codes.data_ptr<uint8_t>(),
-                                      current_stream()));
-  return {q, codes};
-}
-
-at::Tensor mxfp8_dequant(const at::Tensor& q_in, const at::Tensor& codes_in, at::ScalarType dtype) {
-  constexpr const char* op = "mxfp8_dequant";
-  CUBLADE_CHECK_VALUE(q_in.dim() >= 1, op, "q must have at least 1 dim, got a 0-dim tensor");
-  CUBLADE_CHECK_NOT_IMPLEMENTED(q_in.scalar_type() == at::kFloat8_e4m3fn || q_in.scalar_type() == at::kByte, op,
-                                "q must be float8_e4m3fn (or its uint8 bytes), got ", q_in.scalar_type());
-  CUBLADE_CHECK_NOT_IMPLEMENTED(codes_in.scalar_type() == at::kByte, op, "codes must be uint8 E8M0, got ",
-                                codes_in.scalar_type());
-  int out_dt;
-  switch (dtype) {
-    case at::kBFloat16: out_dt = 0; break;
-    case at::kHalf: out_dt = 1; break;
-    case at::kFloat: out_dt = 2; break;
-    default: CUBLADE_CHECK_NOT_IMPLEMENTED(false, op, "dtype must be bfloat16, float16 or float32, got ", dtype);
-  }
-  check_arch(op, q_in);
-  const int64_t K = q_in.size(-1);
-  CUBLADE_CHECK_VALUE(K % 32 == 0, op, "last dim K=", K, " is not a multiple of the MX block size 32");
-  std::vector<int64_t> cshape(q_in.sizes().begin(), q_in.sizes().end());
-  cshape.back() = K / 32;
-  CUBLADE_CHECK_VALUE(codes_in.sizes().vec() == cshape, op, "codes must have shape ", at::IntArrayRef(cshape),
-                      " for q of shape ", q_in.sizes(), ", got ", codes_in.sizes());
-  CUBLADE_CHECK_VALUE(codes_in.device() == q_in.device(), op, "codes must be on ", q_in.device(), ", got ",
-                      codes_in.device());
-  const c10::cuda::CUDAGuard guard(q_in.device());
-  at::Tensor out = at::empty(q_in.sizes(), q_in.options().dtype(dtype));
-  if (q_in.numel() == 0) return out;
-  const at::Tensor q = as_2d(q_in), codes = as_2d(codes_in);
-  check_launch(op, launch_mxfp8_dequant(static_cast<const uint8_t*>(q.data_ptr()), q.stride(0), q.stride(1),
-                                        codes.data_ptr<uint8_t>(), codes.stride(0), codes.stride(1), q.size(0), K,
-                                        out_dt, out.data_ptr(), current_stream()));
-  return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(cublade, CUDA, m) {
-  m.impl("mxfp8_quant", &mxfp8_quant);
-  m.impl("mxfp8_dequant", &mxfp8_dequant);
-}
-
-}  // namespace cublade
-#endif  // CUBLADE_LAUNCHER_ONLY

@@ -137,7 +137,7 @@ def test_kernel_special_values_and_scales():
     T, H, D, bs, nb = 32, 4, 128, 16, 4
     key, value = _inputs(T, H, D, torch.float32, g)
     key[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30])
-    value[1, 2, :3] = torch.tensor([1e-30, -1e-40, 0.0])  # tiny and subnormal inputs
+    value[1, 2, :4] = torch.tensor([1e-30, -1e-40, 0.0, -0.0])  # tiny, subnormal, signed zeros
     key[2] *= 1e4  # saturating values
     slots = torch.randperm(nb * bs, generator=g)[:T].cuda()
     # scales: ordinary, tiny and huge (the IEEE-division path), a power of two, one that makes quotients

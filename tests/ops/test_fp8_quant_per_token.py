@@ -246,6 +246,8 @@ def test_kernel_zero_outlier_nan_inf_rows():
     x[4, 9] = -float("inf")
     x[5, :7] = 1e-30            # tiny values next to normal ones
     x[6] = 1e-38                # row below the scale floor
+    x[7, ::2] = -0.0            # negative zeros keep their sign (0x80), as in the IEEE division
+    x[7, 1::4] = -1e-9          # and so do quotients that round to zero
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         _check(x.to(dtype).cuda())
     _check(x[:, :3].contiguous().cuda())  # the same rows through the scalar path

@@ -1,0 +1,62 @@
+// Torch wrapper of the FP8 KV-cache write: validates the inputs (errors name the op and the
+// bad value), allocates the outputs, runs the framework-free launcher from fp8_kv_cache_write.cu on the current
+// stream. Compiled by the host C++ compiler (README.md, "Why the wrappers are .cpp").
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "torch_utils.h"
+
+namespace cublade {
+namespace {
+
+void fp8_kv_cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                        at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                        const at::Tensor& v_scale) {
+  constexpr const char* op = "fp8_kv_cache_write";
+  const InDtype in_dt = in_dtype_of(op, "key", key);
+  CUBLADE_CHECK_VALUE(value.scalar_type() == key.scalar_type(), op, "value dtype ", dt(value.scalar_type()),
+                      " differs from key dtype ", dt(key.scalar_type()));
+  CUBLADE_CHECK_VALUE(key.dim() == 3, op, "key must be [num_tokens, num_heads, head_size], got shape ",
+                      shape(key.sizes()));
+  CUBLADE_CHECK_VALUE(value.sizes() == key.sizes(), op, "value shape ", shape(value.sizes()), " differs from key shape ",
+                      shape(key.sizes()));
+  for (const at::Tensor* c : {&key_cache, &value_cache}) {
+    CUBLADE_CHECK_NOT_IMPLEMENTED(c->scalar_type() == at::kFloat8_e4m3fn || c->scalar_type() == at::kByte, op,
+                                  "caches must be float8_e4m3fn or uint8 (E4M3 bytes), got ", dt(c->scalar_type()));
+    CUBLADE_CHECK_VALUE(c->dim() == 4 && c->size(2) == key.size(1) && c->size(3) == key.size(2), op,
+                        "caches must be [num_blocks, block_size, ", num(key.size(1)), ", ", num(key.size(2)),
+                        "] for key of shape ", shape(key.sizes()), ", got ", shape(c->sizes()));
+    CUBLADE_CHECK_VALUE(c->device() == key.device(), op, "caches must be on ", dev(key.device()), ", got ",
+                        dev(c->device()));
+  }
+  CUBLADE_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), op, "value_cache shape ", shape(value_cache.sizes()),
+                      " differs from key_cache shape ", shape(key_cache.sizes()));
+  CUBLADE_CHECK_VALUE(value_cache.strides() == key_cache.strides(), op, "value_cache strides ",
+                      shape(value_cache.strides()), " differ from key_cache strides ", shape(key_cache.strides()));
+  CUBLADE_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1, op,
+                      "slot_mapping must be 1-D int64, got ", dt(slot_mapping.scalar_type()), " of shape ",
+                      shape(slot_mapping.sizes()));
+  // vLLM pads key/value but not slot_mapping: the slots count the tokens.
+  CUBLADE_CHECK_VALUE(slot_mapping.size(0) <= key.size(0), op, "slot_mapping has ", num(slot_mapping.size(0)),
+                      " entries but key has only ", num(key.size(0)), " tokens");
+  CUBLADE_CHECK_VALUE(slot_mapping.device() == key.device(), op, "slot_mapping must be on ", dev(key.device()),
+                      ", got ", dev(slot_mapping.device()));
+  check_scale_tensor(op, "k_scale", k_scale, key);
+  check_scale_tensor(op, "v_scale", v_scale, key);
+  check_arch(op, key);
+  const c10::cuda::CUDAGuard guard(key.device());
+  const at::Tensor slots = slot_mapping.contiguous();
+  check_launch(op, launch_fp8_kv_cache_write(
+                       key.data_ptr(), value.data_ptr(), in_dt, slots.size(0), key.size(1), key.size(2), key.stride(0),
+                       key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+                       static_cast<uint8_t*>(key_cache.data_ptr()), static_cast<uint8_t*>(value_cache.data_ptr()),
+                       key_cache.size(0), key_cache.size(1), key_cache.stride(0), key_cache.stride(1),
+                       key_cache.stride(2), key_cache.stride(3), slots.data_ptr<int64_t>(),
+                       k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), current_stream()));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cublade, CUDA, m) { m.impl("fp8_kv_cache_write", &fp8_kv_cache_write); }
+
+}  // namespace cublade

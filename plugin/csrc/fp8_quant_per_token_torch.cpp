@@ -1,0 +1,38 @@
+// Torch wrapper of the dynamic per-token FP8 quant: validates the inputs (errors name the op and the
+// bad value), allocates the outputs, runs the framework-free launcher from fp8_quant_per_token.cu on the current
+// stream. Compiled by the host C++ compiler (README.md, "Why the wrappers are .cpp").
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "torch_utils.h"
+
+namespace cublade {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> fp8_quant_per_token(const at::Tensor& x_in) {
+  constexpr const char* op = "fp8_quant_per_token";
+  CUBLADE_CHECK_VALUE(x_in.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
+  const InDtype in_dt = in_dtype_of(op, "x", x_in);
+  check_arch(op, x_in);
+  const int64_t K = x_in.size(-1);
+  CUBLADE_CHECK_VALUE(K >= 1, op, "x's last dim must be >= 1, got shape ", shape(x_in.sizes()));
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  // [..., K] -> [M, K]; a view when the leading dims collapse (always for 2-D), else a copy.
+  const at::Tensor x = x_in.dim() == 2 ? x_in : x_in.reshape({-1, K});
+  const int64_t M = x.size(0);
+  at::Tensor q = at::empty(x_in.sizes(), x_in.options().dtype(at::kFloat8_e4m3fn));
+  std::vector<int64_t> scale_shape(x_in.sizes().begin(), x_in.sizes().end());
+  scale_shape.back() = 1;
+  at::Tensor scale = at::empty(scale_shape, x_in.options().dtype(at::kFloat));
+  if (M == 0) return {q, scale};
+  check_launch(op, launch_fp8_quant_per_token(x.data_ptr(), in_dt, M, K, x.stride(0), x.stride(1),
+                                              static_cast<uint8_t*>(q.data_ptr()), scale.data_ptr<float>(),
+                                              current_stream()));
+  return {q, scale};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cublade, CUDA, m) { m.impl("fp8_quant_per_token", &fp8_quant_per_token); }
+
+}  // namespace cublade

@@ -1,0 +1,46 @@
+// Framework-free declarations shared by the kernels (*.cu, compiled by nvcc) and the torch wrappers
+// (*.cpp, compiled by the host C++ compiler): input dtypes and the launchers of part A's ops.
+// Every launcher takes raw pointers, sizes and strides in elements, launches on `stream`, never allocates,
+// never synchronizes, and returns the launch's cudaError_t.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace cublade {
+
+// Input element types the kernels take (activations, K/V).
+enum class InDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
+
+// fp8_quant_per_token.cu. x: [M, K] with strides (row_stride, col_stride); q: contiguous [M, K] E4M3 bytes;
+// scale: [M] fp32.
+cudaError_t launch_fp8_quant_per_token(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t row_stride,
+                                       int64_t col_stride, uint8_t* q, float* scale, cudaStream_t stream);
+
+// fp8_quant_per_tensor.cu. x: [M, K] view with strides (rs, cs); q: contiguous [M, K]; static_scale: nullptr for
+// the dynamic path (then workspace holds fp8_quant_per_tensor_workspace_floats(num_sms) floats); scale_out: one
+// float, receives the scale used.
+int64_t fp8_quant_per_tensor_workspace_floats(int num_sms);
+cudaError_t launch_fp8_quant_per_tensor(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t rs, int64_t cs,
+                                        uint8_t* q, const float* static_scale, float* scale_out, float* workspace,
+                                        int num_sms, cudaStream_t stream);
+
+// mxfp8_quant.cu. quant: x [M, K] (K % 32 == 0) with strides (rs, cs); q contiguous [M, K]; codes contiguous
+// [M, K/32]. dequant: q [M, K] with strides (q_rs, q_cs), codes [M, K/32] with strides (c_rs, c_cs), out
+// contiguous [M, K] of out_dtype (0 bf16, 1 fp16, 2 fp32).
+cudaError_t launch_mxfp8_quant(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t rs, int64_t cs, bool rceil,
+                               uint8_t* q, uint8_t* codes, cudaStream_t stream);
+cudaError_t launch_mxfp8_dequant(const uint8_t* q, int64_t q_rs, int64_t q_cs, const uint8_t* codes, int64_t c_rs,
+                                 int64_t c_cs, int64_t M, int64_t K, int out_dtype, void* out, cudaStream_t stream);
+
+// fp8_kv_cache_write.cu. key/value: [T, H, D] with strides (token, head, dim); caches: [num_blocks, block_size,
+// H, D] bytes with strides (block, page, head, dim); slots: [T] int64; k_scale, v_scale: one float each on the
+// device.
+cudaError_t launch_fp8_kv_cache_write(const void* key, const void* value, InDtype dtype, int64_t T, int64_t H,
+                                      int64_t D, int64_t k_ts, int64_t k_hs, int64_t k_ds, int64_t v_ts,
+                                      int64_t v_hs, int64_t v_ds, uint8_t* key_cache, uint8_t* value_cache,
+                                      int64_t num_blocks, int64_t block_size, int64_t c_bs, int64_t c_ps,
+                                      int64_t c_hs, int64_t c_ds, const int64_t* slots, const float* k_scale,
+                                      const float* v_scale, cudaStream_t stream);
+
+}  // namespace cublade

@@ -1,0 +1,81 @@
+// Host helpers for the torch wrappers (plugin/csrc/<op>_torch.cpp, compiled by the host C++ compiler, not
+// nvcc: see README.md, "File convention"). Input checks raise ValueError / NotImplementedError in Python with the
+// op's name first. Messages pass numbers, shapes, devices and dtypes as strings made by num/shape/dev/dt below,
+// never as integers or c10::ArrayRef: streaming an integer into the message's std::ostringstream from this
+// extension crashed (SIGSEGV) on the H200 image (README.md).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+#include "launchers.h"
+
+#define CUBLADE_CHECK_VALUE(cond, op, ...) TORCH_CHECK_VALUE(cond, "cublade.", op, ": ", __VA_ARGS__)
+#define CUBLADE_CHECK_NOT_IMPLEMENTED(cond, op, ...) \
+  TORCH_CHECK_NOT_IMPLEMENTED(cond, "cublade.", op, ": ", __VA_ARGS__)
+
+namespace cublade {
+
+inline std::string num(int64_t v) { return std::to_string(v); }
+inline std::string shape(c10::IntArrayRef s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+inline std::string dev(const c10::Device& d) { return d.str(); }
+inline const char* dt(c10::ScalarType t) { return c10::toString(t); }
+
+inline int device_attr(cudaDeviceAttr attr, int device) {
+  int v = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, device));
+  return v;
+}
+
+// The extension holds sm_90a code only (Hopper fp8 conversions, arch-specific features): refuse other GPUs
+// by name instead of failing later with "no kernel image is available".
+inline void check_arch(const char* op, const at::Tensor& t) {
+  const int dev = t.device().index();
+  const int major = device_attr(cudaDevAttrComputeCapabilityMajor, dev);
+  const int minor = device_attr(cudaDevAttrComputeCapabilityMinor, dev);
+  if (major == 9 && minor == 0) return;
+  cudaDeviceProp p;
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
+  CUBLADE_CHECK_NOT_IMPLEMENTED(false, op, "this build has sm_90a (Hopper) kernels only; device ", num(dev), " is ",
+                                p.name, " (sm_", num(major), num(minor), ")");
+}
+
+inline void check_launch(const char* op, cudaError_t err) {
+  TORCH_CHECK(err == cudaSuccess, "cublade.", op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+inline int sm_count(const at::Tensor& t) {
+  return device_attr(cudaDevAttrMultiProcessorCount, t.device().index());
+}
+
+inline InDtype in_dtype_of(const char* op, const char* name, const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return InDtype::kBF16;
+    case at::kHalf: return InDtype::kF16;
+    case at::kFloat: return InDtype::kF32;
+    default:
+      CUBLADE_CHECK_NOT_IMPLEMENTED(false, op, name, " must be bfloat16, float16 or float32, got ",
+                                    dt(t.scalar_type()));
+  }
+  return InDtype::kF32;  // unreachable
+}
+
+// A one-element fp32 scale tensor on x's device (the layer's static scale, k_scale, ...).
+inline void check_scale_tensor(const char* op, const char* name, const at::Tensor& s, const at::Tensor& x) {
+  CUBLADE_CHECK_VALUE(s.numel() == 1, op, name, " must have one element, got shape ", shape(s.sizes()));
+  CUBLADE_CHECK_VALUE(s.scalar_type() == at::kFloat, op, name, " must be float32, got ", dt(s.scalar_type()));
+  CUBLADE_CHECK_VALUE(s.device() == x.device(), op, name, " must be on ", dev(x.device()), ", got ", dev(s.device()));
+}
+
+}  // namespace cublade
