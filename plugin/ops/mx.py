@@ -38,7 +38,12 @@ def e8m0_exponent(amax: torch.Tensor, rule: str, max_elem: float, emax_elem: int
     if rule == "floor":
         e = _floor_log2(safe) - emax_elem
     else:
-        e = _ceil_log2(safe / max_elem)  # fp32 division rounds once; kernels do the same
+        # A true fp32 division (by a tensor: CUDA turns division by a Python float into a multiply by its
+        # reciprocal), rounded once, as the kernels do. Below 448 * 2^-150 it underflows to 0: such a block
+        # takes the smallest exponent, like an all-zero one.
+        v = safe / torch.tensor(max_elem, dtype=torch.float32, device=safe.device)
+        finite_pos &= v > 0
+        e = _ceil_log2(torch.where(v > 0, v, torch.ones_like(v)))
     e = torch.where(finite_pos, e, torch.where(torch.isinf(a), E8M0_MAX_EXP, E8M0_MIN_EXP))
     return e.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP).to(torch.int32)
 

@@ -116,7 +116,7 @@ def _fp8_input_quant(scheme: Fp8Scheme, device: torch.device) -> tuple[Callable,
     fn, how = _op("fp8_quant_per_tensor", device, fp8_ops.fp8_quant_per_tensor_ref)
     if scheme.activations == "dynamic-tensor":
         return (lambda x, s: fn(x, None)), how
-    return fn, how
+    return (lambda x, s: fn(x, s.float())), how  # the op takes an fp32 scale
 
 
 class VllmCutlassScaledMM(LinearKernel):

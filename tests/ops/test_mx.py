@@ -42,3 +42,8 @@ def test_unknown_rule_and_bad_k():
         e8m0_exponent(torch.ones(1), "ceil", 448.0, 8)
     with pytest.raises(ValueError, match="not a multiple of the block size 32"):
         block_scales(torch.ones(2, 48), 32, "rceil", 448.0, 8)
+
+
+def test_rceil_amax_underflowing_the_division_takes_the_smallest_exponent():
+    a = torch.tensor([2.0**-149, 448 * 2.0**-149], dtype=torch.float32)  # a / 448 underflows to 0, resp. 2^-149
+    assert e8m0_exponent(a, "rceil", 448.0, 8).tolist() == [-127, -127]
