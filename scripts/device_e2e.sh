@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# End-to-end checks on the GPU machine, after vLLM is staged (../shared/device/README.md) and
+# `source .device-stage/env.sh`. One phase per device call (each stays well inside the 10-minute limit):
+#   kernels  build cublade into /tmp/site, GPU op tests, every benchmark (scripts/device_check.sh)
+#   serve    vllm serve each preset: completions, greedy vs unquantized, compiled vs eager, FP8 KV, interop
+#   ppl      cublade ppl --backend vllm vs the reference backend; the MoE fixture served and scored
+# Logs and JSON results go under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUBLADE_GPU_RESULTS=$OUT/gpu_results.jsonl
+pytest_run() {  # name, timeout, pytest args...
+  local name=$1 t=$2; shift 2
+  timeout "$t" python3 -m pytest -q -p no:cacheprovider -rs --durations=10 "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: rc=$? $(grep -E '^[0-9]+ (passed|failed|skipped)|(passed|failed).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
+  grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -20
+}
+case "${1:?phase: kernels | serve | ppl}" in
+  kernels) CUBLADE_TEST_TIMEOUT=${CUBLADE_TEST_TIMEOUT:-240} bash scripts/device_check.sh ;;
+  serve)   pytest_run serve 560 tests/gpu/test_serve.py -k "not ppl" ;;
+  ppl)     pytest_run ppl 330 tests/gpu/test_serve.py -k "ppl"
+           pytest_run moe 230 tests/moe/test_moe_gpu.py ;;
+  *) echo "unknown phase $1" >&2; exit 2 ;;
+esac
