@@ -17,10 +17,10 @@ TORCH_LIBRARY(cublade, m) {
         "Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> ()");
   // Part B (W4A16 decode GEMM, FP4 dequant GEMM) appends its m.def lines below.
   // W4A16 GEMM: x [..., K] bf16/fp16 @ int4 weights in w4a16_repack's layout -> [..., size_n] (x's dtype).
-  m.def("w4a16_gemm(Tensor x, Tensor packed, Tensor scales, int group_size, int size_n, int split_k=0) -> Tensor");
+  m.def("w4a16_gemm(Tensor x, Tensor packed, int group_size, bool symmetric, int size_n, int split_k=0) -> Tensor");
   // FP4 (MXFP4 / NVFP4) GEMM for MoE experts: x [T, K] bf16 (rows sorted by expert, expert_offsets [E+1]
   // int32; none = one expert) @ weights in fp4_repack's layout -> bf16 [T, size_n].
-  m.def("fp4_gemm(Tensor x, Tensor packed, Tensor scales, Tensor? row_scale, str format, int size_n, "
+  m.def("fp4_gemm(Tensor x, Tensor packed, Tensor? row_scale, str format, int size_n, "
         "Tensor? expert_offsets=None, int max_m=0, int split_k=0) -> Tensor");
 }
 

@@ -42,8 +42,9 @@ PACKET_K = 64  # K per 16-byte lane vector
 CHUNK_PACKETS = 8  # packets per chunk (512 K)
 CHUNK_K = CHUNK_PACKETS * PACKET_K
 # Above this many tokens the vLLM method should use its GEMM fallback (Machete/Marlin): the kernel is a
-# decode kernel and re-reads the weights once per 32 tokens. Measured: benchmarks/RESULTS.md.
-W4A16_KERNEL_MAX_M = 64
+# decode kernel and re-reads the weights once per 32 tokens. Measured on the H200 (benchmarks/RESULTS.md): it
+# beats a bf16 matmul of the dequantized weight up to M=32 and loses from M=64, on 8192x28672 and 4096x14336.
+W4A16_KERNEL_MAX_M = 32
 
 # Nibble j of a word -> (row offset in the tile: 0 = g, 8 = g+8; K offset from K0).
 _ROW_OF_J = (0, 8, 0, 8, 0, 8, 0, 8)

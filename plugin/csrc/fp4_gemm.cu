@@ -1,0 +1,157 @@
+// FP4 (E2M1) weight GEMM for MoE experts on Hopper: FP4 storage, bf16 math.
+//   y[M, N] = x[M, K] (bf16) @ dequant(W)[N, K]^T, per expert e over its rows of x (tokens sorted by expert,
+//   expert_offsets [E+1]); dense = one expert. MXFP4: one E8M0 scale per 32 K; NVFP4: one E4M3 scale per
+//   16 K and one fp32 factor per output row (the global scale, expanded at repack: w13 has two).
+// Numerics: e2m1 * block scale is exact in bf16 (2 significant bits times a power of two, or times an e4m3
+// with 4), so the kernel feeds exactly the reference's weights (before the global scale) to the tensor
+// cores, sums in fp32 over all of K, multiplies by the row factor and rounds once to bf16.
+// Layout and the reasons: README.md, "fp4_gemm"; the repacked tensors: w4a16_gemm.cuh (geometry) and
+// plugin/ops/fp4_gemm.py (fp4_repack).
+//   packed  int32 [E, ceil(N/64), ceil(K/512), 4 tiles, 1024 + 128]: per tile block, 8 packets x 32 lanes x 4
+//           words, then 8 x 64 bytes of scale records. In word s of lane (g, t), nibble j (bits 4j) is:
+//           j=0 (row g, K0), 1 (g, K0+1), 2 (g+8, K0), 3 (g+8, K0+1), 4 (g, K0+2), 5 (g, K0+3), 6 (g+8, K0+2),
+//           7 (g+8, K0+3): byte b of the word is fragment register b (two K of one row).
+//   records per packet and g (8 bytes): MXFP4 bf16 [2 halves][2 rows] (the E8M0 power of two, exact in bf16);
+//           NVFP4 e4m3 [2 blocks (t / 2)][2 halves][2 rows].
+//   row_scale fp32 [E, ceil(N/64) * 64] (NVFP4: the global scale of each row; absent for MXFP4)
+#define CUBLADE_KERNELS_ONLY  // the torch wrapper is fp4_gemm_torch.cpp
+#include "w4a16_gemm.cuh"
+#include "w4a16_gemm.h"
+
+#include <algorithm>
+
+namespace cublade {
+namespace {
+
+using lowbit::kPacketK;
+using lowbit::kTileN;
+
+enum Fp4Format : int { kMXFP4 = 0, kNVFP4 = 1 };
+
+// E2M1 magnitude code c (0..7) -> bf16 bytes, as two 8-entry byte tables for PRMT: value bits = H[c] << 8 | L[c]
+// (0, 0.5, 1, 1.5, 2, 3, 4, 6 = 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0).
+constexpr uint32_t kLoTab0 = 0xC0800000u, kLoTab1 = 0xC0804000u;  // L[0..3], L[4..7]
+constexpr uint32_t kHiTab0 = 0x3F3F3F00u, kHiTab1 = 0x40404040u;  // H[0..3], H[4..7]
+
+// One word (8 codes) -> the k-step's A fragment, times the block scales (bf16 pairs for rows g and g+8).
+// Table lookups by PRMT (4 codes per instruction), then the sign: PRMT's sign-replicate mode copies bit 7 of a
+// byte into a whole byte, so one PRMT over (q << 4, q) spreads the two signs of fragment byte b to bits 15, 31.
+__device__ __forceinline__ void dequant_fp4(uint32_t q, uint32_t s_lo, uint32_t s_hi, uint32_t (&a)[4]) {
+  using lowbit::prmt;
+  const uint32_t sel_lo = q & 0x7777u, sel_hi = (q >> 16) & 0x7777u;
+  const uint32_t l03 = prmt(kLoTab0, kLoTab1, sel_lo), h03 = prmt(kHiTab0, kHiTab1, sel_lo);
+  const uint32_t l47 = prmt(kLoTab0, kLoTab1, sel_hi), h47 = prmt(kHiTab0, kHiTab1, sel_hi);
+  const uint32_t qs = q << 4;  // byte b's bit 7 = the sign of its low code
+  uint32_t m[4];
+  m[0] = prmt(l03, h03, 0x5140u) | (prmt(qs, q, 0xC080u) & 0x80008000u);
+  m[1] = prmt(l03, h03, 0x7362u) | (prmt(qs, q, 0xD090u) & 0x80008000u);
+  m[2] = prmt(l47, h47, 0x5140u) | (prmt(qs, q, 0xE0A0u) & 0x80008000u);
+  m[3] = prmt(l47, h47, 0x7362u) | (prmt(qs, q, 0xF0B0u) & 0x80008000u);
+  const uint32_t s[4] = {s_lo, s_hi, s_lo, s_hi};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&m[i]),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&s[i]));
+    a[i] = *reinterpret_cast<const uint32_t*>(&r);
+  }
+}
+
+// Per-packet scale record of one lane and the bf16 pairs (s, s) of rows g and g+8 for half h.
+template <int FMT> struct Fp4Rec;
+template <> struct Fp4Rec<kMXFP4> {
+  using type = uint2;  // .x = (half 0: s[g], s[g+8]) bf16, .y = half 1
+  __device__ __forceinline__ static type load(const unsigned char* srec, int i, int lane) {
+    return *reinterpret_cast<const uint2*>(srec + (i * 8 + (lane >> 2)) * 8);
+  }
+  __device__ __forceinline__ static void pairs(const uint2& r, int h, uint32_t& lo, uint32_t& hi) {
+    const uint32_t v = h == 0 ? r.x : r.y;
+    lo = lowbit::prmt(v, v, 0x1010u);
+    hi = lowbit::prmt(v, v, 0x3232u);
+  }
+};
+template <> struct Fp4Rec<kNVFP4> {
+  using type = uint32_t;  // bytes: (half 0: s[g], s[g+8], half 1: s[g], s[g+8]) e4m3 of this lane's block
+  __device__ __forceinline__ static type load(const unsigned char* srec, int i, int lane) {
+    return *reinterpret_cast<const uint32_t*>(srec + (i * 8 + (lane >> 2)) * 8 + ((lane & 3) >> 1) * 4);
+  }
+  __device__ __forceinline__ static void pairs(uint32_t r, int h, uint32_t& lo, uint32_t& hi) {
+    const float2 f = e4m3x2_to_f32x2(static_cast<uint16_t>(h == 0 ? r & 0xFFFFu : r >> 16));  // exact
+    const __nv_bfloat162 l = __floats2bfloat162_rn(f.x, f.x), u = __floats2bfloat162_rn(f.y, f.y);  // exact
+    lo = *reinterpret_cast<const uint32_t*>(&l);
+    hi = *reinterpret_cast<const uint32_t*>(&u);
+  }
+};
+
+// FP4 packets for the streaming kernel (w4a16_gemm.cuh): the block scale is applied to the weights in bf16
+// (exact), the mma's sum all of K in fp32, the row factor (NVFP4 global scale) multiplies at the end.
+template <int NT_, int FMT>
+struct Fp4Policy {
+  using T = __nv_bfloat16;
+  static constexpr int NT = NT_;
+  static constexpr int kSBytes = kFp4RecordBytes;  // 64 bytes of records per packet per tile
+  struct State {};
+  __device__ static const float* row_scale(const lowbit::GemmParams& p, int e) {
+    return p.row_scale ? p.row_scale + static_cast<int64_t>(e) * p.groups * lowbit::kGroupTiles * kTileN : nullptr;
+  }
+  template <int i, bool kFirstChunk>
+  __device__ static void packet(State&, const uint4 q, const unsigned char* srec, const uint4 (&xc)[2][NT],
+                                float (&acc)[NT][4], int lane) {
+    const typename Fp4Rec<FMT>::type r = Fp4Rec<FMT>::load(srec, i, lane);
+    uint32_t s0_lo, s0_hi, s1_lo, s1_hi;
+    Fp4Rec<FMT>::pairs(r, 0, s0_lo, s0_hi);
+    Fp4Rec<FMT>::pairs(r, 1, s1_lo, s1_hi);
+    uint32_t a[4][4];
+    dequant_fp4(q.x, s0_lo, s0_hi, a[0]);
+    dequant_fp4(q.y, s0_lo, s0_hi, a[1]);
+    dequant_fp4(q.z, s1_lo, s1_hi, a[2]);
+    dequant_fp4(q.w, s1_lo, s1_hi, a[3]);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      lowbit::mma_16816<T>(acc[n], a[0], xc[0][n].x, xc[0][n].y);
+      lowbit::mma_16816<T>(acc[n], a[1], xc[0][n].z, xc[0][n].w);
+      lowbit::mma_16816<T>(acc[n], a[2], xc[1][n].x, xc[1][n].y);
+      lowbit::mma_16816<T>(acc[n], a[3], xc[1][n].z, xc[1][n].w);
+    }
+  }
+  __device__ static void finish(State&, float (&)[NT][4]) {}
+};
+
+template <int FMT>
+cudaError_t launch_fmt(lowbit::GemmParams prm, int E, int max_m, int S, cudaStream_t stream) {
+  const int nt = max_m <= 8 ? 1 : max_m <= 16 ? 2 : 4;
+  prm.xrows = std::min(8 * nt, max_m);
+  prm.sbytes = Fp4Policy<1, FMT>::kSBytes;
+  if (nt == 1) return lowbit::launch_stream<Fp4Policy<1, FMT>>(prm, E, S, stream);
+  if (nt == 2) return lowbit::launch_stream<Fp4Policy<2, FMT>>(prm, E, S, stream);
+  return lowbit::launch_stream<Fp4Policy<4, FMT>>(prm, E, S, stream);
+}
+
+}  // namespace
+
+// x: bf16 [M, K] (row stride x_stride, unit column stride, 16-byte aligned rows, K % 32 == 0); offsets: int32
+// [E+1] on the device (null: one expert over all M rows); packed: the blob above; row_scale: [E, groups*64] or
+// null; out: bf16 [M, N] (row stride out_stride). max_m: an upper bound on any expert's row count (picks the
+// tokens per pass; a wrong bound costs speed, not correctness). fmt: 0 = MXFP4, 1 = NVFP4.
+cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const int* offsets, int64_t E,
+                            int64_t max_m, const void* packed, const float* row_scale, int fmt, void* out,
+                            int64_t out_stride, int64_t N, int split_k, int sms, cudaStream_t stream) {
+  if (M == 0 || N == 0 || E == 0) return cudaSuccess;
+  lowbit::GemmParams prm = {};
+  prm.x = x; prm.x_stride = x_stride; prm.M = static_cast<int>(M); prm.K = static_cast<int>(K);
+  prm.offsets = offsets;
+  prm.w = static_cast<const unsigned char*>(packed);
+  prm.tiles = static_cast<int>(ceil_div(N, kTileN));
+  prm.groups = static_cast<int>(ceil_div(N, kTileN * lowbit::kGroupTiles));
+  prm.chunks = static_cast<int>(ceil_div(K, lowbit::kChunk * kPacketK));
+  prm.row_scale = row_scale;
+  prm.out = out; prm.out_stride = out_stride; prm.N = static_cast<int>(N);
+  const int64_t active = offsets ? std::min<int64_t>(E, M) : 1;  // experts that can have rows
+  const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups * active, prm.chunks, sms);
+  const int mm = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_m, M)));
+  if (fmt == kMXFP4) return launch_fmt<kMXFP4>(prm, static_cast<int>(E), mm, S, stream);
+  if (fmt == kNVFP4) return launch_fmt<kNVFP4>(prm, static_cast<int>(E), mm, S, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace cublade
+

@@ -1,0 +1,404 @@
+// Weight-streaming GEMM core shared by w4a16_gemm.cu (int4 weights) and fp4_gemm.cu (FP4 E2M1 weights):
+// y[M, N] = x[M, K] @ W[N, K]^T for small M (decode), memory-bound on the 4-bit weights.
+//
+// Repacked weights (both ops; the Python repack writes them: plugin/ops/w4a16_gemm.py, fp4_gemm.py):
+//   blob int32 [experts][tile groups = ceil(N/64)][chunks = ceil(K/512)][4 tiles][tile block]
+//   tile block = 8 packets of 512 bytes, then the scale records those 512 K need (sbytes)
+// N and K are zero-padded to whole tile groups / chunks. A packet is 16 rows x 64 K; word s (0..3) of lane
+// (g = lane/4, t = lane%4) is the A fragment of one mma.m16n8k16 k-step: rows g and g+8 at the 4 K
+//     K0(s) = 64*packet + 32*(s/2) + 8*t + 4*(s%2) .. +3
+// (the mma's k index is permuted; x is read with the same permutation, so the sum is unchanged). With this
+// permutation one 16-byte x read per lane gives the B fragments of two k-steps (x[tok][32*half + 8t .. +8]),
+// and each 32-K half of a packet is closed under the mma's reduction, so per-group scales (groups >= 32) can
+// be applied to an fp32 partial sum. The weight is the mma's A operand (16 rows of N), the tokens are B
+// (8 per n-tile): the "swapped" orientation keeps 16 weight rows per instruction even at M = 1.
+//
+// Schedule (one CTA = 4 consumer warps + 1 producer warp, one tile group = 64 rows):
+//   * consumer warp r owns tile r of the group; the CTA covers the chunks of split blockIdx.y of K; the
+//     splits of one group form a thread-block cluster and add up their fp32 partials through distributed
+//     shared memory (no workspace, no atomics, one launch);
+//   * the producer warp streams the CTA's share into a ring of shared-memory stages with the bulk-copy engine
+//     (cp.async.bulk, completion counted in bytes on an mbarrier): per stage ONE 17 KB copy (the 4 tile blocks
+//     of a chunk, contiguous by construction of the layout) and one copy per x row of the token pass (issued
+//     by the producer's lanes in parallel; the rows are shared by the 4 consumers);
+//   * consumers wait on a stage's "full" barrier, read their 16 bytes per packet from shared memory,
+//     dequantize in registers, issue the mma's, and arrive on the stage's "empty" barrier; the producer
+//     refills a stage once all consumers released it.
+// Why (measured on the H200, see README.md): per-lane loads (LDG or cp.async) keep every request in the
+// L1TEX pipeline, whose outstanding-request budget capped a first version at ~2.3 TB/s; bulk copies move
+// kilobytes per request outside it, but each copy has a fixed cost, so the layout makes them few and large
+// (2 KB copies: 52 us at 8192x28672, 4 KB: 44 us, one 17 KB copy per stage: this version). Weights are
+// loaded evict-first in L2 (read once; they should not push out the activations or a model's KV cache).
+#pragma once
+
+#include "common.cuh"
+
+#include <algorithm>
+#include <type_traits>
+#include <utility>
+
+namespace cublade {
+namespace lowbit {
+
+constexpr int kTileN = 16;      // weight rows per tile (the mma's M)
+constexpr int kPacketK = 64;    // K per 16-byte lane vector (4 k-steps of 16)
+constexpr int kChunk = 8;       // packets per tile per chunk (512 K)
+constexpr int kGroupTiles = 4;  // tiles per tile group = consumer warps per CTA
+constexpr int kMaxStages = 4;   // ring depth (fewer when the x rows of a pass make stages large)
+constexpr int kMaxSplit = 8;    // cluster size limit (portable)
+constexpr int kXRowBytes = kChunk * kPacketK * 2 + 16;  // staged x row; +16 B puts rows g = 0..7 in distinct banks
+constexpr int kSmemBudget = 112 * 1024;                  // per CTA: two CTAs per SM
+
+template <typename T>
+__host__ __device__ constexpr bool is_bf16() { return std::is_same<T, __nv_bfloat16>::value; }
+
+// Everything a launch passes (both ops; fields an op does not use are null / 0).
+struct GemmParams {
+  const void* x;
+  int64_t x_stride;
+  int M, K;
+  const int* offsets;  // int32 [E+1]: rows of expert e are [offsets[e], offsets[e+1]); null: one expert, M rows
+  const unsigned char* w;  // the blob
+  int tiles, groups, chunks;  // tiles (ceil(N/16)), tile groups (ceil(N/64)), chunks (ceil(K/512))
+  int sbytes;                 // scale-record bytes per tile block
+  const float* row_scale;     // fp4 (nvfp4): [E, groups*64] factor per output row, or null
+  void* out;
+  int64_t out_stride;
+  int N;
+  int chunks_per_cta;  // chunks per split
+  int xrows;           // staged x rows per stage (= tokens per pass, capped by the rows an expert can have)
+  int stages;          // ring depth
+};
+
+// Shared memory: barriers, stages x [W: 4 tile blocks | X: xrows x kXRowBytes], reduction buffer.
+struct Layout {
+  int sbytes, xrows, stages;
+  __host__ __device__ int tile_bytes() const { return kChunk * 512 + sbytes; }
+  __host__ __device__ int w_bytes() const { return kGroupTiles * tile_bytes(); }
+  __host__ __device__ int stage_bytes() const { return w_bytes() + xrows * kXRowBytes; }
+  __host__ __device__ int stage_offset(int s) const { return 128 + s * stage_bytes(); }
+  __host__ __device__ int red_offset() const { return 128 + stages * stage_bytes(); }
+  __host__ __device__ int total(int nt) const { return red_offset() + kGroupTiles * nt * 4 * 32 * 4; }
+};
+
+// ---- PTX wrappers ------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Bulk copy global -> this CTA's shared memory, completion counted on `bar` (16-byte aligned, size % 16 == 0),
+// with an L2 eviction policy (createpolicy).
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
+      : "memory");
+}
+// Weights are read once per call: evict them first, so they do not push out of L2 what others still need
+// (the activations, and in a model the KV cache) nor force write-backs of dirty lines.
+__device__ __forceinline__ uint64_t policy_evict_first() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ uint64_t policy_evict_last() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ uint64_t policy_evict_normal() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+#ifndef CUBLADE_WEIGHT_POLICY
+#define CUBLADE_WEIGHT_POLICY policy_evict_first
+#endif
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Read a float from the same offset of another CTA's shared memory in the cluster.
+__device__ __forceinline__ float ld_dsmem(const float* local, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// c += A(16x16, row) * B(16x8, col), fp32 accumulators, bf16 or fp16 operands.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (is_bf16<T>()) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+// c = A * B (accumulators start from zero: the first k-step of a scale group).
+template <typename T>
+__device__ __forceinline__ void mma_16816_first(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const float z = 0.0f;
+  if constexpr (is_bf16<T>()) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};"
+        : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(z));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};"
+        : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(z));
+  }
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+// (a & b) | c in one LOP3 (the compiler splits it in two when b and c are both immediates).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// Compile-time loop: f(std::integral_constant<int, 0>{}), ..., f(std::integral_constant<int, N-1>{}).
+template <typename F, int... I>
+__device__ __forceinline__ void static_for_impl(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+__device__ __forceinline__ void static_for(F&& f) {
+  static_for_impl(f, std::make_integer_sequence<int, N>{});
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// The kernel. A policy P says how a packet becomes mma's (dequant, scales) and provides:
+//   using T; static constexpr int NT;  struct State;
+//   template <int i, bool kFirstChunk> __device__ static void packet(State&, uint4 q, const unsigned char* srec,
+//       const uint4 (&x)[2][NT], float (&acc)[NT][4], int lane)   (packet i of a chunk; srec: the tile block's
+//       scale records)
+//   __device__ static void finish(State&, float (&acc)[NT][4])
+//   __device__ static const float* row_scale(const GemmParams&, int e)   (null: none)
+template <class P>
+__global__ void __launch_bounds__((kGroupTiles + 1) * 32)
+stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
+  using T = typename P::T;
+  constexpr int NT = P::NT;
+  constexpr int R = kGroupTiles;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int e = blockIdx.z;
+  const int m_begin = prm.offsets ? prm.offsets[e] : 0;
+  const int m_end = prm.offsets ? prm.offsets[e + 1] : prm.M;
+  if (m_begin >= m_end) return;  // the whole cluster (same e), before any barrier
+
+  const int nsplit = gridDim.y, split = blockIdx.y;
+  const int cb = split * prm.chunks_per_cta;
+  const int ce = min(cb + prm.chunks_per_cta, prm.chunks);
+  const int nchunks = max(ce - cb, 0);
+  const int group = blockIdx.x;
+  const int nst = prm.stages;
+  const Layout L{prm.sbytes, prm.xrows, nst};
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kMaxStages;
+  float* red = reinterpret_cast<float*>(smem + L.red_offset());
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < nst; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, R);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  int it = 0;  // chunks streamed so far (stage = it % nst, use = it / nst), the same count in every thread
+  // Token passes of prm.xrows (<= 8 NT) rows: more rows than the launch planned for only cost more passes.
+  for (int m0 = m_begin; m0 < m_end; m0 += prm.xrows) {
+    const int rows = min(prm.xrows, m_end - m0);
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[n][j] = 0.0f;
+
+    if (warp == R) {  // ---- producer: lane 0 the weights, lane r the x row r ----
+      const unsigned char* xg = static_cast<const unsigned char*>(prm.x);
+      const uint64_t wpol = policy_evict_first(), xpol = policy_evict_last();
+      const int64_t block0 = (static_cast<int64_t>(e) * prm.groups + group) * prm.chunks;
+      for (int c = 0; c < nchunks; ++c, ++it) {
+        const int s = it % nst;
+        const int k0 = (cb + c) * kChunk * kPacketK;
+        const int kbytes = (min(k0 + kChunk * kPacketK, prm.K) - k0) * 2;
+        if (lane == 0) {
+          if (it >= nst) mbar_wait(empty + s, ((it / nst) - 1) & 1);
+          mbar_expect_tx(full + s, L.w_bytes() + rows * kbytes);
+        }
+        __syncwarp();  // the stage is free and its byte count is set before any copy lands
+        unsigned char* st = smem + L.stage_offset(s);
+        if (lane == 0)
+          bulk_g2s(st, prm.w + (block0 + cb + c) * L.w_bytes(), L.w_bytes(), full + s, wpol);
+        for (int row = lane; row < rows; row += 32)
+          bulk_g2s(st + L.w_bytes() + row * kXRowBytes,
+                   xg + ((static_cast<int64_t>(m0 + row) * prm.x_stride) + k0) * 2, kbytes, full + s, xpol);
+      }
+    } else {  // ---- consumer ----
+      typename P::State st;
+      for (int c = 0; c < nchunks; ++c, ++it) {
+        const int s = it % nst;
+        mbar_wait(full + s, (it / nst) & 1);
+        const int k0 = (cb + c) * kChunk * kPacketK;
+        const unsigned char* stg = smem + L.stage_offset(s);
+        const unsigned char* tb = stg + warp * L.tile_bytes();
+        const unsigned char* xsm = stg + L.w_bytes() + t * 16;
+        auto run = [&](auto checked_c, auto first_c) {
+          constexpr bool kChecked = decltype(checked_c)::value;
+          static_for<kChunk>([&](auto i_c) {
+            constexpr int i = decltype(i_c)::value;
+            uint4 xv[2][NT];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+              for (int n = 0; n < NT; ++n) {
+                const int row = 8 * n + g;
+                const bool ok = row < rows && (!kChecked || k0 + i * kPacketK + 32 * h + 8 * t < prm.K);
+                xv[h][n] = ok ? lds128(xsm + row * kXRowBytes + (i * kPacketK + 32 * h) * 2)
+                              : make_uint4(0u, 0u, 0u, 0u);
+              }
+            P::template packet<i, decltype(first_c)::value>(st, lds128(tb + i * 512 + lane * 16),
+                                                            tb + kChunk * 512, xv, acc, lane);
+          });
+        };
+        // Past K the staged x holds stale bytes: the last chunk checks (the padded weights are zero anyway).
+        const bool checked = k0 + kChunk * kPacketK > prm.K;
+        if (c == 0) {
+          if (checked) run(std::true_type{}, std::true_type{});
+          else run(std::false_type{}, std::true_type{});
+        } else {
+          if (checked) run(std::true_type{}, std::false_type{});
+          else run(std::false_type{}, std::false_type{});
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + s);
+      }
+      P::finish(st, acc);
+    }
+
+    // ---- split-K reduction over the cluster, then the tile's outputs ----
+    const float* rs = P::row_scale(prm, e);
+    auto store = [&](float (&v)[NT][4], int r) {
+      const int row0 = (group * R + r) * kTileN;
+      const int r_lo = row0 + g, r_hi = row0 + g + 8;
+      const float f_lo = rs ? rs[r_lo] : 1.0f, f_hi = rs ? rs[r_hi] : 1.0f;  // row_scale is padded to groups
+      T* out = static_cast<T*>(prm.out);
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int row = j < 2 ? r_lo : r_hi;
+          const int tok = m0 + 8 * n + 2 * t + (j & 1);
+          if (row < prm.N && tok < m_end)
+            out[static_cast<int64_t>(tok) * prm.out_stride + row] = from_float<T>(v[n][j] * (j < 2 ? f_lo : f_hi));
+        }
+    };
+    if (nsplit == 1) {
+      if (warp < R) store(acc, warp);
+    } else {
+      if (warp < R) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) red[((warp * NT + n) * 4 + j) * 32 + lane] = acc[n][j];
+      }
+      cluster_sync();
+      if (split == 0 && warp < R) {
+        for (int q = 1; q < nsplit; ++q)
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[n][j] += ld_dsmem(&red[((warp * NT + n) * 4 + j) * 32 + lane], q);
+        store(acc, warp);
+      }
+      cluster_sync();  // the other CTAs keep their shared memory until rank 0 has read it
+    }
+  }
+}
+
+// Launch one instantiation: S splits of K per cluster, E experts; xrows and sbytes set in prm.
+template <class P>
+cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
+  if (S < 1 || S > kMaxSplit) return cudaErrorInvalidValue;
+  prm.chunks_per_cta = (prm.chunks + S - 1) / S;
+  Layout L{prm.sbytes, prm.xrows, kMaxStages};
+  prm.stages = std::max(2, std::min(kMaxStages, kSmemBudget / L.stage_bytes()));
+  L.stages = prm.stages;
+  const int smem = L.total(P::NT);
+  static const cudaError_t attr = cudaFuncSetAttribute(stream_gemm_kernel<P>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024);
+  if (attr != cudaSuccess) return attr;
+  if (smem > 227 * 1024) return cudaErrorInvalidValue;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(prm.groups), static_cast<unsigned>(S), static_cast<unsigned>(E));
+  cfg.blockDim = dim3((kGroupTiles + 1) * 32);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[1];
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = 1;
+  attrs[0].val.clusterDim.y = static_cast<unsigned>(S);
+  attrs[0].val.clusterDim.z = 1;
+  cfg.attrs = attrs;
+  cfg.numAttrs = S > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, stream_gemm_kernel<P>, prm);
+}
+
+// K splits (cluster size). Measured on the H200 (README.md): one split is best while the grid has about as
+// many CTAs as SMs or more (8192x28672: 448 CTAs, 4096x14336: 224); below that, split until it does
+// (14336x4096: 64 CTAs -> 2 splits), keeping at least two chunks per split.
+inline int pick_split(int64_t ctas, int chunks, int sms) {
+  int S = 1;
+  while (S < kMaxSplit && ctas * S * 10 < static_cast<int64_t>(sms) * 9 && chunks >= 2 * 2 * S) S *= 2;
+  return S;
+}
+
+}  // namespace lowbit
+}  // namespace cublade

@@ -1,0 +1,41 @@
+// Framework-free declarations of the launchers of w4a16_gemm.cu and fp4_gemm.cu, shared by the kernels (nvcc)
+// and their torch wrappers (w4a16_gemm_torch.cpp, fp4_gemm_torch.cpp; host C++ compiler). The repacked layouts:
+// plugin/ops/w4a16_gemm.py and plugin/ops/fp4_gemm.py; the kernel and its schedule: w4a16_gemm.cuh.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "launchers.h"  // InDtype
+
+namespace cublade {
+
+// Geometry of the repacked blobs: tile groups of 64 rows (4 tiles of 16), chunks of 512 K (8 packets of 64);
+// a tile block is 1024 int32 words of weights plus the chunk's scale records.
+constexpr int kLowbitGroupRows = 64;
+constexpr int kLowbitChunkK = 512;
+constexpr int kLowbitTileWords = 1024;
+constexpr int kLowbitMaxSplit = 8;  // K splits per thread-block cluster
+
+// Scale-record bytes per int4 tile block for a group size (32, 64, 128, -1) and symmetry; -1 for others.
+int w4a16_gemm_sbytes(int group_size, bool asym);
+
+// x: [M, K] (row stride x_stride elements, unit column stride, 16-byte aligned rows, K % 8 == 0); packed: the
+// int4 blob [ceil(N/64), ceil(K/512), 4, 1024 + sbytes/4]; out: [M, N] (row stride out_stride), x's dtype
+// (bf16 or fp16). split_k: K splits per cluster, 0 = pick. sms: the device's multiprocessor count.
+cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t x_stride,
+                              const void* packed, int group_size, bool asym, void* out, int64_t out_stride,
+                              int64_t N, int split_k, int sms, cudaStream_t stream);
+
+// Scale-record bytes per FP4 tile block (64 per packet, both formats).
+constexpr int kFp4RecordBytes = 8 * 64;
+
+// x: bf16 [M, K] (as above, K % 32 == 0); offsets: int32 [E+1] on the device (null: one expert over all M
+// rows); packed: the FP4 blob [E, ceil(N/64), ceil(K/512), 4, 1152]; row_scale: [E, ceil(N/64)*64] or null;
+// out: bf16 [M, N]. max_m: an upper bound on any expert's rows (tokens per pass; a wrong bound costs passes,
+// not correctness). fmt: 0 = MXFP4, 1 = NVFP4.
+cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const int* offsets, int64_t E,
+                            int64_t max_m, const void* packed, const float* row_scale, int fmt, void* out,
+                            int64_t out_stride, int64_t N, int split_k, int sms, cudaStream_t stream);
+
+}  // namespace cublade
