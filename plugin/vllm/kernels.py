@@ -199,13 +199,13 @@ class CubladeW4A16Gemm(LinearKernel):
         zp = getattr(layer, "weight_zero_point", None)
         rp = ops.w4a16_repack(layer.weight_packed.data, layer.weight_scale.data,
                               None if zp is None else zp.data, self.scheme.group_size)
-        self.size_n = rp.size_n
-        _replace(layer, "weight_packed", rp.packed)  # the kernel's layout replaces the checkpoint's
-        _replace(layer, "weight_scale", rp.scales)  # bf16 scales (and zero points) per tile
-        _replace(layer, "weight_zero_point", None)  # folded into the scales records
+        self.group_size, self.symmetric, self.size_n = rp.group_size, rp.symmetric, rp.size_n
+        _replace(layer, "weight_packed", rp.packed)  # one blob: the kernel's tiles with their scales interleaved
+        _replace(layer, "weight_scale", None)
+        _replace(layer, "weight_zero_point", None)  # folded into the blob's scale records
 
     def apply(self, layer, x, bias):
-        y = self.gemm(x, layer.weight_packed, layer.weight_scale, self.scheme.group_size, self.size_n)
+        y = self.gemm(x, layer.weight_packed, self.group_size, self.symmetric, self.size_n)
         return y if bias is None else y + bias
 
 

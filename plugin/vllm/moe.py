@@ -299,7 +299,6 @@ class CubladeFp4MoE(MoEKernel):
                 if hasattr(layer, f"{w}_{name}"):
                     delattr(layer, f"{w}_{name}")
             layer.register_parameter(f"{w}_fp4_packed", torch.nn.Parameter(rp.packed, requires_grad=False))
-            layer.register_parameter(f"{w}_fp4_scales", torch.nn.Parameter(rp.scales, requires_grad=False))
             if rp.row_scale is not None:
                 layer.register_parameter(f"{w}_fp4_row_scale", torch.nn.Parameter(rp.row_scale, requires_grad=False))
 
@@ -318,11 +317,9 @@ class CubladeFp4MoE(MoEKernel):
         offsets[1:] = torch.cumsum(counts[:E], dim=0)
         xs = x[order // k]
         # Top-k picks distinct experts per token, so no expert has more than T rows: max_m = T.
-        h = fp4_gemm(xs, layer.w13_fp4_packed, layer.w13_fp4_scales, getattr(layer, "w13_fp4_row_scale", None),
-                     fmt, 2 * I, offsets, T)
+        h = fp4_gemm(xs, layer.w13_fp4_packed, getattr(layer, "w13_fp4_row_scale", None), fmt, 2 * I, offsets, T)
         a = F.silu(h[:, :I]) * h[:, I:]
-        y = fp4_gemm(a, layer.w2_fp4_packed, layer.w2_fp4_scales, getattr(layer, "w2_fp4_row_scale", None),
-                     fmt, H, offsets, T)
+        y = fp4_gemm(a, layer.w2_fp4_packed, getattr(layer, "w2_fp4_row_scale", None), fmt, H, offsets, T)
         y = torch.where((ids[order] < E)[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
         unsorted = torch.empty_like(y).index_copy_(0, order, y)
         return (unsorted.view(T, k, H).float() * topk_weights.view(T, k, 1).float()).sum(dim=1).to(x.dtype)
