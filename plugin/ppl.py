@@ -86,10 +86,15 @@ def _reference_nll(model_dir, wins: list[list[int]], dtype: torch.dtype, batch: 
 
 
 def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> float:
+    import os
+
+    # vLLM samples at least one token after each prompt, so a full window needs window + 1 positions; the
+    # model's config allows exactly `window` (stories260K: 512). The extra position is never scored.
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    max_len = max(len(w) for w in wins)
+    max_len = max(len(w) for w in wins) + 1
     llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_len, enforce_eager=True, **llm_kwargs)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in wins], params, use_tqdm=False)

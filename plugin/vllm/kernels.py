@@ -30,7 +30,7 @@ import torch
 
 from cublade.config import Fp8Scheme, MXFP8Scheme, Scheme, W4A16Scheme
 from cublade.ops import fp8_quant as fp8_ops
-from cublade.ops import mxfp8_quant as mxfp8_ops
+from cublade.ops.mxfp8_quant import mxfp8_dequant_ref  # (`cublade.ops.mxfp8_quant` is the op, not the module)
 from cublade.ops._dispatch import use_kernel
 
 logger = logging.getLogger("vllm.cublade")
@@ -309,12 +309,12 @@ class CubladeMxfp8DequantMatmul(LinearKernel):
     def can_implement(cls, layer):
         if layer.weight.device.type != "cuda":
             return False, "needs a CUDA device"
-        _, how = _op("mxfp8_dequant", layer.weight.device, mxfp8_ops.mxfp8_dequant_ref)
+        _, how = _op("mxfp8_dequant", layer.weight.device, mxfp8_dequant_ref)
         return True, f"dequantize with {how}, then a dense {layer.params_dtype} GEMM"
 
     def __init__(self, layer):
         super().__init__(layer)
-        self.dequant, _ = _op("mxfp8_dequant", layer.weight.device, mxfp8_ops.mxfp8_dequant_ref)
+        self.dequant, _ = _op("mxfp8_dequant", layer.weight.device, mxfp8_dequant_ref)
 
     def apply(self, layer, x, bias):
         w = self.dequant(layer.weight, layer.weight_scale, x.dtype)
