@@ -41,7 +41,7 @@ def e8m0_exponent(amax: torch.Tensor, rule: str, max_elem: float, emax_elem: int
         # A true fp32 division (by a tensor: CUDA turns division by a Python float into a multiply by its
         # reciprocal), rounded once, as the kernels do. Below 448 * 2^-150 it underflows to 0: such a block
         # takes the smallest exponent, like an all-zero one.
-        v = safe / torch.tensor(max_elem, dtype=torch.float32, device=safe.device)
+        v = safe / torch.full_like(safe, max_elem)  # made on the device: capturable in a CUDA graph
         finite_pos &= v > 0
         e = _ceil_log2(torch.where(v > 0, v, torch.ones_like(v)))
     e = torch.where(finite_pos, e, torch.where(torch.isinf(a), E8M0_MAX_EXP, E8M0_MIN_EXP))
