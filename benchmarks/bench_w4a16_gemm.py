@@ -44,6 +44,7 @@ def vllm_kernels(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int) -> tuple[di
         from vllm.scalar_type import scalar_types
     except Exception as e:  # noqa: BLE001  (any import failure means: no baseline)
         return {}, f"baseline: vLLM not importable ({type(e).__name__}: {e})"
+    _vllm_single_process_state()
     out = {}
     noop = lambda *a, **k: None  # noqa: E731
     cfg = vl.MPLinearLayerConfig(full_weight_shape=(K, N), partition_weight_shape=(K, N),
@@ -64,6 +65,21 @@ def vllm_kernels(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int) -> tuple[di
         k.process_weights_after_loading(layer)
         out[name.replace("LinearKernel", "")] = (lambda kk, ll: (lambda x: kk.apply_weights(ll, x)))(k, layer)
     return out, f"baseline: vLLM {vllm.__version__} Machete / Marlin (MPLinearKernel)"
+
+
+def _vllm_single_process_state() -> None:
+    """vLLM's parameter classes read the tensor-parallel rank: set up a one-process group once."""
+    import socket
+
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+    ps.initialize_model_parallel(1, 1)
 
 
 def main() -> None:
