@@ -30,3 +30,16 @@ echo
 echo "held-out split (stories 6-18; calibration used stories 0-5):"
 cublade ppl "$MODEL" "$OUT"/w4a16 "$OUT"/w4a16-gptq "$OUT"/w4a16-g32 "$OUT"/w4a16-g32-gptq "$OUT"/fp8-dynamic \
   "$OUT"/fp8-static "$OUT"/fp8-dynamic-kv --text "$TEXT" --lines 6:
+
+# MoE: a Mixtral (8 experts, top-2) built from the dense model with permuted experts (its loss equals the
+# dense model's), then FP4 experts + FP8 dense layers; the perturbed variant exercises a real router.
+for v in exact perturbed; do
+  python3 examples/make_moe_fixture.py "$OUT/moe-$v" --variant "$v" --overwrite
+  for fmt in mxfp4 nvfp4; do
+    cublade convert "$OUT/moe-$v" "$OUT/moe-$v-fp4-$fmt" --scheme fp4-experts-fp8-dense --fp4-format "$fmt" --overwrite
+  done
+done
+echo
+echo "MoE fixtures (all 19 stories):"
+cublade ppl "$MODEL" "$OUT"/moe-exact "$OUT"/moe-exact-fp4-mxfp4 "$OUT"/moe-exact-fp4-nvfp4 \
+  "$OUT"/moe-perturbed "$OUT"/moe-perturbed-fp4-mxfp4 "$OUT"/moe-perturbed-fp4-nvfp4 --text "$TEXT"
