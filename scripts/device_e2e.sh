@@ -2,7 +2,8 @@
 # End-to-end checks on the GPU machine, after vLLM is staged (../shared/device/README.md) and
 # `source .device-stage/env.sh`. One phase per device call (each stays well inside the 10-minute limit):
 #   kernels  build cublade into /tmp/site, GPU op tests, every benchmark (scripts/device_check.sh)
-#   serve    vllm serve each preset: completions, greedy vs unquantized, compiled vs eager, FP8 KV, interop
+#   serve    vllm serve each preset: completions, greedy vs unquantized (one call took 560 s: too long)
+#   serve2   compiled vs eager, FP8 KV with cublade's cache write, compressed-tensors interop
 #   ppl      cublade ppl --backend vllm vs the reference backend; the MoE fixture served and scored
 # Logs and JSON results go under $OUT.
 set -uo pipefail
@@ -16,9 +17,10 @@ pytest_run() {  # name, timeout, pytest args...
   echo "$name: rc=$? $(grep -E '^[0-9]+ (passed|failed|skipped)|(passed|failed).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -20
 }
-case "${1:?phase: kernels | serve | ppl}" in
+case "${1:?phase: kernels | serve | serve2 | ppl}" in
   kernels) CUBLADE_TEST_TIMEOUT=${CUBLADE_TEST_TIMEOUT:-240} bash scripts/device_check.sh ;;
-  serve)   pytest_run serve 560 tests/gpu/test_serve.py -k "not ppl" ;;
+  serve)   pytest_run serve 560 tests/gpu/test_serve.py -k "answers or baseline or greedy" ;;
+  serve2)  pytest_run serve2 560 tests/gpu/test_serve.py -k "compiled or kv_cache or compressed" ;;
   ppl)     pytest_run ppl 330 tests/gpu/test_serve.py -k "ppl"
            pytest_run moe 230 tests/moe/test_moe_gpu.py ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
