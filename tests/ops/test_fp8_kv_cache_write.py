@@ -11,20 +11,9 @@ import torch
 from cublade.ops import _dispatch
 from cublade.ops.fp8_kv_cache_write import fp8_kv_cache_write, fp8_kv_cache_write_ref, fp8_kv_quant_ref
 
-CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the H200 device)")
-FP8 = torch.float8_e4m3fn
+from fp8_testing import CUDA, FP8, assert_fp8_equal, gpu
+
 POISON = 0x5A  # what the caches hold before a write: bytes a write must not touch keep it
-
-
-def assert_fp8_equal(a: torch.Tensor, b: torch.Tensor) -> None:
-    a, b = a.cpu().view(torch.uint8), b.cpu().view(torch.uint8)
-    assert a.shape == b.shape
-    nan_a, nan_b = (a & 0x7F) == 0x7F, (b & 0x7F) == 0x7F
-    assert torch.equal(nan_a, nan_b), f"NaN positions differ at {(nan_a != nan_b).nonzero()[:5].tolist()}"
-    diff = (a != b) & ~nan_a
-    assert not diff.any(), (f"{int(diff.sum())} bytes differ, first at {diff.nonzero()[:5].tolist()}: "
-                            f"{a[diff][:5].tolist()} vs {b[diff][:5].tolist()}")
 
 
 def vllm_caches(num_blocks, block_size, H, D, device="cpu", dtype=torch.uint8):
