@@ -11,7 +11,7 @@ import torch
 from cublade.ops import _dispatch
 from cublade.ops.fp8_kv_cache_write import fp8_kv_cache_write, fp8_kv_cache_write_ref, fp8_kv_quant_ref
 
-from fp8_testing import CUDA, FP8, assert_fp8_equal, gpu
+from fp8_testing import FP8, assert_fp8_equal, gpu
 
 POISON = 0x5A  # what the caches hold before a write: bytes a write must not touch keep it
 

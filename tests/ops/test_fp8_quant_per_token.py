@@ -13,7 +13,7 @@ from cublade.constants import F8E4M3_MAX, FP8_MIN_SCALE
 from cublade.ops import _dispatch
 from cublade.ops.fp8_quant import fp8_quant_per_token, fp8_quant_per_token_ref
 
-from fp8_testing import CUDA, FP8, e4m3_table, assert_fp8_equal, gpu
+from fp8_testing import FP8, e4m3_table, assert_fp8_equal, gpu
 
 
 def assert_scale_equal(a: torch.Tensor, b: torch.Tensor) -> None:
