@@ -336,33 +336,48 @@ def disabled_kernels() -> set[str]:
     return {k.strip() for k in os.environ.get("CUBLADE_DISABLED_KERNELS", "").split(",") if k.strip()}
 
 
-def select_kernel(layer: torch.nn.Module, prefix: str) -> LinearKernel:
-    """The first candidate for the layer's scheme that can run it, constructed (it repacks the layer)."""
-    scheme: Scheme = layer.cublade_scheme
-    candidates = CANDIDATES.get(type(scheme))
-    if candidates is None:
-        raise NotImplementedError(f"{prefix}: cublade has no linear kernel for scheme {scheme.describe()}")
+def first_runnable(candidates, can_implement: Callable[[type], tuple[bool, str]]
+                   ) -> tuple[type | None, str, list[str]]:
+    """(first candidate not disabled by CUBLADE_DISABLED_KERNELS whose can_implement says yes, its reason,
+    the candidates passed over with why); the kernel is None when none can. Shared by the linear and MoE
+    selectors."""
     disabled = disabled_kernels()
     skipped: list[str] = []
     for k in candidates:
         if k.name in disabled:
             skipped.append(f"{k.name}: disabled by CUBLADE_DISABLED_KERNELS")
             continue
-        ok, reason = k.can_implement(layer)
-        if not ok:
-            skipped.append(f"{k.name}: {reason}")
-            continue
-        key = (scheme.describe(), str(layer.params_dtype), k.name, reason, tuple(skipped))
-        if key not in _logged:
-            _logged.add(key)
-            logger.info("cublade: %s layers like %s [N=%d, K=%d, %s] run on %s%s: %s%s", scheme.describe(), prefix,
-                        layer.output_size_per_partition, layer.input_size_per_partition, layer.params_dtype,
-                        k.name, "" if k.own else " (fallback)", reason,
-                        f"; passed over {'; '.join(skipped)}" if skipped else "")
-        return k(layer)
-    raise NotImplementedError(f"{prefix}: no kernel can run scheme {scheme.describe()} "
-                              f"[N={layer.output_size_per_partition}, K={layer.input_size_per_partition}, "
-                              f"{layer.params_dtype}]: " + "; ".join(skipped))
+        ok, reason = can_implement(k)
+        if ok:
+            return k, reason, skipped
+        skipped.append(f"{k.name}: {reason}")
+    return None, "", skipped
+
+
+def log_choice_once(key: tuple, msg: str, *args) -> None:
+    """One log line per distinct kernel choice (key), however many layers make it."""
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(msg, *args)
+
+
+def select_kernel(layer: torch.nn.Module, prefix: str) -> LinearKernel:
+    """The first candidate for the layer's scheme that can run it, constructed (it repacks the layer)."""
+    scheme: Scheme = layer.cublade_scheme
+    candidates = CANDIDATES.get(type(scheme))
+    if candidates is None:
+        raise NotImplementedError(f"{prefix}: cublade has no linear kernel for scheme {scheme.describe()}")
+    k, reason, skipped = first_runnable(candidates, lambda k: k.can_implement(layer))
+    if k is None:
+        raise NotImplementedError(f"{prefix}: no kernel can run scheme {scheme.describe()} "
+                                  f"[N={layer.output_size_per_partition}, K={layer.input_size_per_partition}, "
+                                  f"{layer.params_dtype}]: " + "; ".join(skipped))
+    log_choice_once((scheme.describe(), str(layer.params_dtype), k.name, reason, tuple(skipped)),
+                    "cublade: %s layers like %s [N=%d, K=%d, %s] run on %s%s: %s%s", scheme.describe(), prefix,
+                    layer.output_size_per_partition, layer.input_size_per_partition, layer.params_dtype,
+                    k.name, "" if k.own else " (fallback)", reason,
+                    f"; passed over {'; '.join(skipped)}" if skipped else "")
+    return k(layer)
 
 
 def _replace(layer: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:

@@ -31,7 +31,6 @@ once per distinct choice with the reason; CUBLADE_DISABLED_KERNELS=name,... take
 from __future__ import annotations
 
 import logging
-import os
 import types
 from typing import ClassVar
 
@@ -46,6 +45,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from cublade.config.schemes import FP4Scheme, UnsupportedShape
 from cublade.constants import E8M0_NAN
 from cublade.experts import experts_forward_ref
+from cublade.vllm.kernels import first_runnable, log_choice_once
 
 logger = logging.getLogger("vllm.cublade")
 
@@ -400,32 +400,15 @@ class VllmMarlinMoE(MoEKernel):
 
 
 CANDIDATES: list[type[MoEKernel]] = [CubladeFp4MoE, VllmMarlinMoE, ReferenceMoE]
-_logged: set[tuple] = set()
-
-
-def disabled_kernels() -> set[str]:
-    return {k.strip() for k in os.environ.get("CUBLADE_DISABLED_KERNELS", "").split(",") if k.strip()}
-
-
 def select_moe_kernel(layer, scheme: FP4Scheme, where: str) -> MoEKernel:
     """The first candidate that can run the layer, constructed (it repacks the layer's weights once)."""
-    disabled = disabled_kernels()
-    skipped: list[str] = []
-    for k in CANDIDATES:
-        if k.name in disabled:
-            skipped.append(f"{k.name}: disabled by CUBLADE_DISABLED_KERNELS")
-            continue
-        ok, reason = k.can_implement(layer, scheme)
-        if not ok:
-            skipped.append(f"{k.name}: {reason}")
-            continue
-        E, I2, _ = layer.w13_weight_packed.shape
-        key = (scheme.describe(), str(layer.params_dtype), k.name, reason, tuple(skipped))
-        if key not in _logged:
-            _logged.add(key)
-            logger.info("cublade: MoE experts %s like %s [E=%d, H=%d, I=%d, %s] run on %s%s: %s%s",
-                        scheme.describe(), where, E, layer.w2_weight_packed.shape[1], I2 // 2, layer.params_dtype,
-                        k.name, "" if k.own else " (fallback)", reason,
-                        f"; passed over {'; '.join(skipped)}" if skipped else "")
-        return k(layer, scheme)
-    raise NotImplementedError(f"{where}: no kernel can run MoE experts {scheme.describe()}: " + "; ".join(skipped))
+    k, reason, skipped = first_runnable(CANDIDATES, lambda k: k.can_implement(layer, scheme))
+    if k is None:
+        raise NotImplementedError(f"{where}: no kernel can run MoE experts {scheme.describe()}: " + "; ".join(skipped))
+    E, I2, _ = layer.w13_weight_packed.shape
+    log_choice_once((scheme.describe(), str(layer.params_dtype), k.name, reason, tuple(skipped)),
+                    "cublade: MoE experts %s like %s [E=%d, H=%d, I=%d, %s] run on %s%s: %s%s",
+                    scheme.describe(), where, E, layer.w2_weight_packed.shape[1], I2 // 2, layer.params_dtype,
+                    k.name, "" if k.own else " (fallback)", reason,
+                    f"; passed over {'; '.join(skipped)}" if skipped else "")
+    return k(layer, scheme)
