@@ -3,24 +3,12 @@ per test process (vLLM's distributed state can be set up once per process), vLLM
 the platform left as UnspecifiedPlatform (a CpuPlatform breaks layer construction on the CUDA wheel)."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm==0.26.0 --no-deps, see README)")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_vllm_config():
-    from vllm.config import DeviceConfig, VllmConfig
-
-    return VllmConfig(device_config=DeviceConfig(device="cpu"))
+from vllm_layers import cpu_vllm_config, free_port  # noqa: E402  (after the importorskip)
 
 
 @pytest.fixture(scope="session")

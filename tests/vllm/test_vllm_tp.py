@@ -27,7 +27,7 @@ def inputs(scheme, kind):
 
 
 def worker(rank: int, port: int, out_dir: str) -> None:
-    from conftest import cpu_vllm_config
+    from vllm_layers import cpu_vllm_config
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm_layers import load, single_scheme_config
@@ -53,7 +53,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
 
 def test_tensor_parallel_2(tmp_path):
     import torch.multiprocessing as mp
-    from conftest import free_port
+    from vllm_layers import free_port
 
     mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=TP, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(TP)]
