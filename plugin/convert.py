@@ -37,11 +37,12 @@ class Plan:
     n_tensors: int = 0
 
 
-def plan_conversion(src: Path, policy: Policy, skip_unsupported: bool) -> Plan:
-    """Check every tensor's name, shape and dtype against the policy without loading any data."""
+def plan_conversion(src: Path, policy: Policy, skip_unsupported: bool, layout=None) -> Plan:
+    """Check every tensor's name, shape and dtype against the policy without loading any data. `layout`: the
+    checkpoint's MoE expert layout (cublade.experts.expert_layout), None for a dense model."""
     plan = Plan()
     # MoE experts: fused 3-D tensors are split per expert, expert count and shapes checked (cublade.experts).
-    for path, name, shape, dtype in expert_tensor_infos(tensor_infos(src), expert_layout(src)):
+    for path, name, shape, dtype in expert_tensor_infos(tensor_infos(src), layout):
         plan.n_tensors += 1
         if not name.endswith(".weight"):
             continue
@@ -129,9 +130,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _write_config(src: Path, tmp: Path, policy: Policy, plan: Plan, dtype: torch.dtype | None,
+def _write_config(src: Path, cfg: dict, tmp: Path, policy: Policy, plan: Plan, dtype: torch.dtype | None,
                   calib_info: dict | None) -> None:
-    cfg = _source_config(src)
     if plan.skipped:
         policy = policy.with_ignore(*(re.escape(m) for m in sorted(plan.skipped)))
     qc = to_quantization_config(policy)
@@ -178,9 +178,10 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
     if needs and calib_text is None:
         raise ValueError(f"preset {policy.preset!r} needs calibration data for {' and '.join(needs)}: "
                          f"pass --calib-text FILE (and optionally --calib-tokens N)")
-    _source_config(src)
-    check_router_policy(policy, expert_layout(src), allow_quantized_router)
-    plan = plan_conversion(src, policy, skip_unsupported)
+    cfg = _source_config(src)
+    layout = expert_layout(src)
+    check_router_policy(policy, layout, allow_quantized_router)
+    plan = plan_conversion(src, policy, skip_unsupported, layout)
 
     calib = None
     if calib_text is not None:
@@ -196,7 +197,7 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
         writer = ShardWriter(tmp, max_shard_bytes)
         bar = tqdm(total=plan.n_tensors, desc=f"convert {policy.preset}", unit="tensor",
                    disable=progress is False or (progress is None and not _stderr_tty()))
-        for name, t in expert_tensors(iter_tensors(src), expert_layout(src)):
+        for name, t in expert_tensors(iter_tensors(src), layout):
             module = name[: -len(".weight")] if name.endswith(".weight") else None
             scheme = plan.quantize.get(module)
             if scheme is None:
@@ -214,7 +215,7 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
                 writer.add(name, scale)
         bar.close()
         writer.finish()
-        _write_config(src, tmp, policy, plan, dtype, calib.info if calib is not None else None)
+        _write_config(src, cfg, tmp, policy, plan, dtype, calib.info if calib is not None else None)
         if out.exists():
             old = out.parent / f".{out.name}.cublade-old-{os.getpid()}"
             out.rename(old)
