@@ -48,3 +48,13 @@ def converted(tmp_path_factory, padded_model_dir):
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def cpu_attention(monkeypatch):
+    """get_model on UnspecifiedPlatform needs an attention backend class to build Attention layers; no attention
+    kernel runs in the CPU tests (test-side patch, see ../shared/notes/vllm-on-cpu.md, and tests/vllm_model.py)."""
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    monkeypatch.setattr(UnspecifiedPlatform, "get_attn_backend_cls", classmethod(
+        lambda cls, *a, **k: "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"), raising=False)

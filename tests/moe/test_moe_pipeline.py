@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from cublade.config import preset
 from cublade.convert import convert
 from cublade.ppl import evaluate
+from vllm_model import load_vllm, vllm_logits
 
 LINES = slice(0, 6)  # 6 lines of the validation text: 4 windows of 512 tokens
 
@@ -158,63 +159,6 @@ def test_fp4_experts_fp8_dense_loss(converted, moe_fixture, valid_text, unquanti
 
 # --- whole model through vLLM on CPU -----------------------------------------------------------------------
 
-@pytest.fixture
-def cpu_attention(monkeypatch):
-    """get_model on UnspecifiedPlatform needs an attention backend class to build Attention layers; no
-    attention kernel runs here (test-side patch, see ../shared/notes/vllm-on-cpu.md)."""
-    from vllm.platforms.interface import UnspecifiedPlatform
-
-    monkeypatch.setattr(UnspecifiedPlatform, "get_attn_backend_cls", classmethod(
-        lambda cls, *a, **k: "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"), raising=False)
-
-
-def load_vllm(ckpt, dtype="float32"):
-    import cublade.vllm
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader import get_model
-
-    cublade.vllm.register()
-    mc = ModelConfig(model=str(ckpt), skip_tokenizer_init=True, dtype=dtype)
-    vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"), load_config=LoadConfig())
-    old = torch.get_default_dtype()
-    try:
-        with set_current_vllm_config(vc):
-            return get_model(vllm_config=vc), vc
-    finally:
-        torch.set_default_dtype(old)
-
-
-@torch.inference_mode()
-def vllm_mixtral_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """vLLM's Mixtral modules layer by layer on CPU: vLLM's attention kernel replaced by SDPA; the MoE block is
-    vLLM's router linear, Mixtral's routing (softmax, top-2, renormalize) in PyTorch, then the experts'
-    quant method's apply() — the call vLLM's MoE runner makes."""
-    m = model.model
-    T = ids.shape[0]
-    pos = torch.arange(T)
-    h = m.embed_tokens(ids)
-    for layer in m.layers:
-        a = layer.self_attn
-        x = layer.input_layernorm.forward_native(h)
-        qkv, _ = a.qkv_proj(x)
-        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q, k = a.rotary_emb.forward_native(pos, q, k)
-        heads = lambda t, n: t.reshape(T, n, a.head_dim).transpose(0, 1)  # noqa: E731
-        o = torch.nn.functional.scaled_dot_product_attention(
-            heads(q, a.num_heads), heads(k, a.num_kv_heads), heads(v, a.num_kv_heads), is_causal=True,
-            scale=a.scaling, enable_gqa=True)
-        o, _ = a.o_proj(o.transpose(0, 1).reshape(T, -1))
-        h = h + o
-        x = layer.post_attention_layernorm.forward_native(h)
-        moe = layer.block_sparse_moe
-        logits, _ = moe.gate(x)
-        w, top = torch.topk(torch.softmax(logits.float(), -1), 2, dim=-1)
-        w = w / w.sum(-1, keepdim=True)
-        re = moe.experts.routed_experts
-        h = h + re.quant_method.apply(re, x, w, top.to(torch.int32), None, None)
-    return m.norm.forward_native(h) @ model.lm_head.weight.t()
-
-
 def test_whole_model_in_vllm_matches_reference_backend(vllm_cpu, cpu_attention, converted, moe_fixture,
                                                        valid_text):
     from cublade.ppl import tokenize
@@ -231,7 +175,7 @@ def test_whole_model_in_vllm_matches_reference_backend(vllm_cpu, cpu_attention, 
         assert isinstance(layer.self_attn.qkv_proj.quant_method, CubladeLinearMethod)
     ref, _ = load_reference_model(ckpt)
     ids = torch.tensor(tokenize(ckpt, valid_text, slice(0, 2))[:256])
-    a = vllm_mixtral_logits(model, ids)
+    a = vllm_logits(model, ids)
     with torch.inference_mode():
         b = ref(ids[None]).logits[0]
     ce = lambda z: torch.nn.functional.cross_entropy(z[:-1].float(), ids[1:]).item()  # noqa: E731

@@ -20,65 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from vllm_model import load_vllm, vllm_logits
+
 
 PRESETS = ["fp8-dynamic", "w4a16", "mxfp8"]
-
-
-@pytest.fixture
-def cpu_attention(monkeypatch):
-    """get_model on UnspecifiedPlatform needs an attention backend class to build Attention layers; no attention
-    kernel runs in these tests (test-side patch, see ../shared/notes/vllm-on-cpu.md)."""
-    from vllm.platforms.interface import UnspecifiedPlatform
-
-    monkeypatch.setattr(UnspecifiedPlatform, "get_attn_backend_cls", classmethod(
-        lambda cls, *a, **k: "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"), raising=False)
-
-
-def load_vllm(ckpt, dtype="float32", **kw):
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader import get_model
-
-    mc = ModelConfig(model=str(ckpt), skip_tokenizer_init=True, dtype=dtype, **kw)
-    vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"), load_config=LoadConfig())
-    old = torch.get_default_dtype()
-    try:
-        with set_current_vllm_config(vc):
-            return get_model(vllm_config=vc), mc
-    finally:
-        torch.set_default_dtype(old)
-
-
-def fp8_round(x, scale):
-    from cublade.ops.fp8_kv_cache_write import fp8_kv_quant_ref
-
-    return (fp8_kv_quant_ref(x, scale).float() * scale).to(x.dtype)
-
-
-@torch.inference_mode()
-def vllm_logits(model, ids: torch.Tensor, kv_fp8: bool = False) -> torch.Tensor:
-    m = model.model
-    T = ids.shape[0]
-    pos = torch.arange(T)
-    h = m.embed_tokens(ids)
-    for layer in m.layers:
-        a = layer.self_attn
-        x = layer.input_layernorm.forward_native(h)
-        qkv, _ = a.qkv_proj(x)
-        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q, k = a.rotary_emb.forward_native(pos, q, k)
-        if kv_fp8:
-            k, v = fp8_round(k, a.attn._k_scale), fp8_round(v, a.attn._v_scale)
-        heads = lambda t, n: t.reshape(T, n, a.head_dim).transpose(0, 1)  # noqa: E731
-        o = torch.nn.functional.scaled_dot_product_attention(
-            heads(q, a.num_heads), heads(k, a.num_kv_heads), heads(v, a.num_kv_heads), is_causal=True,
-            scale=a.scaling, enable_gqa=True)
-        o, _ = a.o_proj(o.transpose(0, 1).reshape(T, -1))
-        h = h + o
-        x = layer.post_attention_layernorm.forward_native(h)
-        gu, _ = layer.mlp.gate_up_proj(x)
-        d, _ = layer.mlp.down_proj(layer.mlp.act_fn.forward_native(gu))
-        h = h + d
-    return m.norm.forward_native(h) @ model.lm_head.weight.t()
 
 
 def windows(model_dir, text, n=3, length=128):
@@ -140,7 +85,7 @@ KV_SCALES = {i: (0.0123 + 0.001 * i, 0.0071 + 0.0005 * i) for i in range(5)}
 
 def test_kv_cache_scales_reach_the_attention_layers(vllm_dist, cpu_attention, converted, valid_text, tmp_path):
     ckpt = with_kv_scales(converted("fp8-dynamic"), tmp_path / "kv", KV_SCALES)
-    model, mc = load_vllm(ckpt, dtype="bfloat16")
+    model, vc = load_vllm(ckpt, dtype="bfloat16")
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn.attn
         assert attn.kv_cache_dtype == "fp8"  # follows the checkpoint (--kv-cache-dtype auto)
@@ -194,8 +139,8 @@ def test_compressed_tensors_checkpoint_with_the_flag(vllm_dist, cpu_attention, c
     for name in [n for n in t if n.endswith(".weight_scale")]:
         t[name] = t[name].reshape(-1, 1)  # fp32 kept, so the numbers equal cublade's checkpoint
     save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    model, mc = load_vllm(dst, quantization="cublade")
-    assert mc.quantization == "cublade"
+    model, vc = load_vllm(dst, quantization="cublade")
+    assert vc.model_config.quantization == "cublade"
     ours, _ = load_vllm(src)
     for ids in windows(src, valid_text, n=1):
         assert torch.equal(vllm_logits(model, ids), vllm_logits(ours, ids))
