@@ -1,0 +1,126 @@
+"""Where the FP8 KV cache's loss goes on the bundled stories260K model, and what would win it back.
+
+    python scripts/kv_cache_study.py [--model DIR] [--text FILE]
+
+Converts the model with fp8-dynamic + `--kv-cache fp8` calibrated on lines [0:6) of the text, then scores lines
+[6:) with the reference backend (fp32, windows of 512), K/V rounded through E4M3 in several ways:
+
+- the shipped scheme: one abs-max scale per layer for K and one for V (what vLLM's FP8 cache takes);
+- K only / V only, to split the cost;
+- per-head and per-channel abs-max scales (E4M3 is a float format: a scale only moves values between
+  saturation and subnormals, so finer scales should not help);
+- K smoothing (as in SageAttention): store K - m, with m the calibration mean of each layer's post-RoPE K per
+  (head, channel). softmax(q.(k_j - m)) = softmax(q.k_j - q.m) is the same for every key j of a query, so the
+  attention is unchanged in exact arithmetic while the values E4M3 rounds are smaller than K's large per-channel
+  offsets. Serving it would need the cache-write op to subtract m; cublade does not ship it (not measured on a
+  GPU), this study only sizes the gain.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from cublade.config import preset
+from cublade.convert import convert
+from cublade.ops.fp8_kv_cache_write import fp8_kv_quant_ref
+from cublade.ppl import tokenize, windows
+from cublade.reference import FP8_KV_ATTENTION, load_reference_model
+
+REPO = Path(__file__).resolve().parents[1]
+CALIB, EVAL = slice(0, 6), slice(6, None)
+
+
+def fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (fp8_kv_quant_ref(x, scale).float() * scale).to(x.dtype)
+
+
+class Study:
+    """Swaps the reference backend's attention function for one that rounds K/V as `self.mode` says."""
+
+    def __init__(self, ckpt: Path, text: Path):
+        from transformers import AttentionInterface
+
+        self.model, _ = load_reference_model(ckpt)
+        self.attn = [m for m in self.model.modules() if hasattr(m, "cublade_kv_scales")]
+        for i, m in enumerate(self.attn):
+            m.cublade_layer = i
+        self.calib = windows(tokenize(ckpt, text, CALIB), 512)
+        self.eval = windows(tokenize(ckpt, text, EVAL), 512)
+        self.mode = "none"
+        self.keys: list[list[torch.Tensor]] = [[] for _ in self.attn]
+        AttentionInterface.register(FP8_KV_ATTENTION, self._attention)
+
+    def _attention(self, module, query, key, value, attention_mask, **kw):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        i = module.cublade_layer
+        k_scale, v_scale = module.cublade_kv_scales
+        if self.mode == "record":
+            self.keys[i].append(key[0].float())  # [heads, tokens, head_dim], after RoPE
+        elif self.mode == "per-layer":
+            key, value = fp8_round(key, k_scale), fp8_round(value, v_scale)
+        elif self.mode == "K only":
+            key = fp8_round(key, k_scale)
+        elif self.mode == "V only":
+            value = fp8_round(value, v_scale)
+        elif self.mode in ("per-head", "per-channel"):
+            key, value = fp8_round(key, self.k_scales[i]), fp8_round(value, v_scale)
+        elif self.mode == "K smoothed":
+            key, value = fp8_round(key - self.k_mean[i], self.k_scales[i]), fp8_round(value, v_scale)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    @torch.inference_mode()
+    def loss(self, mode: str, wins=None) -> float:
+        self.mode = mode
+        total, n = 0.0, 0
+        for w in wins or self.eval:
+            x = torch.tensor([w])
+            logits = self.model(x).logits[0, :-1]
+            total += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+            n += len(w) - 1
+        return total / n
+
+    def calibrate(self) -> None:
+        """Per (head, channel) K statistics over the calibration windows."""
+        self.loss("record", self.calib)
+        keys = [torch.cat(k, dim=1) for k in self.keys]  # [heads, all tokens, head_dim]
+        self.k_mean = [k.mean(dim=1)[None, :, None, :] for k in keys]
+        self.amax = {
+            "per-head": [k.abs().amax(dim=(1, 2))[None, :, None, None] for k in keys],
+            "per-channel": [k.abs().amax(dim=1)[None, :, None, :] for k in keys],
+            "K smoothed": [(k - m[0]).abs().amax() for k, m in zip(keys, self.k_mean)],
+        }
+
+    def run(self) -> list[tuple[str, float]]:
+        self.calibrate()
+        rows = [(mode, self.loss(mode)) for mode in ("none", "per-layer", "K only", "V only")]
+        for mode in ("per-head", "per-channel", "K smoothed"):
+            self.k_scales = [(a / 448).clamp_min(1e-12) for a in self.amax[mode]]
+            rows.append((mode, self.loss(mode)))
+        return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=REPO / "fixtures/models/stories260K-padded-hf")
+    ap.add_argument("--text", type=Path, default=REPO / "fixtures/data/tinystories_valid_head30k.txt")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = convert(args.model, Path(tmp) / "fp8-kv", preset("fp8-dynamic", kv_cache="fp8"),
+                       calib_text=args.text, calib_lines=CALIB, progress=False)
+        rows = Study(ckpt, args.text).run()
+    base = rows[0][1]
+    print("fp8-dynamic weights/activations, K/V rounded through E4M3; loss on lines [6:), calibrated on [0:6)")
+    print("| K/V in the cache | loss | cost over fp8-dynamic |\n|---|---|---|")
+    labels = {"none": "not rounded (fp8-dynamic alone)", "per-layer": "abs-max scale per layer (shipped)",
+              "K only": "K only, per layer", "V only": "V only, per layer", "per-head": "K scale per head",
+              "per-channel": "K scale per channel", "K smoothed": "K - calibrated mean, scale per layer"}
+    for mode, loss in rows:
+        print(f"| {labels[mode]} | {loss:.4f} | {loss - base:+.4f} |")
+
+
+if __name__ == "__main__":
+    main()
