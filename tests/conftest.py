@@ -30,6 +30,17 @@ def valid_text() -> Path:
 
 
 @pytest.fixture(scope="session")
+def fixture_builder():
+    """examples/make_moe_fixture.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_moe_fixture", REPO / "examples" / "make_moe_fixture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
 def converted(tmp_path_factory, padded_model_dir):
     """converted(preset, **overrides) -> directory of the padded model converted with that preset."""
     from cublade.config import preset as make_preset

@@ -173,16 +173,10 @@ def test_quantized_source_is_refused(converted, valid_text):
 # ---- MoE (Mixtral built from the dense model: examples/make_moe_fixture.py) -------------------------------
 
 @pytest.fixture(scope="module")
-def moe_dirs(tmp_path_factory, padded_model_dir):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "examples" / "make_moe_fixture.py"
-    spec = importlib.util.spec_from_file_location("make_moe_fixture", path)
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
+def moe_dirs(tmp_path_factory, fixture_builder, padded_model_dir):
     root = tmp_path_factory.mktemp("calib-moe")
-    return {layout: builder.build(padded_model_dir, root / layout, layout=layout) for layout in ("mixtral", "fused")}
+    return {layout: fixture_builder.build(padded_model_dir, root / layout, layout=layout)
+            for layout in ("mixtral", "fused")}
 
 
 def test_moe_kv_scales_match_the_dense_model(moe_dirs, padded_model_dir, valid_text):

@@ -2,7 +2,6 @@
 (built once per session), and a vLLM context on CPU (real vLLM 0.26 Python code, gloo, one rank)."""
 from __future__ import annotations
 
-import importlib.util
 import socket
 from pathlib import Path
 
@@ -10,18 +9,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def load_fixture_builder():
-    spec = importlib.util.spec_from_file_location("make_moe_fixture", REPO / "examples" / "make_moe_fixture.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="session")
-def fixture_builder():
-    return load_fixture_builder()
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ import torch
 
 from cublade.ops.fp4 import fp4_dequant_weight, fp4_quant_weight, nvfp4_dequant_weight
 from cublade.ops.fp4_gemm import fp4_dequant_repacked, fp4_gemm, fp4_gemm_ref, fp4_repack
+from numerics import rel_err
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 BAR = 2e-3
@@ -40,10 +41,6 @@ def experts(E: int, N: int, K: int, fmt: str, seed: int = 0, parts: int = 1):
             gs.append(torch.cat([t["weight_global_scale"] for t in rows]))
     W = torch.cat(deq).reshape(E, N, K)
     return torch.stack(packed), torch.stack(scale), (torch.stack(gs) if gs else None), W
-
-
-def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((c.float() - ref).abs().mean() / ref.abs().mean()).item()
 
 
 def grouped_ref(x, offsets, W):

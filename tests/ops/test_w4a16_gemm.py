@@ -18,6 +18,7 @@ from cublade.ops.linear import w4a16_linear_ref
 from cublade.ops.int4 import pack_int4
 from cublade.ops.w4a16_gemm import (record_words, w4a16_dequant_repacked, w4a16_gemm, w4a16_gemm_ref,
                                     w4a16_repack)
+from numerics import rel_err
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 BAR = 2e-3
@@ -32,10 +33,6 @@ def quantized(N: int, K: int, G: int, sym: bool, seed: int = 0, zero_row: bool =
         w[0, K // 3] = 3.0  # one huge outlier: its group's scale is large, the rest of the group rounds to 0
     q = int4_quant_weight(w, G, sym)
     return q["weight_packed"], q["weight_scale"], q.get("weight_zero_point")
-
-
-def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((c.float() - ref).abs().mean() / ref.abs().mean()).item()
 
 
 # ---- CPU: repack and reference ------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_layers import KINDS, load, random_weights, reference, rel_err, single_scheme_config
+from numerics import rel_err
+from vllm_layers import KINDS, load, random_weights, reference, single_scheme_config
 
 from cublade.config import Fp8Scheme, MXFP8Scheme, W4A16Scheme
 

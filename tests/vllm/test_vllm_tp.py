@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_layers import KINDS, random_weights, rel_err
+from numerics import rel_err
+from vllm_layers import KINDS, random_weights
 
 from cublade.config import Fp8Scheme, MXFP8Scheme, W4A16Scheme
 

@@ -89,7 +89,3 @@ def load(layer, kind: LayerKind, tensors: dict[str, dict[str, torch.Tensor]], sk
 def reference(scheme: Scheme, kind: LayerKind, tensors, x: torch.Tensor) -> torch.Tensor:
     """What the layer must compute: each checkpoint module's reference linear, concatenated."""
     return torch.cat([scheme.linear_ref(x, tensors[module]) for _, module, _ in kind.shards], dim=-1)
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.float() - ref.float()).abs().mean() / ref.float().abs().mean()).item()
