@@ -13,22 +13,14 @@ dequantized weights. Without vLLM the Marlin column says so and the rest still r
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import platform
 
 import torch
 
-COPY_CEILING_TBS = 4.28
+from common import bench_us, rel_err, versions
 
-
-def bench(fn, warmup: int = 25, rep: int = 100) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
-
-
-def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((c.float() - ref).abs().mean() / ref.abs().mean()).item()
+bench = functools.partial(bench_us, rep_ms=100)  # median us, do_bench's 100 ms window
 
 
 def random_fp4(E: int, N: int, K: int, fmt: str, dev) -> dict:
@@ -74,12 +66,10 @@ def main() -> None:
 
     if not torch.cuda.is_available() or not extension_loaded():
         raise SystemExit(f"bench_fp4_gemm: needs a GPU and the built extension ({extension_load_error()})")
-    import triton
-
     op = torch.ops.cublade.fp4_gemm
     dev = torch.device("cuda")
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"python {platform.python_version()}")
+    v = versions()
+    print(f"GPU {v['gpu']}, torch {v['torch']}, triton {v['triton']}, python {v['python']}")
     rows, note = [], None
     E = 8
     for fmt in args.fmt.split(","):

@@ -14,24 +14,15 @@ Without vLLM (not importable) the baseline columns say so and the rest still run
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import platform
 
 import torch
 
-COPY_CEILING_TBS = 4.28  # device-to-device copy, bytes read + written, measured on the H200 (issue 4)
+from common import REFERENCE_COPY_TBPS, bench_us, rel_err, versions
+
+bench = functools.partial(bench_us, rep_ms=100)  # median us, do_bench's 100 ms window
 G = 128
-
-
-def bench(fn, warmup: int = 25, rep: int = 100) -> float:
-    """Median microseconds (L2 cleared before each call)."""
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
-
-
-def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((c.float() - ref).abs().mean() / ref.abs().mean()).item()
 
 
 def vllm_kernels(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int) -> tuple[dict, str]:
@@ -97,10 +88,8 @@ def main() -> None:
         raise SystemExit(f"bench_w4a16_gemm: needs a GPU and the built extension ({extension_load_error()})")
     op = torch.ops.cublade.w4a16_gemm
     dev = torch.device("cuda")
-    import triton
-
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"python {platform.python_version()}")
+    v = versions()
+    print(f"GPU {v['gpu']}, torch {v['torch']}, triton {v['triton']}, python {v['python']}")
     rows = []
     note = None
     for shape in args.shapes.split(","):
@@ -144,7 +133,7 @@ def main() -> None:
                        "rows": rows}, f, indent=1)
     print(note)
     print("\nw4a16_gemm, int4 g128 sym, bf16 activations; median us (do_bench, L2 cleared); TB/s = weight+scale "
-          f"bytes / time; % of the {COPY_CEILING_TBS} TB/s copy ceiling")
+          f"bytes / time; % of the {REFERENCE_COPY_TBPS} TB/s copy ceiling")
     hdr = f"{'K x N':>12} {'M':>3} {'cublade':>8} {'TB/s':>5} {'%ceil':>5} {'Machete':>8} {'Marlin':>8} " \
           f"{'best vLLM/cublade':>17} {'bf16':>7}"
     print(hdr)
@@ -153,7 +142,7 @@ def main() -> None:
         best = min(v for v in (mach, marl) if v is not None) if (mach or marl) else None
         tbs = r["weight_bytes"] / r["cublade_us"] / 1e6
         print(f"{r['K']:>5}x{r['N']:<6} {r['M']:>3} {r['cublade_us']:>8.1f} {tbs:>5.2f} "
-              f"{100 * tbs / COPY_CEILING_TBS:>4.0f}% {mach or float('nan'):>8.1f} {marl or float('nan'):>8.1f} "
+              f"{100 * tbs / REFERENCE_COPY_TBPS:>4.0f}% {mach or float('nan'):>8.1f} {marl or float('nan'):>8.1f} "
               f"{(best / r['cublade_us']) if best else float('nan'):>16.2f}x {r['bf16_us']:>7.1f}")
     if args.sweep:
         print("\nsplit_k sweep (us): " + " | ".join(

@@ -54,6 +54,11 @@ def bench_us(fn, *, graph: bool = False, warmup_ms: int = 25, rep_ms: int = 200)
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
 
 
+def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
+    """mean |c - ref| / mean |ref|: the GEMM benches' accuracy measure (issue 4)."""
+    return ((c.float() - ref).abs().mean() / ref.abs().mean()).item()
+
+
 _COPY_TBPS: float | None = None
 
 
