@@ -69,3 +69,20 @@ def cpu_attention(monkeypatch):
 
     monkeypatch.setattr(UnspecifiedPlatform, "get_attn_backend_cls", classmethod(
         lambda cls, *a, **k: "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"), raising=False)
+
+
+@pytest.fixture(scope="session")
+def vllm_dist(tmp_path_factory):
+    """vLLM's distributed state for this test process, set up once (it can be set up once per process):
+    tensor-parallel size 1 over gloo. Registers cublade with vLLM."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm==0.26.0 --no-deps, see README)")
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    import cublade.vllm
+    from vllm_model import cpu_vllm_config, dist_init_method
+
+    with set_current_vllm_config(cpu_vllm_config()):
+        init_distributed_environment(1, 0, dist_init_method(tmp_path_factory.mktemp("dist")), 0, "gloo")
+        initialize_model_parallel(1, 1)
+    cublade.vllm.register()

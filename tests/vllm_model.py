@@ -3,11 +3,27 @@
 vLLM's attention needs its GPU backends and forward context, so `vllm_logits` runs vLLM's modules (embedding,
 RMSNorms, rotary embedding, SiluAndMul, every linear and FusedMoE through its quant method) and puts torch SDPA
 where vLLM's attention kernel would be. Used by tests/vllm (dense Llama) and tests/moe (Mixtral); the
-`cpu_attention` fixture in tests/conftest.py must be active while a model is built.
+`cpu_attention` fixture in tests/conftest.py must be active while a model is built. Also the CPU VllmConfig
+and the process-group rendezvous the CPU tests and their tensor-parallel workers use.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+
+def cpu_vllm_config():
+    """vLLM's config for a CPU process (a bare VllmConfig() cannot infer the device)."""
+    from vllm.config import DeviceConfig, VllmConfig
+
+    return VllmConfig(device_config=DeviceConfig(device="cpu"))
+
+
+def dist_init_method(directory) -> str:
+    """torch.distributed rendezvous through a file in `directory` (new per process group): no TCP port to pick,
+    so no other socket can take it between the pick and the store's bind."""
+    return f"file://{Path(directory) / 'dist-store'}"
 
 
 def load_vllm(ckpt, dtype: str = "float32", **model_config_kw):

@@ -1,8 +1,7 @@
 """MoE test fixtures: the Mixtral checkpoints examples/make_moe_fixture.py builds from the bundled dense model
-(built once per session), and a vLLM context on CPU (real vLLM 0.26 Python code, gloo, one rank)."""
+(built once per session), and a vLLM config on CPU (real vLLM 0.26 Python code, gloo, one rank)."""
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -47,26 +46,9 @@ def text_windows():
 
 
 @pytest.fixture(scope="module")
-def vllm_cpu():
-    """A VllmConfig on CPU with vLLM's distributed state initialized (1 rank, gloo); returns the config.
-    Use it as `with set_current_vllm_config(cfg):` around layer construction. The state is torn down after the
-    module when this fixture set it up (other test directories set it up once per session their own way)."""
-    pytest.importorskip("vllm")
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  ensure_model_parallel_initialized, init_distributed_environment)
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
+def vllm_cpu(vllm_dist):
+    """A VllmConfig on CPU, vLLM's distributed state set up (`vllm_dist`, tests/conftest.py); use it as
+    `with set_current_vllm_config(cfg):` around layer construction."""
+    from vllm_model import cpu_vllm_config
 
-    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
-    mine = not model_parallel_is_initialized()
-    with set_current_vllm_config(cfg):
-        if mine:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
-        ensure_model_parallel_initialized(1, 1)
-    yield cfg
-    if mine:
-        destroy_model_parallel()
-        destroy_distributed_environment()
+    return cpu_vllm_config()

@@ -9,16 +9,17 @@ import sys
 import torch
 
 
-def run(rank: int, world: int, port: int, jobs: list[tuple[str, str, str]]) -> None:
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+def run(rank: int, world: int, init_method: str, jobs: list[tuple[str, str, str]]) -> None:
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     from cublade.config.schemes import FP4Scheme
     from test_moe_vllm import checkpoint_block, forward, load, make_layer, router
+    from vllm_model import cpu_vllm_config
 
-    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    cfg = cpu_vllm_config()
     with set_current_vllm_config(cfg):
-        init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
+        init_distributed_environment(world, rank, init_method, rank, "gloo")
         initialize_model_parallel(world, 1)
     from pathlib import Path
 
@@ -35,6 +36,6 @@ def run(rank: int, world: int, port: int, jobs: list[tuple[str, str, str]]) -> N
 
 
 if __name__ == "__main__":
-    rank, world, port = (int(a) for a in sys.argv[1:4])
+    rank, world, init_method = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     rest = sys.argv[4:]
-    run(rank, world, port, [tuple(rest[i:i + 3]) for i in range(0, len(rest), 3)])
+    run(rank, world, init_method, [tuple(rest[i:i + 3]) for i in range(0, len(rest), 3)])

@@ -269,20 +269,18 @@ def test_tensor_parallel_2(converted, moe_fixture, tmp_path):
     packed columns and their scales, cut by vLLM's loader; nvfp4 global scales whole); the all-reduced output
     equals the TP=1 reference experts up to fp32 summation order (w2's K is summed in two halves)."""
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from vllm_model import dist_init_method
+
     here = Path(__file__).resolve().parent
     ckpts = {f: converted("fp4-experts-fp8-dense", src=moe_fixture("perturbed", "mixtral"), format=f)
              for f in ("mxfp4", "nvfp4")}
     jobs = [a for f, c in ckpts.items() for a in (str(c), f, str(tmp_path / f"{f}.pt"))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(here / "moe_tp_worker.py"), str(r), "2", str(port), *jobs],
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, str(here / "moe_tp_worker.py"), str(r), "2", dist_init_method(tmp_path), *jobs],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
     logs = [p.communicate(timeout=300)[0] for p in procs]

@@ -1,5 +1,5 @@
 """Real vLLM 0.26.0 Python layers on a CPU machine (see ../shared/notes/vllm-on-cpu.md): one gloo process group
-per test process (vLLM's distributed state can be set up once per process), vLLM's config context per test,
+per test process (`vllm_dist`, tests/conftest.py), vLLM's config context per test,
 the platform left as UnspecifiedPlatform (a CpuPlatform breaks layer construction on the CUDA wheel)."""
 from __future__ import annotations
 
@@ -8,22 +8,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm==0.26.0 --no-deps, see README)")
 
-from vllm_layers import cpu_vllm_config, free_port  # noqa: E402  (after the importorskip)
-
-
-@pytest.fixture(scope="session")
-def vllm_dist():
-    """Tensor-parallel size 1 over gloo, once per process; registers cublade with vLLM."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-
-    import cublade.vllm
-
-    with set_current_vllm_config(cpu_vllm_config()):
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{free_port()}", 0, "gloo")
-        initialize_model_parallel(1, 1)
-    cublade.vllm.register()
-    yield
+from vllm_model import cpu_vllm_config  # noqa: E402  (after the importorskip)
 
 
 @pytest.fixture

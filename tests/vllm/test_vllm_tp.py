@@ -27,17 +27,17 @@ def inputs(scheme, kind):
     return x, tensors
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
-    from vllm_layers import cpu_vllm_config
+def worker(rank: int, init_method: str, out_dir: str) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm_layers import load, single_scheme_config
+    from vllm_model import cpu_vllm_config
 
     import cublade.vllm
 
     cublade.vllm.register()
     with set_current_vllm_config(cpu_vllm_config()):
-        init_distributed_environment(TP, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
+        init_distributed_environment(TP, rank, init_method, rank, "gloo")
         initialize_model_parallel(TP, 1)
         torch.set_default_dtype(torch.bfloat16)
         results = {}
@@ -54,9 +54,9 @@ def worker(rank: int, port: int, out_dir: str) -> None:
 
 def test_tensor_parallel_2(tmp_path):
     import torch.multiprocessing as mp
-    from vllm_layers import free_port
+    from vllm_model import dist_init_method
 
-    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=TP, join=True)
+    mp.spawn(worker, args=(dist_init_method(tmp_path), str(tmp_path)), nprocs=TP, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(TP)]
     for i, scheme in enumerate(SCHEMES):
         for name, kind in KINDS.items():

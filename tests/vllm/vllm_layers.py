@@ -1,7 +1,6 @@
 """Building and loading real vLLM linear layers with cublade's config, for the tests in this folder."""
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -9,19 +8,6 @@ import torch
 from cublade.config import Policy, Rule, Scheme, to_quantization_config
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 128, 8, 4, 16, 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_vllm_config():
-    """vLLM's config for a CPU process (a bare VllmConfig() cannot infer the device)."""
-    from vllm.config import DeviceConfig, VllmConfig
-
-    return VllmConfig(device_config=DeviceConfig(device="cpu"))
 
 
 @dataclass(frozen=True)
