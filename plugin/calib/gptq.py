@@ -206,7 +206,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     if perm is not None:
         inv = torch.argsort(perm)
         Q, nibbles = Q[:, inv], nibbles[:, inv]
-    tensors = {"weight_packed": pack_int4(nibbles.cpu()).to(W.device), "weight_scale": scale}
+    tensors = {"weight_packed": pack_int4(nibbles), "weight_scale": scale}
     if zero is not None:
         tensors["weight_zero_point"] = zero
     return GPTQResult(tensors=tensors, dequant=Q, damp=damp)

@@ -24,6 +24,20 @@ from cublade.constants import (INT4_ASYM_QMAX, INT4_PER_INT32, INT4_SYM_OFFSET, 
 SCALE_DTYPE = torch.bfloat16
 
 
+def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """[..., 8] nibbles (j = 0..7, values 0..15) -> int32 [...] with nibble j in bits [4j, 4j+4) (two's
+    complement view of the unsigned word)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=u.device)
+    words = (u.to(torch.int64) << shifts).sum(dim=-1)  # < 2^32, fits int64
+    return (words - ((words >= 2**31).to(torch.int64) << 32)).to(torch.int32)
+
+
+def unpack_nibbles(w: torch.Tensor) -> torch.Tensor:
+    """int32 [...] -> uint8 nibbles [..., 8] (the inverse of pack_nibbles)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)
+    return ((w.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # arithmetic shift, then mask: sign bits drop out
+
+
 def pack_int4(u: torch.Tensor) -> torch.Tensor:
     """uint nibbles [N, K] (values 0..15, any int dtype) -> int32 [N, K/8]."""
     N, K = u.shape
@@ -31,18 +45,13 @@ def pack_int4(u: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_int4: K={K} is not a multiple of {INT4_PER_INT32}")
     if u.numel() and (u.min() < 0 or u.max() > 15):
         raise ValueError("pack_int4: values must be in [0, 15]")
-    v = u.to(torch.int64).reshape(N, K // INT4_PER_INT32, INT4_PER_INT32)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
-    words = (v << shifts).sum(dim=-1)  # < 2^32, fits int64
-    return (words - ((words >= 2**31).to(torch.int64) << 32)).to(torch.int32)  # two's complement view
+    return pack_nibbles(u.reshape(N, K // INT4_PER_INT32, INT4_PER_INT32))
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """int32 [N, K/8] -> uint8 nibbles [N, K]."""
     N, W = packed.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    u = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift, then mask: the sign bits drop out
-    return u.reshape(N, W * INT4_PER_INT32).to(torch.uint8)
+    return unpack_nibbles(packed).reshape(N, W * INT4_PER_INT32)
 
 
 def group_view(w: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 
 from cublade.constants import INT4_SYM_OFFSET, W4A16_GROUP_SIZES
 from cublade.ops._dispatch import register_fake, use_kernel
-from cublade.ops.int4 import unpack_int4
+from cublade.ops.int4 import pack_nibbles, unpack_int4, unpack_nibbles
 
 TILE_N = 16  # weight rows per tile (the mma's M)
 GROUP_TILES = 4  # tiles per tile group (one CTA)
@@ -73,18 +73,6 @@ def record_words(group_size: int, symmetric: bool) -> int:
     return groups * 8 * (2 if symmetric else 4) // 2
 
 
-def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
-    """[..., 8] nibbles (j = 0..7) -> int32 [...] with nibble j in bits 4j (two's complement view)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=u.device)
-    words = (u.to(torch.int64) << shifts).sum(dim=-1)
-    return (words - ((words >= 2**31).to(torch.int64) << 32)).to(torch.int32)
-
-
-def _unpack_nibbles(w: torch.Tensor) -> torch.Tensor:
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)
-    return ((w.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)
-
-
 def pack_fragments(u: torch.Tensor, row_of_j: tuple, koff_of_j: tuple) -> torch.Tensor:
     """Nibbles [T*16, P*64] (T tiles, P packets) -> int32 [T, P, 32, 4]: lane (g, t), word s, nibble j holds row
     row_of_j[j] + g, K = 64p + 32(s//2) + 8t + 4(s%2) + koff_of_j[j]. Shared with fp4_gemm (another j order)."""
@@ -92,13 +80,13 @@ def pack_fragments(u: torch.Tensor, row_of_j: tuple, koff_of_j: tuple) -> torch.
     v = u.reshape(T, 2, 8, P, 2, 4, 2, 4).permute(0, 3, 2, 5, 4, 6, 1, 7)  # (r, p, g, t, h, sl, rh, koff)
     rh = torch.tensor([o // 8 for o in row_of_j], device=u.device)
     ko = torch.tensor(koff_of_j, device=u.device)
-    return _pack_nibbles(v[..., rh, ko]).reshape(T, P, 32, 4)
+    return pack_nibbles(v[..., rh, ko]).reshape(T, P, 32, 4)
 
 
 def unpack_fragments(words: torch.Tensor, row_of_j: tuple, koff_of_j: tuple) -> torch.Tensor:
     """Inverse of pack_fragments: int32 [T, P, 32, 4] -> nibbles uint8 [T*16, P*64]."""
     T, P = words.shape[0], words.shape[1]
-    nib = _unpack_nibbles(words.reshape(T, P, 8, 4, 2, 2))  # (r, p, g, t, h, sl, j)
+    nib = unpack_nibbles(words.reshape(T, P, 8, 4, 2, 2))  # (r, p, g, t, h, sl, j)
     u = torch.zeros((T, 2, 8, P, 2, 4, 2, 4), dtype=torch.uint8, device=words.device)
     for j in range(8):
         u[:, row_of_j[j] // 8, :, :, :, :, :, koff_of_j[j]] = nib[..., j].permute(0, 2, 1, 4, 3, 5)
