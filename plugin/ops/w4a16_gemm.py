@@ -8,9 +8,9 @@ the checkpoint layout into the kernel's.
   y = x @ W^T, W = (u - z) * s in fp32 (the checkpoint's dequant, cublade.ops.int4), summed in fp32, rounded
   once to x's dtype. On a GPU with the extension: `torch.ops.cublade.w4a16_gemm` (kernel: csrc/w4a16_gemm.cu);
   elsewhere the reference `w4a16_gemm_ref`, the same numbers up to fp32 summation order.
-  Shapes the kernel takes: any M (one pass over the weights per 32 tokens above 16, so large M is slow: the
-  vLLM method sends M > W4A16_KERNEL_MAX_M to its GEMM fallback), any N, K % 8 == 0, K % group_size == 0,
-  group_size in (32, 64, 128, -1); x bf16 or fp16. `split_k` (K splits per thread-block cluster, 1..8;
+  Shapes the kernel takes: any M (one pass over the weights per 32 tokens above 16, so large M is slow: see
+  cublade.vllm.kernels.CubladeW4A16Gemm for why the vLLM method still runs every M on it), any N, K % 8 == 0,
+  K % group_size == 0, group_size in (32, 64, 128, -1); x bf16 or fp16. `split_k` (K splits per thread-block cluster, 1..8;
   0 = automatic) is for tuning and tests.
 
 Repacked layout (the kernel's; kernels never see the checkpoint layout): one int32 blob
@@ -41,10 +41,6 @@ GROUP_TILES = 4  # tiles per tile group (one CTA)
 PACKET_K = 64  # K per 16-byte lane vector
 CHUNK_PACKETS = 8  # packets per chunk (512 K)
 CHUNK_K = CHUNK_PACKETS * PACKET_K
-# Above this many tokens the vLLM method should use its GEMM fallback (Machete/Marlin): the kernel is a
-# decode kernel and re-reads the weights once per 32 tokens. Measured on the H200 (benchmarks/RESULTS.md): it
-# beats a bf16 matmul of the dequantized weight up to M=32 and loses from M=64, on 8192x28672 and 4096x14336.
-W4A16_KERNEL_MAX_M = 32
 
 # Nibble j of a word -> (row offset in the tile: 0 = g, 8 = g+8; K offset from K0).
 _ROW_OF_J = (0, 8, 0, 8, 0, 8, 0, 8)

@@ -30,6 +30,7 @@ import torch
 
 from cublade.config import Fp8Scheme, MXFP8Scheme, Scheme, W4A16Scheme
 from cublade.ops import fp8_quant as fp8_ops
+from cublade.ops import w4a16_gemm as w4a16_ops
 from cublade.ops.mxfp8_quant import mxfp8_dequant_ref  # (`cublade.ops.mxfp8_quant` is the op, not the module)
 from cublade.ops._dispatch import use_kernel
 
@@ -172,18 +173,8 @@ class CubladeW4A16Gemm(LinearKernel):
     name = "cublade-w4a16-gemm"
     own = True
 
-    @staticmethod
-    def _ops():
-        from cublade.ops import w4a16_gemm as w4a16_ops  # the kernel issue's op; absent from older builds
-
-        return w4a16_ops
-
     @classmethod
     def can_implement(cls, layer):
-        try:
-            cls._ops()
-        except ImportError:
-            return False, "cublade.ops.w4a16_gemm is not in this build of cublade"
         device = layer.weight_packed.device
         if layer.params_dtype not in HALF_DTYPES:
             return False, f"takes bf16/fp16 activations, the model runs in {layer.params_dtype}"
@@ -194,15 +185,14 @@ class CubladeW4A16Gemm(LinearKernel):
 
     def __init__(self, layer):
         super().__init__(layer)
-        ops = self._ops()
-        self.gemm, _ = _op("w4a16_gemm", layer.weight_packed.device, ops.w4a16_gemm_ref)
+        self.gemm, _ = _op("w4a16_gemm", layer.weight_packed.device, w4a16_ops.w4a16_gemm_ref)
         zp = getattr(layer, "weight_zero_point", None)
-        rp = ops.w4a16_repack(layer.weight_packed.data, layer.weight_scale.data,
+        rp = w4a16_ops.w4a16_repack(layer.weight_packed.data, layer.weight_scale.data,
                               None if zp is None else zp.data, self.scheme.group_size)
         self.group_size, self.symmetric, self.size_n = rp.group_size, rp.symmetric, rp.size_n
-        _replace(layer, "weight_packed", rp.packed)  # one blob: the kernel's tiles with their scales interleaved
-        _replace(layer, "weight_scale", None)
-        _replace(layer, "weight_zero_point", None)  # folded into the blob's scale records
+        replace_parameter(layer, "weight_packed", rp.packed)  # one blob: the kernel's tiles with their scales interleaved
+        replace_parameter(layer, "weight_scale", None)
+        replace_parameter(layer, "weight_zero_point", None)  # folded into the blob's scale records
 
     def apply(self, layer, x, bias):
         y = self.gemm(x, layer.weight_packed, self.group_size, self.symmetric, self.size_n)
@@ -260,22 +250,22 @@ class _VllmMixedPrecision(LinearKernel):
         s: W4A16Scheme = self.scheme
         act = layer.params_dtype
         noop = lambda *a, **k: None  # noqa: E731  (loading is over)
-        _replace(layer, "weight_packed", PackedvLLMParameter(
+        replace_parameter(layer, "weight_packed", PackedvLLMParameter(
             data=layer.weight_packed.data, input_dim=1, output_dim=0, packed_dim=1, packed_factor=8,
             weight_loader=noop))
         scale = layer.weight_scale.data.to(act)
         zp = getattr(layer, "weight_zero_point", None)
         zp = None if zp is None else pack_int4(zp.data.t().contiguous()).t().contiguous()  # [N/8, groups]
         if s.group_size == -1:
-            _replace(layer, "weight_scale", ChannelQuantScaleParameter(data=scale, output_dim=0, weight_loader=noop))
+            replace_parameter(layer, "weight_scale", ChannelQuantScaleParameter(data=scale, output_dim=0, weight_loader=noop))
             if zp is not None:
-                _replace(layer, "weight_zero_point", PackedColumnParameter(
+                replace_parameter(layer, "weight_zero_point", PackedColumnParameter(
                     data=zp, output_dim=0, packed_dim=0, packed_factor=8, weight_loader=noop))
         else:
-            _replace(layer, "weight_scale", GroupQuantScaleParameter(
+            replace_parameter(layer, "weight_scale", GroupQuantScaleParameter(
                 data=scale, output_dim=0, input_dim=1, weight_loader=noop))
             if zp is not None:
-                _replace(layer, "weight_zero_point", PackedvLLMParameter(
+                replace_parameter(layer, "weight_zero_point", PackedvLLMParameter(
                     data=zp, input_dim=1, output_dim=0, packed_dim=0, packed_factor=8, weight_loader=noop))
         self.impl = self._vllm_kernel()(self._config(layer), w_q_param_name="weight_packed",
                                         w_s_param_name="weight_scale",
@@ -380,7 +370,7 @@ def select_kernel(layer: torch.nn.Module, prefix: str) -> LinearKernel:
     return k(layer)
 
 
-def _replace(layer: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:
+def replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:
     """Set a layer tensor as a Parameter (vLLM's compiled graphs take layer tensors as parameters); None
     removes it."""
     if name in layer._parameters:

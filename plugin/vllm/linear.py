@@ -39,7 +39,7 @@ from cublade.constants import INT4_PER_INT32, MX_BLOCK
 from cublade.ops.fp8_quant import FP8_DTYPE
 from cublade.ops.int4 import unpack_int4
 from cublade.vllm.config import CT_METHOD, CubladeConfig
-from cublade.vllm.kernels import _replace, select_kernel
+from cublade.vllm.kernels import replace_parameter, select_kernel
 
 logger = logging.getLogger("vllm.cublade")
 
@@ -53,7 +53,6 @@ class CubladeLinearMethod(LinearMethodBase):
     """One layer's method (vLLM makes one per layer through CubladeConfig.get_quant_method)."""
 
     def __init__(self, config: CubladeConfig, scheme: Scheme, prefix: str):
-        self.config = config
         self.scheme = scheme
         self.prefix = prefix
         self.source = config.source
@@ -248,9 +247,9 @@ class CubladeLinearMethod(LinearMethodBase):
         self._check_complete(layer, [n for n in self.param_names if n not in _DESCRIPTIVE])
         for n in self.param_names:  # loading is over: plain Parameters from here on
             if n in _DESCRIPTIVE:
-                _replace(layer, n, None)
+                replace_parameter(layer, n, None)
             else:
-                _replace(layer, n, getattr(layer, n).data)
+                replace_parameter(layer, n, getattr(layer, n).data)
         s = self.scheme
         if isinstance(s, Fp8Scheme):
             scale = layer.weight_scale.data.float()
@@ -261,13 +260,13 @@ class CubladeLinearMethod(LinearMethodBase):
                 scale = torch.repeat_interleave(scale, widths)  # per-tensor shard scales -> per channel
             else:
                 scale = scale[:1]
-            _replace(layer, "weight_scale", scale.contiguous())
+            replace_parameter(layer, "weight_scale", scale.contiguous())
             if s.static:
-                _replace(layer, "input_scale", layer.input_scale.data.float().max().reshape(1))
+                replace_parameter(layer, "input_scale", layer.input_scale.data.float().max().reshape(1))
         elif isinstance(s, W4A16Scheme) and not s.symmetric and self.source == CT_METHOD:
             # int32 [N/8, groups] packed along N -> uint8 [N, groups]
             zp = unpack_int4(layer.weight_zero_point.data.t().contiguous())
-            _replace(layer, "weight_zero_point", zp[:, :layer.output_size_per_partition].t().contiguous())
+            replace_parameter(layer, "weight_zero_point", zp[:, :layer.output_size_per_partition].t().contiguous())
         self.kernel = select_kernel(layer, self.prefix)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,11 +45,15 @@ from vllm.model_executor.utils import set_weight_attrs
 from cublade.config.schemes import FP4Scheme, UnsupportedShape
 from cublade.constants import E8M0_NAN
 from cublade.experts import experts_forward_ref
-from cublade.vllm.kernels import first_runnable, log_choice_once
+from cublade.vllm.kernels import first_runnable, log_choice_once, replace_parameter
 
 logger = logging.getLogger("vllm.cublade")
 
-SHARD_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
+
+def _ckpt_proj(layer, shard_id: str) -> str:
+    """The checkpoint's projection name for a FusedMoE shard id (w1: gate, w3: up, w2: down)."""
+    return {"w1": layer.ckpt_gate_proj_name, "w2": layer.ckpt_down_proj_name,
+            "w3": layer.ckpt_up_proj_name}.get(shard_id, shard_id)
 
 
 class CubladeFp4MoEMethod(FusedMoEMethodBase):
@@ -116,9 +120,7 @@ class CubladeFp4MoEMethod(FusedMoEMethodBase):
         return load
 
     def _check_loaded(self, layer, suffix, param, t, shard_id, expert_id) -> None:
-        ckpt = {"w1": layer.ckpt_gate_proj_name, "w2": layer.ckpt_down_proj_name,
-                "w3": layer.ckpt_up_proj_name}.get(shard_id, shard_id)
-        name = f"{layer.layer_name}.{expert_id}.{ckpt}.{suffix}"
+        name = f"{layer.layer_name}.{expert_id}.{_ckpt_proj(layer, shard_id)}.{suffix}"
         if t.dim() == 3:
             raise ValueError(f"{name}: a fused 3-D expert tensor {list(t.shape)} in a cublade checkpoint; cublade "
                              f"checkpoints store experts per expert (cublade convert splits fused layouts)")
@@ -147,14 +149,13 @@ class CubladeFp4MoEMethod(FusedMoEMethodBase):
         """Every local expert got w1, w3 and w2 of every tensor the scheme has."""
         E, H, I = self._sizes
         N_K = {"w1": (I, H), "w3": (I, H), "w2": (H, I)}
-        ckpt = {"w1": layer.ckpt_gate_proj_name, "w2": layer.ckpt_down_proj_name, "w3": layer.ckpt_up_proj_name}
         for g in range(layer.global_num_experts):
             if layer._map_global_expert_id_to_local_expert_id(g) == -1:
                 continue
             for shard in ("w1", "w3", "w2"):
                 for suffix in self.scheme.tensor_specs(*N_K[shard]):
                     if (suffix, shard, g) not in self._loaded:
-                        raise ValueError(f"{layer.layer_name}.{g}.{ckpt[shard]}.{suffix}: missing from the "
+                        raise ValueError(f"{layer.layer_name}.{g}.{_ckpt_proj(layer, shard)}.{suffix}: missing from the "
                                          f"checkpoint (scheme {self.scheme.describe()}; other experts have it)")
 
     def process_weights_after_loading(self, layer) -> None:
@@ -296,11 +297,9 @@ class CubladeFp4MoE(MoEKernel):
             rp = fp4_repack(getattr(layer, f"{w}_weight_packed").data, getattr(layer, f"{w}_weight_scale").data,
                             scheme.format, getattr(layer, f"{w}_weight_global_scale").data if nv else None)
             for name in ("weight_packed", "weight_scale", "weight_global_scale"):
-                if hasattr(layer, f"{w}_{name}"):
-                    delattr(layer, f"{w}_{name}")
-            layer.register_parameter(f"{w}_fp4_packed", torch.nn.Parameter(rp.packed, requires_grad=False))
-            if rp.row_scale is not None:
-                layer.register_parameter(f"{w}_fp4_row_scale", torch.nn.Parameter(rp.row_scale, requires_grad=False))
+                replace_parameter(layer, f"{w}_{name}", None)
+            replace_parameter(layer, f"{w}_fp4_packed", rp.packed)
+            replace_parameter(layer, f"{w}_fp4_row_scale", rp.row_scale)
 
     def apply(self, layer, x, topk_weights, topk_ids):
         from cublade.ops.fp4_gemm import fp4_gemm
@@ -382,10 +381,7 @@ class VllmMarlinMoE(MoEKernel):
         for name, value in (("w13_weight_packed", w13), ("w2_weight_packed", w2), ("w13_weight_scale", s13),
                             ("w2_weight_scale", s2), ("w13_weight_global_scale", g13),
                             ("w2_weight_global_scale", g2)):
-            if hasattr(layer, name):
-                delattr(layer, name)
-            if value is not None:
-                layer.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+            replace_parameter(layer, name, value)
 
     def apply(self, layer, x, topk_weights, topk_ids):
         from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
