@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from cublade.checkpoint import FLOAT_DTYPES, INDEX_NAME, CheckpointError, iter_tensors, tensor_infos
 from cublade.config import Policy, UnsupportedShape, to_quantization_config
-from cublade.experts import check_router_policy, expert_layout, expert_tensor_infos, expert_tensors
+from cublade.experts import ExpertLayout, check_router_policy, expert_tensor_infos, expert_tensors
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt)$|.*\.safetensors\.index\.json$|.*\.bin\.index\.json$")
@@ -39,7 +39,7 @@ class Plan:
 
 def plan_conversion(src: Path, policy: Policy, skip_unsupported: bool, layout=None) -> Plan:
     """Check every tensor's name, shape and dtype against the policy without loading any data. `layout`: the
-    checkpoint's MoE expert layout (cublade.experts.expert_layout), None for a dense model."""
+    checkpoint's MoE expert layout (cublade.experts.ExpertLayout.from_config), None for a dense model."""
     plan = Plan()
     # MoE experts: fused 3-D tensors are split per expert, expert count and shapes checked (cublade.experts).
     for path, name, shape, dtype in expert_tensor_infos(tensor_infos(src), layout):
@@ -179,9 +179,9 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
         raise ValueError(f"preset {policy.preset!r} needs calibration data for {' and '.join(needs)}: "
                          f"pass --calib-text FILE (and optionally --calib-tokens N)")
     cfg = _source_config(src)
-    layout = expert_layout(src)
-    check_router_policy(policy, layout, allow_quantized_router)
+    layout = ExpertLayout.from_config(cfg) if isinstance(cfg, dict) else None
     plan = plan_conversion(src, policy, skip_unsupported, layout)
+    check_router_policy(policy, layout, allow_quantized_router, plan.linear_modules)
 
     calib = None
     if calib_text is not None:

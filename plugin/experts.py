@@ -12,9 +12,9 @@ per-expert names of the model type, so vLLM loads it), each expert linear quanti
 `...experts.{e}.w1.weight_packed`, `.weight_scale`, ... (tensor format: cublade.config.schemes).
 
 What the converter calls (cublade.convert):
-  layout = expert_layout(src)                         # None for a model without routed experts
-  check_router_policy(policy, layout, allow_quantized_router)  # before converting anything
+  layout = ExpertLayout.from_config(config_json)     # None for a model without routed experts
   expert_tensor_infos(tensor_infos(src), layout)      # the plan: fused tensors split, shapes/count checked
+  check_router_policy(policy, layout, allow_quantized_router, plan_modules)  # before converting anything
   expert_tensors(iter_tensors(src), layout)           # the data, split the same way
 What the reference backend calls (cublade.reference), before load_state_dict:
   prepare_moe_reference(model, tensors, policy, config_dict)
@@ -254,18 +254,16 @@ def check_checkpoint_experts(model_dir) -> None:
     layout.check_complete(name for _, name, _, _ in tensor_infos(model_dir))
 
 
-def check_router_policy(policy: Policy, layout: ExpertLayout | None, allow_quantized_router: bool = False,
-                        module_names: Iterable[str] = ()) -> None:
+def check_router_policy(policy: Policy, layout: ExpertLayout | None, allow_quantized_router: bool,
+                        module_names: Iterable[str]) -> None:
     """Refuse a policy that would quantize an MoE router unless asked for explicitly.
 
     The router's top-k flips on small logit changes, and vLLM builds Mixtral's router unquantized (it could
-    not load a quantized one). Checked on the model's real router names when `module_names` (the modules
-    with a 2-D weight) is given, else on the canonical router name of the layout."""
+    not load a quantized one). Checked on every router among `module_names` (the model's modules with a
+    2-D weight), so a rule that matches some layers' routers only is caught too."""
     if layout is None or allow_quantized_router:
         return
     routers = [m for m in module_names if any(re.fullmatch(p, m) for p in ROUTER_PATTERNS)]
-    if not routers:
-        routers = [f"model.layers.0.{layout.block}.gate"]
     for m in routers:
         scheme = policy.scheme_for(m)
         if scheme is not None:

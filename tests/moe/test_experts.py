@@ -89,16 +89,17 @@ def test_bad_expert_tensors_are_named(layout, edit, match):
 
 
 def test_router_policy(layout):
-    check_router_policy(preset("fp4-experts-fp8-dense"), layout)  # router ignored by default
+    routers = [f"model.layers.{i}.block_sparse_moe.gate" for i in range(2)]
+    check_router_policy(preset("fp4-experts-fp8-dense"), layout, False, routers)  # router ignored by default
     everything = Policy(preset="all-fp8", schemes=preset("fp8-dynamic").schemes, rules=(Rule(".*", "fp8"),),
                         ignore=(r".*embed_tokens", r"(.*\.)?lm_head"))
     with pytest.raises(ValueError, match=r"quantizes the MoE router model.layers.0.block_sparse_moe.gate "
                                          r"\(scheme fp8\).*allow_quantized_router"):
-        check_router_policy(everything, layout)
+        check_router_policy(everything, layout, False, routers)
     with pytest.raises(ValueError, match=r"router model.layers.4.mlp.gate"):
-        check_router_policy(everything, layout, module_names=["model.layers.4.mlp.gate", "model.layers.4.x"])
-    check_router_policy(everything, layout, allow_quantized_router=True)
-    check_router_policy(everything, None)  # a dense model has no router
+        check_router_policy(everything, layout, False, ["model.layers.4.mlp.gate", "model.layers.4.x"])
+    check_router_policy(everything, layout, True, routers)  # asked for
+    check_router_policy(everything, None, False, routers)  # a dense model has no router
 
 
 def _quant_block(scheme, layout, seed=0):

@@ -60,6 +60,12 @@ def test_router_quantization_refused_unless_asked(moe_fixture, tmp_path):
                                          r"\(scheme mxfp8\).*allow_quantized_router"):
         convert(src, tmp_path / "refused", quantizes_router, progress=False)
     assert not (tmp_path / "refused").exists()
+    # A rule that spares layer 0's router but not the others is refused too, naming the first one it quantizes.
+    later_routers = Policy(preset="later-routers", schemes=quantizes_router.schemes, rules=quantizes_router.rules,
+                           ignore=quantizes_router.ignore + (r"model\.layers\.0\.block_sparse_moe\.gate",))
+    with pytest.raises(ValueError, match=r"quantizes the MoE router model\.layers\.1\.block_sparse_moe\.gate "):
+        convert(src, tmp_path / "refused", later_routers, progress=False)
+    assert not (tmp_path / "refused").exists()
     out = convert(src, tmp_path / "asked", quantizes_router, allow_quantized_router=True, progress=False)
     assert "model.layers.0.block_sparse_moe.gate.weight_scale" in load_file(str(out / "model.safetensors"))
 
