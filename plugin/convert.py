@@ -196,7 +196,7 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
     try:
         writer = ShardWriter(tmp, max_shard_bytes)
         bar = tqdm(total=plan.n_tensors, desc=f"convert {policy.preset}", unit="tensor",
-                   disable=progress is False or (progress is None and not _stderr_tty()))
+                   disable=None if progress is None else not progress)  # None: off unless stderr is a tty
         for name, t in expert_tensors(iter_tensors(src), layout):
             module = name[: -len(".weight")] if name.endswith(".weight") else None
             scheme = plan.quantize.get(module)
@@ -260,9 +260,3 @@ def _kv_scales(plan: Plan, calib) -> dict[str, torch.Tensor]:
                 raise ValueError(f"--kv-cache fp8: calibration produced no {attn}.{which}")
             out[f"{attn}.{which}"] = v.float().reshape(())
     return out
-
-
-def _stderr_tty() -> bool:
-    import sys
-
-    return sys.stderr.isatty()

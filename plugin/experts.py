@@ -108,12 +108,6 @@ class ExpertLayout:
             raise ValueError(f"{fused_prefix}: expected a name ending in .mlp.experts")
         return f"{head}.{self.block}.experts"
 
-    def fused_prefix(self, per_expert_prefix: str) -> str:
-        head, sep, tail = per_expert_prefix.rpartition(f".{self.block}.experts")
-        if not sep or tail:
-            raise ValueError(f"{per_expert_prefix}: expected a name ending in .{self.block}.experts")
-        return f"{head}.mlp.experts"
-
     # --- checks ---------------------------------------------------------------------------------------
     def check_expert_id(self, name: str, e: int) -> None:
         if e >= self.num_experts:
@@ -391,8 +385,7 @@ def prepare_moe_reference(model: nn.Module, tensors: dict[str, torch.Tensor], po
         if all(s is None for s in schemes.values()):
             _stack_unquantized(tensors, layout, prefix, mod_name, got)
             continue
-        parent, _, child = mod_name.rpartition(".")
-        setattr(model.get_submodule(parent), child, QuantExpertsRef(prefix, layout, schemes, got, act))
+        model.set_submodule(mod_name, QuantExpertsRef(prefix, layout, schemes, got, act))
     if by_block:
         prefix = sorted(by_block)[0]
         raise ValueError(f"{prefix}: expert tensors for an MoE block the model (config.json: "

@@ -41,6 +41,13 @@ def parse_lines(spec: str | None) -> slice | None:
         raise ValueError(f"--lines must look like START:END (python slice of the text's lines), got {spec!r}") from None
 
 
+def format_lines(lines: slice | None) -> str | None:
+    """slice -> 'A:B' (the inverse of parse_lines), None -> None."""
+    if lines is None:
+        return None
+    return f"{'' if lines.start is None else lines.start}:{'' if lines.stop is None else lines.stop}"
+
+
 def read_lines(text_path, lines: slice | None = None) -> list[str]:
     text_path = Path(text_path)
     if not text_path.is_file():
@@ -48,7 +55,7 @@ def read_lines(text_path, lines: slice | None = None) -> list[str]:
     all_lines = [ln for ln in text_path.read_text(encoding="utf-8").splitlines() if ln.strip()]
     chosen = all_lines[lines] if lines is not None else all_lines
     if not chosen:
-        raise ValueError(f"{text_path}: no non-empty lines{f' in lines {lines.start}:{lines.stop}' if lines else ''}")
+        raise ValueError(f"{text_path}: no non-empty lines{f' in lines {format_lines(lines)}' if lines else ''}")
     return chosen
 
 

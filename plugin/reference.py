@@ -102,8 +102,7 @@ def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, kv_cache
             bias = tensors.pop(f"{name}.bias", None)
             q = QuantLinearRef(name, scheme, mod.in_features, mod.out_features, parts,
                                None if bias is None else bias.to(dtype))
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, q)
+            model.set_submodule(name, q)
         if use_kv:
             _attach_kv_scales(model, tensors)
 

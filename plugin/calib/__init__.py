@@ -41,11 +41,12 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
-from cublade.calib.capture import (LayerwiseModel, QuantizedLinear, linear_groups, observe_kv, observe_linears,
-                                   replace_module)
+from cublade.calib.capture import LayerwiseModel, QuantizedLinear, linear_groups, observe_kv, observe_linears
 from cublade.calib.gptq import GPTQConfig, gptq_quantize, weighted_error
 from cublade.config import Fp8Scheme, Policy, UnsupportedShape, W4A16Scheme
 from cublade.ops.fp8_quant import dynamic_scale
+from cublade.ppl import format_lines, tokenize
+from cublade.ppl import windows as make_windows
 
 __all__ = ["calibrate", "CalibResult", "GPTQConfig", "MIN_CALIB_TOKENS", "DEFAULT_WINDOW"]
 
@@ -126,9 +127,7 @@ def _needs(policy: Policy) -> list[str]:
 def calibration_tokens(src_dir, text_path, n_tokens: int | None, lines: slice | None = None) -> list[int]:
     """The calibration token stream: `cublade ppl`'s tokenization of the (selected lines of the) text, cut to
     the first n_tokens. Raises ValueError for empty, too short, or not-enough text."""
-    from cublade.ppl import tokenize
-
-    where = f"{text_path}" + (f" (lines {_slice_str(lines)})" if lines is not None else "")
+    where = f"{text_path}" + (f" (lines {format_lines(lines)})" if lines is not None else "")
     if n_tokens is not None and n_tokens < MIN_CALIB_TOKENS:
         raise ValueError(f"--calib-tokens {n_tokens} is too few: calibration needs at least {MIN_CALIB_TOKENS} "
                          f"tokens")
@@ -155,8 +154,6 @@ def calibrate(src_dir, policy: Policy, text_path, n_tokens: int | None, lines: s
     gptq: GPTQ settings for w4a16 layers (None: leave w4a16 to round-to-nearest). sequential: calibrate the
     linears of a layer group by group on the quantized groups' outputs (False: all from the float layer).
     spool_dir: where the temporary GPTQ spool goes (None: the system temp dir)."""
-    from cublade.ppl import windows as make_windows
-
     src_dir, text_path = Path(src_dir), Path(text_path)
     needs = _needs(policy)
     if not needs:
@@ -177,10 +174,10 @@ def calibrate(src_dir, policy: Policy, text_path, n_tokens: int | None, lines: s
         hidden = model.embed(make_windows(ids, win))
         pos = [model.position_embeddings(h) for h in hidden]
         for i in tqdm(range(len(model)), desc="calibrate", unit="layer",
-                      disable=progress is False or (progress is None and not _stderr_tty())):
+                      disable=None if progress is None else not progress):
             hidden = run.layer(i, hidden, pos)
 
-    info: dict = {"text": text_path.name, "lines": _slice_str(lines), "tokens": len(ids), "window": win,
+    info: dict = {"text": text_path.name, "lines": format_lines(lines), "tokens": len(ids), "window": win,
                   "device": dev.type, "sequential": sequential, "method": needs}
     if "gptq" in needs:
         errs = run.gptq_errors
@@ -262,7 +259,7 @@ class _Run:
                 if full in want_a:
                     tensors["input_scale"] = dynamic_scale(stats[full].amax.float()).reshape(1)
                     self.result._put(f"{full}.input_scale", tensors["input_scale"])
-                replace_module(layer, path, QuantizedLinear(scheme, tensors, mod.bias))
+                layer.set_submodule(path, QuantizedLinear(scheme, tensors, mod.bias))
         self.result._spool(f"layer{i:05d}", spooled)
 
         with observe_kv(layer, prefix) if self.policy.kv_cache is not None else nullcontext() as kv:
@@ -283,15 +280,3 @@ class _Run:
         e_rtn = weighted_error(w, rtn, H)
         self.gptq_errors.append(weighted_error(w, r.dequant, H) / e_rtn if e_rtn > 0 else 1.0)
         return r.tensors
-
-
-def _slice_str(s: slice | None) -> str | None:
-    if s is None:
-        return None
-    return f"{'' if s.start is None else s.start}:{'' if s.stop is None else s.stop}"
-
-
-def _stderr_tty() -> bool:
-    import sys
-
-    return sys.stderr.isatty()

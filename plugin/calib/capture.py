@@ -79,7 +79,6 @@ def observe_kv(layer: nn.Module, prefix: str):
 class LinearInputStats:
     hessian: torch.Tensor | None = None  # fp32 [K, K], sum of x^T x over tokens
     amax: torch.Tensor | None = None  # fp32 scalar
-    n_tokens: int = 0
 
 
 @contextmanager
@@ -94,7 +93,6 @@ def observe_linears(layer: nn.Module, prefix: str, hessian: set[str], amax: set[
             x = args[0].detach()
             x = x.reshape(-1, x.shape[-1]).float()
             st = stats[name]
-            st.n_tokens += x.shape[0]
             if want_h:
                 xtx = x.t() @ x
                 st.hessian = xtx if st.hessian is None else st.hessian.add_(xtx)
@@ -158,11 +156,6 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.scheme.linear_ref(x, self.tensors, self.bias)
-
-
-def replace_module(root: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, child = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, new)
 
 
 class LayerwiseModel:
