@@ -10,8 +10,8 @@ the checkpoint layout into the kernel's.
   elsewhere the reference `w4a16_gemm_ref`, the same numbers up to fp32 summation order.
   Shapes the kernel takes: any M (one pass over the weights per 32 tokens above 16, so large M is slow: see
   cublade.vllm.kernels.CubladeW4A16Gemm for why the vLLM method still runs every M on it), any N, K % 8 == 0,
-  K % group_size == 0, group_size in (32, 64, 128, -1); x bf16 or fp16. `split_k` (K splits per thread-block cluster, 1..8;
-  0 = automatic) is for tuning and tests.
+  K % group_size == 0, group_size in (32, 64, 128, -1); x bf16 or fp16. `split_k` (K splits per thread-block
+  cluster, 1..8; 0 = automatic) is for tuning and tests.
 
 Repacked layout (the kernel's; kernels never see the checkpoint layout): one int32 blob
   packed [ceil(N/64), ceil(K/512), 4, 1024 + sbytes/4]

@@ -188,9 +188,10 @@ class CubladeW4A16Gemm(LinearKernel):
         self.gemm, _ = _op("w4a16_gemm", layer.weight_packed.device, w4a16_ops.w4a16_gemm_ref)
         zp = getattr(layer, "weight_zero_point", None)
         rp = w4a16_ops.w4a16_repack(layer.weight_packed.data, layer.weight_scale.data,
-                              None if zp is None else zp.data, self.scheme.group_size)
+                                    None if zp is None else zp.data, self.scheme.group_size)
         self.group_size, self.symmetric, self.size_n = rp.group_size, rp.symmetric, rp.size_n
-        replace_parameter(layer, "weight_packed", rp.packed)  # one blob: the kernel's tiles with their scales interleaved
+        # one blob: the kernel's tiles with their scales interleaved
+        replace_parameter(layer, "weight_packed", rp.packed)
         replace_parameter(layer, "weight_scale", None)
         replace_parameter(layer, "weight_zero_point", None)  # folded into the blob's scale records
 
@@ -257,7 +258,8 @@ class _VllmMixedPrecision(LinearKernel):
         zp = getattr(layer, "weight_zero_point", None)
         zp = None if zp is None else pack_int4(zp.data.t().contiguous()).t().contiguous()  # [N/8, groups]
         if s.group_size == -1:
-            replace_parameter(layer, "weight_scale", ChannelQuantScaleParameter(data=scale, output_dim=0, weight_loader=noop))
+            replace_parameter(layer, "weight_scale", ChannelQuantScaleParameter(
+                data=scale, output_dim=0, weight_loader=noop))
             if zp is not None:
                 replace_parameter(layer, "weight_zero_point", PackedColumnParameter(
                     data=zp, output_dim=0, packed_dim=0, packed_factor=8, weight_loader=noop))

@@ -155,8 +155,9 @@ class CubladeFp4MoEMethod(FusedMoEMethodBase):
             for shard in ("w1", "w3", "w2"):
                 for suffix in self.scheme.tensor_specs(*N_K[shard]):
                     if (suffix, shard, g) not in self._loaded:
-                        raise ValueError(f"{layer.layer_name}.{g}.{_ckpt_proj(layer, shard)}.{suffix}: missing from the "
-                                         f"checkpoint (scheme {self.scheme.describe()}; other experts have it)")
+                        name = f"{layer.layer_name}.{g}.{_ckpt_proj(layer, shard)}.{suffix}"
+                        raise ValueError(f"{name}: missing from the checkpoint (scheme "
+                                         f"{self.scheme.describe()}; other experts have it)")
 
     def process_weights_after_loading(self, layer) -> None:
         where = self.prefix or layer.layer_name

@@ -280,7 +280,8 @@ def test_tensor_parallel_2(converted, moe_fixture, tmp_path):
              for f in ("mxfp4", "nvfp4")}
     jobs = [a for f, c in ckpts.items() for a in (str(c), f, str(tmp_path / f"{f}.pt"))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(here / "moe_tp_worker.py"), str(r), "2", dist_init_method(tmp_path), *jobs],
+    worker = [sys.executable, str(here / "moe_tp_worker.py")]
+    procs = [subprocess.Popen([*worker, str(r), "2", dist_init_method(tmp_path), *jobs],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
     logs = [p.communicate(timeout=300)[0] for p in procs]
