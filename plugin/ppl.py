@@ -103,8 +103,14 @@ def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> flo
 
     max_len = max(len(w) for w in wins) + 1
     llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_len, enforce_eager=True, **llm_kwargs)
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in wins], params, use_tqdm=False)
+    try:
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in wins], params, use_tqdm=False)
+    finally:
+        # vLLM 0.26's LLM has no close(): left to the finalizers at interpreter exit, the engine client's
+        # threads aborted the process after the loss was printed (SIGABRT, "terminate called without an active
+        # exception", H200, 2026-11-22). Stop the engine core and its client threads here instead.
+        llm.llm_engine.engine_core.shutdown()
     total = 0.0
     for w, out in zip(wins, outs):
         for tok, lp in zip(w[1:], out.prompt_logprobs[1:]):

@@ -47,6 +47,7 @@ EXPECTED_KERNEL = {"fp8-dynamic": "vllm-cutlass-scaled-mm", "fp8-static": "vllm-
 # Foundation-issue accuracy bars: d loss vs the unquantized model.
 BARS = {"fp8-dynamic": 0.013, "mxfp8": 0.012}
 PPL_REL = 0.005  # vllm vs reference perplexity of the same checkpoint
+NEAR_TIE = 0.25  # nats: a greedy divergence is allowed where the unquantized model's top-2 are this close
 
 
 def record(**row) -> None:
@@ -115,10 +116,11 @@ def vllm_server(model_dir: Path, log: Path, *args: str):
 
 def greedy(url: str) -> dict:
     status, body = http(f"{url}/v1/completions", {"model": "m", "prompt": PROMPT, "max_tokens": GREEDY_TOKENS,
-                                                  "temperature": 0.0, "logprobs": 0})
+                                                  "temperature": 0.0, "logprobs": 2})
     assert status == 200, body
     choice = json.loads(body)["choices"][0]
-    return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"]}
+    # top: per generated token, the model's two most likely tokens -> logprob
+    return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"], "top": choice["logprobs"]["top_logprobs"]}
 
 
 # ---- fixtures --------------------------------------------------------------------------------------------
@@ -187,12 +189,23 @@ def test_serve_unquantized_baseline(served):
 
 @pytest.mark.parametrize("name", ["fp8-dynamic", "mxfp8"])
 def test_greedy_matches_unquantized(served, name):
+    """The first 20 greedy tokens equal the unquantized model's, except that the quantized model may take the
+    unquantized model's second choice where that model itself is at a near-tie (top-2 logprobs within NEAR_TIE
+    nats); the text is then compared no further. On this model token 16 is such a tie: after "She loved to
+    play", " with" and " outside" are 0.133 nats apart in fp32 and tie exactly in bf16 (CPU, transformers);
+    vLLM's bf16 model says " with", the fp32 model and the published output " outside"."""
     base, _ = served("unquantized")
     got, _ = served(name)
-    same = next((i for i, (a, b) in enumerate(zip(base["tokens"], got["tokens"])) if a != b), None)
-    assert same is None, (f"{name} diverges from the unquantized model at token {same}: "
-                          f"{''.join(base['tokens'][:same])!r} then {base['tokens'][same]!r} vs {got['tokens'][same]!r}"
-                          f"\n  unquantized: {base['text']!r}\n  {name}: {got['text']!r}")
+    i = next((i for i, (a, b) in enumerate(zip(base["tokens"], got["tokens"])) if a != b), None)
+    if i is None:
+        return
+    top = base["top"][i]
+    gap = top[base["tokens"][i]] - top.get(got["tokens"][i], float("-inf"))
+    record(test="greedy-divergence", model=name, token=i, base=base["tokens"][i], got=got["tokens"][i], gap=gap)
+    assert gap <= NEAR_TIE, (f"{name} diverges from the unquantized model at token {i}, not at a near-tie "
+                             f"(unquantized top-2 {top}; gap {gap:.3f} nats > {NEAR_TIE}): "
+                             f"{''.join(base['tokens'][:i])!r} then {base['tokens'][i]!r} vs {got['tokens'][i]!r}"
+                             f"\n  unquantized: {base['text']!r}\n  {name}: {got['text']!r}")
 
 
 @pytest.mark.parametrize("name", ["fp8-dynamic", "mxfp8"])
