@@ -68,7 +68,7 @@ __device__ __forceinline__ void kv_items(const KvArgs& a, int64_t base, float ks
       c[u] = (jj - h[u] * nv_head) * N;
       const E* src = is_v[u] ? static_cast<const E*>(a.value) + t * a.v_ts + h[u] * a.v_hs + c[u]
                              : static_cast<const E*>(a.key) + t * a.k_ts + h[u] * a.k_hs + c[u];
-      v[u] = ld_nc_na_v4(src);
+      v[u] = ld_nc_v4(src);
       slot[u] = __ldg(a.slots + t);
     }
   }

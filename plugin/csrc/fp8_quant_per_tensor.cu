@@ -133,8 +133,8 @@ cast_flat_kernel(const typename Elem<T>::type* __restrict__ x, int64_t nvec, int
   for (int u = 0; u < kPairs; ++u) {
     const int64_t p = base + u * kThreads;
     if (p < npair) {
-      a[u] = ld_nc_na_v4(x + p * 2 * N);
-      b[u] = ld_nc_na_v4(x + p * 2 * N + N);
+      a[u] = ld_nc_v4(x + p * 2 * N);
+      b[u] = ld_nc_v4(x + p * 2 * N + N);
     }
   }
   const float inv = __frcp_rn(cast_scale(partials, nparts, static_scale, scale_out, smem));

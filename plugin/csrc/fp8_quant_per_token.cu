@@ -61,7 +61,7 @@ per_token_vec_kernel(const typename Elem<T>::type* __restrict__ x, int64_t M, in
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int idx = t + i * nthreads;
-    v[i] = idx < nvec ? ld_nc_na_v4(xr + static_cast<int64_t>(idx) * N) : make_uint4(0, 0, 0, 0);
+    v[i] = idx < nvec ? ld_nc_v4(xr + static_cast<int64_t>(idx) * N) : make_uint4(0, 0, 0, 0);
   }
   uint32_t acc = 0;
 #pragma unroll

@@ -82,7 +82,7 @@ mx_quant_kernel(const typename Elem<T>::type* __restrict__ x, int64_t nvec, int6
     v[u] = make_uint4(0, 0, 0, 0);
     if (i < nvec) {
       const int64_t off = contiguous ? i * N : (i / nvec_row) * row_stride + (i % nvec_row) * N;
-      v[u] = ld_nc_na_v4(x + off);
+      v[u] = ld_nc_v4(x + off);
     }
   }
 #pragma unroll
@@ -160,7 +160,7 @@ mx_dequant_kernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ cod
                   void* __restrict__ out) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n16) return;
-  const uint4 v = ld_nc_na_v4(q + i * 16);
+  const uint4 v = ld_nc_v4(q + i * 16);
   const float s = e8m0_to_float(__ldg(codes + i / 2));
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   float f[16];
