@@ -23,7 +23,15 @@ from safetensors.torch import load_file, save_file
 from vllm_model import load_vllm, vllm_logits
 
 
-PRESETS = ["fp8-dynamic", "w4a16", "mxfp8"]
+PRESETS = ["fp8-dynamic", "fp8-static", "w4a16", "mxfp8"]
+# (|d loss|, max mean-relative logit difference) allowed between the stacks. fp8-static's wider margin is one
+# FP8 rounding flip: in window 3, layer 2's o_proj input has an element at -0.35323507 in one stack and
+# -0.35323510 in the other (the stacks' rotary / attention round differently, 5588 of 16384 elements differ
+# by <= 3.6e-7), which divided by the static scale 0.0046478 lies on the rounding midpoint -76 between the E4M3
+# codes -72 and -80; that one flip moves the window's loss by 0.0037 (mean over the windows 0.00125). Layers 0
+# and 1 give identical outputs in both stacks, the quantized o_proj input of layer 2 differs in that element
+# only, and each linear equals the reference bit for bit on the same input (tests/vllm/test_vllm_linear.py).
+TOLERANCE = {"fp8-static": (3e-3, 5e-3)}
 
 
 def windows(model_dir, text, n=3, length=128):
@@ -57,13 +65,24 @@ def compare(ckpt, text, kv_fp8=False):
 def test_converted_checkpoint_through_vllm_matches_reference(vllm_dist, cpu_attention, converted, valid_text, name):
     from cublade.vllm.linear import CubladeLinearMethod
 
-    ckpt = converted(name)
+    # fp8-static: input scales calibrated on the first 10 stories, as tests/gpu/test_serve.py converts it
+    calib = {"calib_text": valid_text, "calib_lines": slice(0, 10)} if name == "fp8-static" else {}
+    ckpt = converted(name, **calib)
     model, loss_vllm, loss_ref, rel = compare(ckpt, valid_text)
     methods = [m.quant_method for n, m in model.named_modules() if n.endswith(("_proj"))]
     assert len(methods) == 4 * 5 and all(isinstance(q, CubladeLinearMethod) for q in methods)
-    assert abs(loss_vllm - loss_ref) < 1e-4, (loss_vllm, loss_ref)
-    assert rel < 1e-5
+    dloss, drel = TOLERANCE.get(name, (1e-4, 1e-5))
+    assert abs(loss_vllm - loss_ref) < dloss, (loss_vllm, loss_ref)
+    assert rel < drel, rel
     assert 1.0 < loss_ref < 3.0  # a trained model, not noise
+    if name == "fp8-static":  # the calibrated scales are the ones applied (fused shards: their max)
+        stored = load_file(str(ckpt / "model.safetensors"))
+        for n, m in model.named_modules():
+            if n.endswith("_proj"):
+                shards = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+                leaf = n.rsplit(".", 1)[1]
+                want = max(stored[f"{n.rsplit('.', 1)[0]}.{p}.input_scale"].item() for p in shards.get(leaf, (leaf,)))
+                assert m.input_scale.item() == want, (n, m.input_scale.item(), want)
 
 
 def with_kv_scales(src, dst, scales: dict[int, tuple[float, float]]):
