@@ -30,7 +30,7 @@ inline bool is_aligned(const void* p, int bytes) {
 // ---- loads and stores ------------------------------------------------------------------------------
 // Streaming 16-byte load through the read-only (non-coherent) path. No L1::no_allocate hint: on the H200 it
 // cost 6-10 % in every streaming kernel here (benchmarks/tuning/quant_sweep.cu, 2026-11-22, bf16 16384x8192,
-// same run: per-token 110.2 -> 100.5 us, MXFP8 quant 109.6 -> 100.9 us, per-tensor cast 108.7 -> 100.1 us,
+// same run: per-token 110.2 -> 100.5 us, MXFP8 quant 111.9 -> 100.9 us, per-tensor cast 108.7 -> 100.1 us,
 // the copy of the same bytes 99.2 us), and the L2::128B/256B prefetch hints gained nothing on top.
 __device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
   uint4 v;
