@@ -5,6 +5,7 @@
 #   serve    vllm serve each preset: completions, greedy vs unquantized (one call took 560 s: too long)
 #   serve2   compiled vs eager, FP8 KV with cublade's cache write, compressed-tensors interop
 #   ppl      cublade ppl --backend vllm vs the reference backend; the MoE fixture served and scored
+#   tuning   the stand-alone sweeps of benchmarks/tuning (no vLLM needed): quant kernels, W4A16 small-M GEMV
 # Logs and JSON results go under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,11 +18,17 @@ pytest_run() {  # name, timeout, pytest args...
   echo "$name: rc=$? $(grep -E '^[0-9]+ (passed|failed|skipped)|(passed|failed).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -20
 }
-case "${1:?phase: kernels | serve | serve2 | ppl}" in
+case "${1:?phase: kernels | serve | serve2 | ppl | tuning}" in
   kernels) CUBLADE_TEST_TIMEOUT=${CUBLADE_TEST_TIMEOUT:-240} bash scripts/device_check.sh ;;
   serve)   pytest_run serve 560 tests/gpu/test_serve.py -k "answers or baseline or greedy" ;;
   serve2)  pytest_run serve2 560 tests/gpu/test_serve.py -k "compiled or kv_cache or compressed" ;;
   ppl)     pytest_run ppl 330 tests/gpu/test_serve.py -k "ppl"
            pytest_run moe 230 tests/moe/test_moe_gpu.py ;;
+  tuning)  for h in quant_sweep w4a16_gemv_sweep; do
+             nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc "benchmarks/tuning/$h.cu" \
+               -o "/tmp/$h" > "$OUT/$h.build.log" 2>&1 || { echo "$h: build FAILED"; continue; }
+             timeout 240 "/tmp/$h" > "$OUT/$h.txt" 2>&1
+             echo "$h: rc=$?"; grep -E "^BEST|fastest|FAIL" "$OUT/$h.txt" | head -20
+           done ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac
