@@ -31,7 +31,9 @@ PRESETS = ["fp8-dynamic", "fp8-static", "w4a16", "mxfp8"]
 # codes -72 and -80; that one flip moves the window's loss by 0.0037 (mean over the windows 0.00125). Layers 0
 # and 1 give identical outputs in both stacks, the quantized o_proj input of layer 2 differs in that element
 # only, and each linear equals the reference bit for bit on the same input (tests/vllm/test_vllm_linear.py).
-TOLERANCE = {"fp8-static": (3e-3, 5e-3)}
+# The margin leaves room for a few such flips on other CPUs and still tells static from dynamic activations:
+# the reference's fp8-dynamic loss on these windows is 0.0129 lower than its fp8-static loss.
+TOLERANCE = {"fp8-static": (5e-3, 5e-3)}
 
 
 def windows(model_dir, text, n=3, length=128):
