@@ -50,7 +50,7 @@ def _capability(device: torch.device) -> int | None:
 KERNEL_ARCH = 90
 
 
-def _why_no_kernel(name: str, device: torch.device) -> str | None:
+def why_no_kernel(name: str, device: torch.device) -> str | None:
     """Why cublade's CUDA op `torch.ops.cublade.<name>` cannot run on `device`; None when it can."""
     cap = _capability(device)
     if cap is None:
@@ -65,7 +65,7 @@ def _why_no_kernel(name: str, device: torch.device) -> str | None:
 def _op(name: str, device: torch.device, reference: Callable) -> tuple[Callable, str]:
     """cublade's CUDA op `torch.ops.cublade.<name>` where it can run, else its reference; and a few words
     saying which."""
-    why = _why_no_kernel(name, device)
+    why = why_no_kernel(name, device)
     if why is None:
         return getattr(torch.ops.cublade, name), f"cublade's CUDA op {name}"
     return reference, f"the PyTorch reference of {name} ({why})"
@@ -178,7 +178,7 @@ class CubladeW4A16Gemm(LinearKernel):
         device = layer.weight_packed.device
         if layer.params_dtype not in HALF_DTYPES:
             return False, f"takes bf16/fp16 activations, the model runs in {layer.params_dtype}"
-        why = _why_no_kernel("w4a16_gemm", device)
+        why = why_no_kernel("w4a16_gemm", device)
         if why is not None:
             return False, why
         return True, "cublade's CUDA op w4a16_gemm, every M"

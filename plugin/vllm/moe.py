@@ -45,7 +45,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from cublade.config.schemes import FP4Scheme, UnsupportedShape
 from cublade.constants import E8M0_NAN
 from cublade.experts import experts_forward_ref
-from cublade.vllm.kernels import first_runnable, log_choice_once, replace_parameter
+from cublade.vllm.kernels import why_no_kernel, first_runnable, log_choice_once, replace_parameter
 
 logger = logging.getLogger("vllm.cublade")
 
@@ -271,13 +271,12 @@ class CubladeFp4MoE(MoEKernel):
 
     @classmethod
     def can_implement(cls, layer, scheme):
-        from cublade.ops._dispatch import use_kernel
-
         w = layer.w13_weight_packed
         if not w.is_cuda:
             return False, "needs a CUDA device"
-        if not use_kernel(torch.empty(0, device=w.device), "fp4_gemm"):
-            return False, "cublade's CUDA extension has no fp4_gemm op here (not built, or not this GPU)"
+        why = why_no_kernel("fp4_gemm", w.device)  # the arch too: the extension is sm_90a only
+        if why is not None:
+            return False, why
         if layer.params_dtype != torch.bfloat16:
             return False, f"activations are {layer.params_dtype}; cublade's fp4_gemm takes bf16"
         H, I = layer.w2_weight_packed.shape[1], w.shape[1] // 2

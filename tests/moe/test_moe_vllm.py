@@ -235,13 +235,25 @@ def test_refusals(vllm_cpu, monkeypatch):
         layer.routed_experts.quant_method.process_weights_after_loading(layer.routed_experts)
 
 
+def test_cublade_kernel_passed_over_on_other_gpus(monkeypatch):
+    """cublade's extension is built for sm_90a only: on another GPU the selector must pass over cublade-fp4-moe,
+    saying why, rather than pick it and fail at the first call (as the linear kernels do)."""
+    import types
+
+    from cublade.vllm import kernels
+    from cublade.vllm.moe import CubladeFp4MoE
+
+    monkeypatch.setattr(kernels, "_capability", lambda device: 80)
+    w = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
+    ok, why = CubladeFp4MoE.can_implement(types.SimpleNamespace(w13_weight_packed=w), FP4Scheme())
+    assert not ok and why == "cublade's kernels are built for sm_90a, this GPU is sm_80"
+
+
 def test_cublade_kernel_grouping_on_cpu(vllm_cpu, ckpt, fmt):
     """The cublade-fp4-moe kernel's host logic (repack once, sort tokens by expert on the device, offsets,
     one grouped GEMM per projection, unsort + weighted sum; ids of other ranks' experts masked), run here with
     cublade.ops.fp4_gemm's CPU reference in place of the CUDA op, against the reference kernel on the same
     layer weights (both bf16 math: one fp32 summation order apart)."""
-    pytest.importorskip("cublade.ops.fp4_gemm", reason="cublade.ops.fp4_gemm (issue 4, part B) is not in this "
-                                                       "checkout yet")
     from cublade.vllm.moe import CubladeFp4MoE
 
     g = torch.Generator().manual_seed(3)
