@@ -82,3 +82,21 @@ def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_all(model_dir: Path) -> dict[str, torch.Tensor]:
     return dict(iter_tensors(model_dir))
+
+
+def check_tensors(module: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype | None]],
+                  tensors: dict[str, torch.Tensor], needs: str = "", context: str = "") -> None:
+    """`tensors` are exactly what `specs` ({suffix: (shape, dtype or None for any)}) asks for, else a ValueError
+    naming `module.suffix`. `needs` says who asks (e.g. "scheme fp8"), `context` where the shapes come from."""
+    for suffix, (shape, dtype) in specs.items():
+        t = tensors.get(suffix)
+        if t is None:
+            why = f" ({needs} needs {', '.join(specs)})" if needs else ""
+            raise ValueError(f"{module}.{suffix}: missing from the checkpoint{why}")
+        if tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype):
+            want = f"{list(shape)}" + (f" {dtype}" if dtype is not None else "")
+            raise ValueError(f"{module}.{suffix}: expected shape {want}, found {list(t.shape)} {t.dtype}"
+                             + (f" ({context})" if context else ""))
+    extra = sorted(set(tensors) - set(specs))
+    if extra:
+        raise ValueError(f"{module}.{extra[0]}: unexpected tensor" + (f" for {needs}" if needs else ""))

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cublade.checkpoint import check_tensors
 from cublade.config.policy import ROUTER_PATTERNS, Policy
 from cublade.config.schemes import Scheme
 
@@ -309,21 +310,11 @@ class QuantExpertsRef(nn.Module):
                 scheme, got = schemes[(e, proj)], tensors.get((e, proj), {})
                 N, K = layout.shape(proj)
                 specs = {"weight": ((N, K), None)} if scheme is None else scheme.tensor_specs(N, K)
-                for suffix, (shape, dtype) in specs.items():
-                    t = got.get(suffix)
-                    if t is None:
-                        raise ValueError(f"{mod}.{suffix}: missing from the checkpoint"
-                                         + (f" (scheme {scheme.kind} needs {', '.join(specs)})" if scheme else ""))
-                    if tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype):
-                        raise ValueError(f"{mod}.{suffix}: expected shape {list(shape)}"
-                                         f"{f' {dtype}' if dtype is not None else ''}, found {list(t.shape)} "
-                                         f"{t.dtype} (config.json: hidden_size={layout.hidden_size}, "
-                                         f"intermediate size {layout.intermediate_size})")
-                    self.register_buffer(f"e{e}_{proj}_{suffix}", t, persistent=False)
-                extra = set(got) - set(specs)
-                if extra:
-                    raise ValueError(f"{mod}.{sorted(extra)[0]}: unexpected tensor for "
-                                     f"{'an unquantized' if scheme is None else f'scheme {scheme.kind}'} expert")
+                check_tensors(mod, specs, got, "an unquantized expert" if scheme is None else f"scheme {scheme.kind}",
+                              f"config.json: hidden_size={layout.hidden_size}, intermediate size "
+                              f"{layout.intermediate_size}")
+                for suffix in specs:
+                    self.register_buffer(f"e{e}_{proj}_{suffix}", got[suffix], persistent=False)
                 self._suffixes[(e, proj)] = tuple(specs)
 
     def expert_linear(self, e: int, proj: str, x: torch.Tensor) -> torch.Tensor:

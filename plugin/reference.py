@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cublade.checkpoint import load_all
+from cublade.checkpoint import check_tensors, load_all
 from cublade.config import Policy, Scheme, parse_quantization_config
 from cublade.experts import prepare_moe_reference
 from cublade.ops.fp8_kv_cache_write import fp8_kv_quant_ref
@@ -30,14 +30,7 @@ class QuantLinearRef(nn.Module):
         self.name, self.scheme = name, scheme
         self.in_features, self.out_features = in_features, out_features
         specs = scheme.tensor_specs(out_features, in_features)
-        for suffix, (shape, dtype) in specs.items():
-            t = tensors.get(suffix)
-            if t is None:
-                raise ValueError(f"{name}.{suffix}: missing from the checkpoint (scheme {scheme.kind} needs "
-                                 f"{', '.join(specs)})")
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise ValueError(f"{name}.{suffix}: expected shape {list(shape)} {dtype}, "
-                                 f"found {list(t.shape)} {t.dtype}")
+        check_tensors(name, specs, tensors, f"scheme {scheme.kind}")
         self._suffixes = tuple(specs)
         for suffix in specs:
             self.register_buffer(suffix, tensors[suffix], persistent=False)

@@ -17,8 +17,7 @@ import torch
 
 from cublade.constants import F8E4M3_MAX
 from cublade.ops._dispatch import register_fake, use_kernel
-
-FP8_DTYPE = torch.float8_e4m3fn
+from cublade.ops.fp8_quant import FP8_DTYPE
 
 
 def fp8_kv_quant_ref(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

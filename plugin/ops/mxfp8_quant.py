@@ -10,9 +10,8 @@ import torch
 
 from cublade.constants import F8E4M3_EMAX, F8E4M3_MAX, MX_BLOCK
 from cublade.ops._dispatch import register_fake, use_kernel
+from cublade.ops.fp8_quant import FP8_DTYPE
 from cublade.ops.mx import DEFAULT_SCALE_RULE, SCALE_RULES, block_scales, e8m0_to_float
-
-FP8_DTYPE = torch.float8_e4m3fn
 
 
 def mxfp8_quant_ref(x: torch.Tensor, rule: str = DEFAULT_SCALE_RULE) -> tuple[torch.Tensor, torch.Tensor]:
