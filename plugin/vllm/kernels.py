@@ -167,9 +167,11 @@ class VllmCutlassScaledMM(LinearKernel):
 class CubladeW4A16Gemm(LinearKernel):
     """cublade's W4A16 GEMM (cublade.ops.w4a16_gemm) on weights repacked once by `w4a16_repack` into the
     kernel's tile layout; every M runs on it. The kernel is built for decode and re-reads the weights once
-    per 32 tokens above 16, so long prefills are slower than on Machete; sending large M to Machete would
-    keep a second, Machete-layout copy of the weights (twice the memory W4A16 is there to save), so it is
-    not done: `CUBLADE_DISABLED_KERNELS=cublade-w4a16-gemm` runs Machete/Marlin for every M instead."""
+    per 32 tokens above 16, so prefills are slower than on Machete (H200, 2026-11-22, K 8192 x N 28672:
+    1.13x the faster of Machete/Marlin at M = 4, 0.86x at 16, 0.45x at 64; benchmarks/RESULTS.md). Sending
+    large M to Machete would keep a second, Machete-layout copy of the weights (twice the memory W4A16 is
+    there to save), so it is not done: `CUBLADE_DISABLED_KERNELS=cublade-w4a16-gemm` runs Machete/Marlin for
+    every M instead."""
     name = "cublade-w4a16-gemm"
     own = True
 
