@@ -78,12 +78,14 @@ def test_converted_checkpoint_through_vllm_matches_reference(vllm_dist, cpu_atte
     assert rel < drel, rel
     assert 1.0 < loss_ref < 3.0  # a trained model, not noise
     if name == "fp8-static":  # the calibrated scales are the ones applied (fused shards: their max)
+        from cublade.vllm.config import DEFAULT_PACKED_MODULES
+
         stored = load_file(str(ckpt / "model.safetensors"))
         for n, m in model.named_modules():
             if n.endswith("_proj"):
-                shards = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-                leaf = n.rsplit(".", 1)[1]
-                want = max(stored[f"{n.rsplit('.', 1)[0]}.{p}.input_scale"].item() for p in shards.get(leaf, (leaf,)))
+                parent, leaf = n.rsplit(".", 1)
+                parts = DEFAULT_PACKED_MODULES.get(leaf, [leaf])
+                want = max(stored[f"{parent}.{p}.input_scale"].item() for p in parts)
                 assert m.input_scale.item() == want, (n, m.input_scale.item(), want)
 
 
