@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from common import bench_us, rel_err, versions
+from common import bench_us, rel_err, require_op
 
 bench = functools.partial(bench_us, rep_ms=100)  # median us, do_bench's 100 ms window
 
@@ -61,15 +61,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from cublade.ops._dispatch import extension_load_error, extension_loaded
     from cublade.ops.fp4_gemm import fp4_dequant_repacked, fp4_repack
 
-    if not torch.cuda.is_available() or not extension_loaded():
-        raise SystemExit(f"bench_fp4_gemm: needs a GPU and the built extension ({extension_load_error()})")
-    op = torch.ops.cublade.fp4_gemm
+    op = require_op("bench_fp4_gemm", "fp4_gemm")
     dev = torch.device("cuda")
-    v = versions()
-    print(f"GPU {v['gpu']}, torch {v['torch']}, triton {v['triton']}, python {v['python']}")
     rows, note = [], None
     E = 8
     for fmt in args.fmt.split(","):

@@ -20,7 +20,7 @@ import json
 
 import torch
 
-from common import REFERENCE_COPY_TBPS, bench_us, rel_err, versions
+from common import REFERENCE_COPY_TBPS, bench_us, rel_err, require_op
 
 bench = functools.partial(bench_us, rep_ms=100)  # median us, do_bench's 100 ms window
 G = 128
@@ -89,15 +89,10 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
 
-    from cublade.ops._dispatch import extension_load_error, extension_loaded
     from cublade.ops.w4a16_gemm import w4a16_dequant_repacked, w4a16_repack
 
-    if not torch.cuda.is_available() or not extension_loaded():
-        raise SystemExit(f"bench_w4a16_gemm: needs a GPU and the built extension ({extension_load_error()})")
-    op = torch.ops.cublade.w4a16_gemm
+    op = require_op("bench_w4a16_gemm", "w4a16_gemm")
     dev = torch.device("cuda")
-    v = versions()
-    print(f"GPU {v['gpu']}, torch {v['torch']}, triton {v['triton']}, python {v['python']}")
     rows = []
     note = None
     for shape in args.shapes.split(","):

@@ -122,6 +122,18 @@ def emit(row: Row) -> None:
             f.write(json.dumps(d) + "\n")
 
 
+def require_op(bench: str, op_name: str):
+    """torch.ops.cublade.<op_name>, after printing the GPU and versions; exits saying why without a CUDA GPU or
+    the built extension."""
+    from cublade.ops._dispatch import extension_load_error, extension_loaded
+
+    if not torch.cuda.is_available() or not extension_loaded():
+        raise SystemExit(f"{bench}: needs a GPU and the built extension ({extension_load_error()})")
+    v = versions()
+    print(f"GPU {v['gpu']}, torch {v['torch']}, triton {v['triton']}, python {v['python']}")
+    return getattr(torch.ops.cublade, op_name)
+
+
 def require_gpu() -> None:
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to benchmark")
