@@ -679,6 +679,33 @@ void best_line(const char* op, const std::vector<Variant>& vs, const std::vector
 const int64_t kMainM = 16384, kMainK = 8192;
 const int64_t kOtherShapes[2][2] = {{16384, 14336}, {4096, 8192}};
 
+// Times every variant that supports the main shape, prints its table, then times production and the 5 fastest
+// passing variants at kOtherShapes (tables too), and prints the op's BEST line. bytes_of: the op's bytes for [M, K].
+void time_op(const std::string& op, const std::vector<Variant>& vs, size_t (*bytes_of)(int64_t, int64_t)) {
+  gen(kMainM, kMainK, kZeroRow | kNanInfRows | kTinyRows | kHugeRow);
+  std::vector<double> us(vs.size(), -1.0);
+  std::vector<Row> rows;
+  const double cu = time_copy_us(bytes_of(kMainM, kMainK));
+  for (size_t i = 0; i < vs.size(); ++i) {
+    if (!vs[i].ok(kMainM, kMainK)) continue;
+    Row r = time_variant(vs[i], kMainM, kMainK);
+    us[i] = r.us;
+    rows.push_back(r);
+  }
+  print_table(op + " bf16 16384x8192", rows, bytes_of(kMainM, kMainK), cu);
+  const std::vector<int> top = pick_top(vs, us, 5);
+  for (const auto& s : kOtherShapes) {
+    const int64_t M = s[0], K = s[1];
+    gen(M, K, kZeroRow | kNanInfRows | kTinyRows | kHugeRow);
+    std::vector<Row> rs;
+    const double c = time_copy_us(bytes_of(M, K));
+    for (int i : top)
+      if (vs[i].ok(M, K)) rs.push_back(time_variant(vs[i], M, K));
+    print_table(op + " bf16 " + std::to_string(M) + "x" + std::to_string(K), rs, bytes_of(M, K), c);
+  }
+  best_line(op.c_str(), vs, us);
+}
+
 // ---------------------------------------------------------------------------------------------------------------------
 // per-token
 // ---------------------------------------------------------------------------------------------------------------------
@@ -797,29 +824,7 @@ void run_tok() {
   CK(cudaGetLastError());
   report_checks("fp8_quant_per_token", vs);
 
-  auto bytes_of = [](int64_t M, int64_t K) { return static_cast<size_t>(3 * M * K + 4 * M); };
-  gen(kMainM, kMainK, kZeroRow | kNanInfRows | kTinyRows | kHugeRow);
-  std::vector<double> us(vs.size(), -1.0);
-  std::vector<Row> rows;
-  const double cu = time_copy_us(bytes_of(kMainM, kMainK));
-  for (size_t i = 0; i < vs.size(); ++i) {
-    if (!vs[i].ok(kMainM, kMainK)) continue;
-    Row r = time_variant(vs[i], kMainM, kMainK);
-    us[i] = r.us;
-    rows.push_back(r);
-  }
-  print_table("fp8_quant_per_token bf16 16384x8192", rows, bytes_of(kMainM, kMainK), cu);
-  const std::vector<int> top = pick_top(vs, us, 5);
-  for (const auto& s : kOtherShapes) {
-    const int64_t M = s[0], K = s[1];
-    gen(M, K, kZeroRow | kNanInfRows | kTinyRows | kHugeRow);
-    std::vector<Row> rs;
-    const double c = time_copy_us(bytes_of(M, K));
-    for (int i : top)
-      if (vs[i].ok(M, K)) rs.push_back(time_variant(vs[i], M, K));
-    print_table("fp8_quant_per_token bf16 " + std::to_string(M) + "x" + std::to_string(K), rs, bytes_of(M, K), c);
-  }
-  best_line("fp8_quant_per_token", vs, us);
+  time_op("fp8_quant_per_token", vs, [](int64_t M, int64_t K) { return static_cast<size_t>(3 * M * K + 4 * M); });
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -922,27 +927,7 @@ void run_mx() {
   const std::string op = std::string("mxfp8_quant ") + rule;
   report_checks(op.c_str(), vs);
 
-  auto bytes_of = [](int64_t M, int64_t K) { return static_cast<size_t>(3 * M * K + M * K / 32); };
-  gen(kMainM, kMainK, kZeroRow | kNanInfRows | kTinyRows | kHugeRow);
-  std::vector<double> us(vs.size(), -1.0);
-  std::vector<Row> rows;
-  const double cu = time_copy_us(bytes_of(kMainM, kMainK));
-  for (size_t i = 0; i < vs.size(); ++i) {
-    Row r = time_variant(vs[i], kMainM, kMainK);
-    us[i] = r.us;
-    rows.push_back(r);
-  }
-  print_table(op + " bf16 16384x8192", rows, bytes_of(kMainM, kMainK), cu);
-  const std::vector<int> top = pick_top(vs, us, 5);
-  for (const auto& s : kOtherShapes) {
-    const int64_t M = s[0], K = s[1];
-    gen(M, K, kZeroRow | kNanInfRows | kTinyRows | kHugeRow);
-    std::vector<Row> rs;
-    const double c = time_copy_us(bytes_of(M, K));
-    for (int i : top) rs.push_back(time_variant(vs[i], M, K));
-    print_table(op + " bf16 " + std::to_string(M) + "x" + std::to_string(K), rs, bytes_of(M, K), c);
-  }
-  best_line(op.c_str(), vs, us);
+  time_op(op, vs, [](int64_t M, int64_t K) { return static_cast<size_t>(3 * M * K + M * K / 32); });
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
