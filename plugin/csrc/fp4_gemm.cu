@@ -145,6 +145,7 @@ cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_strid
   prm.chunks = static_cast<int>(ceil_div(K, lowbit::kChunk * kPacketK));
   prm.row_scale = row_scale;
   prm.out = out; prm.out_stride = out_stride; prm.N = static_cast<int>(N);
+  prm.sms = sms;
   const int64_t active = offsets ? std::min<int64_t>(E, M) : 1;  // experts that can have rows
   const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups * active, prm.chunks, sms);
   const int mm = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_m, M)));

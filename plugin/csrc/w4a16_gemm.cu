@@ -220,6 +220,7 @@ cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K
   prm.groups = static_cast<int>(ceil_div(N, kTileN * lowbit::kGroupTiles));
   prm.chunks = static_cast<int>(ceil_div(K, lowbit::kChunk * kPacketK));
   prm.out = out; prm.out_stride = out_stride; prm.N = static_cast<int>(N);
+  prm.sms = sms;
   const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups, prm.chunks, sms);
   switch (dtype) {
     case InDtype::kBF16: return launch_dtype<__nv_bfloat16>(prm, group_size, asym, S, stream);

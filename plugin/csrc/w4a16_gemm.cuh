@@ -44,10 +44,10 @@ constexpr int kTileN = 16;      // weight rows per tile (the mma's M)
 constexpr int kPacketK = 64;    // K per 16-byte lane vector (4 k-steps of 16)
 constexpr int kChunk = 8;       // packets per tile per chunk (512 K)
 constexpr int kGroupTiles = 4;  // tiles per tile group = consumer warps per CTA
-constexpr int kMaxStages = 4;   // ring depth (fewer when the x rows of a pass make stages large)
+constexpr int kMaxStages = 8;   // ring depth limit (the 128-byte header holds 2 x 8 mbarriers)
 constexpr int kMaxSplit = 8;    // cluster size limit (portable)
 constexpr int kXRowBytes = kChunk * kPacketK * 2 + 16;  // staged x row; +16 B puts rows g = 0..7 in distinct banks
-constexpr int kSmemBudget = 112 * 1024;                  // per CTA: two CTAs per SM
+constexpr int kMaxSmemKB = 227;                          // dynamic shared memory per CTA (sm_90)
 
 template <typename T>
 __host__ __device__ constexpr bool is_bf16() { return std::is_same<T, __nv_bfloat16>::value; }
@@ -67,10 +67,12 @@ struct GemmParams {
   int N;
   int chunks_per_cta;  // chunks per split
   int xrows;           // staged x rows per stage (= tokens per pass, capped by the rows an expert can have)
-  int stages;          // ring depth
+  int stages;          // ring depth (0: launch_stream picks it)
+  int sms;             // the device's multiprocessor count (host side: the launch's choices)
 };
 
 // Shared memory: barriers, stages x [W: 4 tile blocks | X: xrows x kXRowBytes], reduction buffer.
+static_assert(2 * kMaxStages * 8 <= 128, "the full/empty mbarriers must fit the 128-byte header");
 struct Layout {
   int sbytes, xrows, stages;
   __host__ __device__ int tile_bytes() const { return kChunk * 512 + sbytes; }
@@ -363,19 +365,57 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
   }
 }
 
-// Launch one instantiation: S splits of K per cluster, E experts; xrows and sbytes set in prm.
+// CTAs of kernel P that one SM holds with `smem` bytes of dynamic shared memory (cached per instantiation
+// and smem size: the occupancy query is not free, and this runs on every eager launch).
+template <class P>
+int ctas_per_sm(int smem) {
+  static int cache[kMaxSmemKB + 1] = {};  // by smem in KB rounded up; 0 = not asked yet (an int race is benign)
+  const int kb = (smem + 1023) / 1024;
+  if (kb > kMaxSmemKB) return 0;
+  if (cache[kb] == 0) {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, stream_gemm_kernel<P>, (kGroupTiles + 1) * 32, kb * 1024) !=
+        cudaSuccess)
+      return 0;
+    cache[kb] = n > 0 ? n : -1;
+  }
+  return std::max(cache[kb], 0);
+}
+
+// Ring depth. The consumers, not the copies, limit this kernel, so the shallowest ring (2 stages) is best: it
+// lets the most CTAs, hence consumer warps, share an SM. The exception is a grid of 1 to 1.5 times the CTAs
+// the GPU holds at once: its short second wave runs nearly alone, so a deeper ring (fewer CTAs per SM, more
+// even waves) wins. Measured on the H200 (benchmarks/tuning/w4a16_occupancy.cu, 8192x28672 = 448 CTAs): M=1
+// 44.5 us at 2 stages (5 CTAs/SM) vs 58.7 us at 4 (3/SM: 1.13 waves); M=16 80.5 us at 2 (3/SM, 1.13 waves) vs
+// 64.9 us at 3 (2/SM, 1.7 waves).
+template <class P>
+int pick_stages(Layout L, int64_t ctas, int sms) {
+  for (int st = 2; st <= 4; ++st) {
+    L.stages = st;
+    const int64_t slots = static_cast<int64_t>(ctas_per_sm<P>(L.total(P::NT))) * sms;
+    if (slots == 0) continue;
+    const int64_t full = ctas / slots, rem = ctas % slots;
+    if (full == 0 || rem == 0 || 2 * rem >= slots) return st;
+  }
+  return 2;
+}
+
+// Launch one instantiation: S splits of K per cluster, E experts; xrows and sbytes set in prm; prm.stages = 0
+// picks the ring depth (a tuning harness may set it).
 template <class P>
 cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
-  if (S < 1 || S > kMaxSplit) return cudaErrorInvalidValue;
+  if (S < 1 || S > kMaxSplit || prm.stages > kMaxStages) return cudaErrorInvalidValue;
+  static const cudaError_t attr = cudaFuncSetAttribute(stream_gemm_kernel<P>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemKB * 1024);
+  if (attr != cudaSuccess) return attr;
   prm.chunks_per_cta = (prm.chunks + S - 1) / S;
   Layout L{prm.sbytes, prm.xrows, kMaxStages};
-  prm.stages = std::max(2, std::min(kMaxStages, kSmemBudget / L.stage_bytes()));
+  // CTAs with work: grouped launches (E experts) exit early for experts without rows, at most M have rows.
+  const int64_t ctas = static_cast<int64_t>(prm.groups) * S * std::min(E, prm.M);
+  if (prm.stages <= 0) prm.stages = pick_stages<P>(L, ctas, prm.sms);
   L.stages = prm.stages;
   const int smem = L.total(P::NT);
-  static const cudaError_t attr = cudaFuncSetAttribute(stream_gemm_kernel<P>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024);
-  if (attr != cudaSuccess) return attr;
-  if (smem > 227 * 1024) return cudaErrorInvalidValue;
+  if (smem > kMaxSmemKB * 1024) return cudaErrorInvalidValue;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(prm.groups), static_cast<unsigned>(S), static_cast<unsigned>(E));
   cfg.blockDim = dim3((kGroupTiles + 1) * 32);
