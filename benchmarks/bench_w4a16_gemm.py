@@ -2,8 +2,12 @@
 matmul of the dequantized weight, in the same run. int4 weights, group 128, symmetric (uint4b8), bf16
 activations.
 
-    python benchmarks/bench_w4a16_gemm.py [--shapes 8192x28672,4096x14336] [--m 1,4,16,32,64]
+    python benchmarks/bench_w4a16_gemm.py [--shapes 8192x28672,4096x14336] [--m 1,4,16,32,64,128,256,1024,4096]
                                           [--sweep] [--json FILE]
+
+The op picks its path by M: the streaming decode kernel, or for large M the prefill path (w4a16_dequant into a
+bf16 weight, then cuBLAS). Both paths are also timed on their own ("stream": split_k=1 forces the kernel, up to
+M=256; "deq+mm": w4a16_dequant + torch's linear) to show where they cross.
 
 Times: median of triton.testing.do_bench (it clears L2 before every call, so the weights come from HBM).
 Bandwidth: weight + scale bytes (N*K/2 + N*K/128*2) over the time, the issue's measure; % of the 4.28 TB/s
@@ -84,7 +88,7 @@ _VLLM_CONTEXT = contextlib.ExitStack()  # the bench's VllmConfig, current until 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="8192x28672,4096x14336", help="KxN list")
-    ap.add_argument("--m", default="1,4,16,32,64", help="token counts")
+    ap.add_argument("--m", default="1,4,16,32,64,128,256,1024,4096", help="token counts")
     ap.add_argument("--sweep", action="store_true", help="also time each split_k (K splits per cluster)")
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
@@ -92,6 +96,11 @@ def main() -> None:
     from cublade.ops.w4a16_gemm import w4a16_dequant_repacked, w4a16_repack
 
     op = require_op("bench_w4a16_gemm", "w4a16_gemm")
+    dequant = torch.ops.cublade.w4a16_dequant
+
+    def deq_mm(x, packed, N):
+        return torch.nn.functional.linear(x, dequant(packed, G, True, N, x.shape[-1], x.dtype))
+
     dev = torch.device("cuda")
     rows = []
     note = None
@@ -109,6 +118,7 @@ def main() -> None:
         x16 = torch.randn(16, K, device=dev).to(torch.bfloat16)
         ref16 = x16.float() @ w32.t()
         errs = {"cublade": rel_err(op(x16, rp.packed, G, True, N), ref16),
+                "deq+mm": rel_err(deq_mm(x16, rp.packed, N), ref16),
                 "bf16": rel_err(torch.nn.functional.linear(x16, wbf), ref16)}
         for name, fn in base.items():
             if callable(fn):
@@ -118,6 +128,8 @@ def main() -> None:
             x = torch.randn(M, K, device=dev).to(torch.bfloat16)
             r = {"K": K, "N": N, "M": M, "weight_bytes": wbytes}
             r["cublade_us"] = bench(lambda: op(x, rp.packed, G, True, N))
+            r["stream_us"] = bench(lambda: op(x, rp.packed, G, True, N, 1)) if M <= 256 else None
+            r["deq_mm_us"] = bench(lambda: deq_mm(x, rp.packed, N))
             r["bf16_us"] = bench(lambda: torch.nn.functional.linear(x, wbf))
             for name, fn in base.items():
                 r[f"{name}_us"] = bench(lambda: fn(x)) if callable(fn) else None
@@ -137,16 +149,18 @@ def main() -> None:
     print(note)
     print("\nw4a16_gemm, int4 g128 sym, bf16 activations; median us (do_bench, L2 cleared); TB/s = weight+scale "
           f"bytes / time; % of the {REFERENCE_COPY_TBPS} TB/s copy ceiling")
-    hdr = f"{'K x N':>12} {'M':>3} {'cublade':>8} {'TB/s':>5} {'%ceil':>5} {'Machete':>8} {'Marlin':>8} " \
-          f"{'best vLLM/cublade':>17} {'bf16':>7}"
+    hdr = f"{'K x N':>12} {'M':>4} {'cublade':>8} {'TB/s':>5} {'%ceil':>5} {'Machete':>8} {'Marlin':>8} " \
+          f"{'best vLLM/cublade':>17} {'bf16':>7} {'stream':>7} {'deq+mm':>7}"
     print(hdr)
     for r in rows:
         mach, marl = r.get("Machete_us"), r.get("Marlin_us")
         best = min(v for v in (mach, marl) if v is not None) if (mach or marl) else None
         tbs = r["weight_bytes"] / r["cublade_us"] / 1e6
-        print(f"{r['K']:>5}x{r['N']:<6} {r['M']:>3} {r['cublade_us']:>8.1f} {tbs:>5.2f} "
-              f"{100 * tbs / REFERENCE_COPY_TBPS:>4.0f}% {mach or float('nan'):>8.1f} {marl or float('nan'):>8.1f} "
-              f"{(best / r['cublade_us']) if best else float('nan'):>16.2f}x {r['bf16_us']:>7.1f}")
+        nan = float("nan")
+        print(f"{r['K']:>5}x{r['N']:<6} {r['M']:>4} {r['cublade_us']:>8.1f} {tbs:>5.2f} "
+              f"{100 * tbs / REFERENCE_COPY_TBPS:>4.0f}% {mach or nan:>8.1f} {marl or nan:>8.1f} "
+              f"{(best / r['cublade_us']) if best else nan:>16.2f}x {r['bf16_us']:>7.1f} "
+              f"{r['stream_us'] or nan:>7.1f} {r['deq_mm_us']:>7.1f}")
     if args.sweep:
         print("\nsplit_k sweep (us): " + " | ".join(
             f"{r['K']}x{r['N']} M={r['M']}: " + " ".join(f"{s}:{r[f'split{s}_us']:.1f}" for s in (1, 2, 4, 8))

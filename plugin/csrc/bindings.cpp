@@ -18,6 +18,9 @@ TORCH_LIBRARY(cublade, m) {
   // Part B (W4A16 decode GEMM, FP4 dequant GEMM) appends its m.def lines below.
   // W4A16 GEMM: x [..., K] bf16/fp16 @ int4 weights in w4a16_repack's layout -> [..., size_n] (x's dtype).
   m.def("w4a16_gemm(Tensor x, Tensor packed, int group_size, bool symmetric, int size_n, int split_k=0) -> Tensor");
+  // W4A16 dequant (the prefill path): the same blob -> the dense weight [size_n, size_k] in dtype (bf16 / fp16).
+  m.def("w4a16_dequant(Tensor packed, int group_size, bool symmetric, int size_n, int size_k, ScalarType dtype) "
+        "-> Tensor");
   // FP4 (MXFP4 / NVFP4) GEMM for MoE experts: x [T, K] bf16 (rows sorted by expert, expert_offsets [E+1]
   // int32; none = one expert) @ weights in fp4_repack's layout -> bf16 [T, size_n].
   m.def("fp4_gemm(Tensor x, Tensor packed, Tensor? row_scale, str format, int size_n, "

@@ -1,6 +1,7 @@
-// Framework-free declarations of the launchers of w4a16_gemm.cu and fp4_gemm.cu, shared by the kernels (nvcc)
-// and their torch wrappers (w4a16_gemm_torch.cpp, fp4_gemm_torch.cpp; host C++ compiler). The repacked layouts:
-// plugin/ops/w4a16_gemm.py and plugin/ops/fp4_gemm.py; the kernel and its schedule: w4a16_gemm.cuh.
+// Framework-free declarations of the launchers of w4a16_gemm.cu, w4a16_dequant.cu and fp4_gemm.cu, shared by the
+// kernels (nvcc) and their torch wrappers (w4a16_gemm_torch.cpp, fp4_gemm_torch.cpp; host C++ compiler). The
+// repacked layouts: plugin/ops/w4a16_gemm.py and plugin/ops/fp4_gemm.py; the kernel and its schedule:
+// w4a16_gemm.cuh.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +27,11 @@ int w4a16_gemm_sbytes(int group_size, bool asym);
 cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t x_stride,
                               const void* packed, int group_size, bool asym, void* out, int64_t out_stride,
                               int64_t N, int split_k, int sms, cudaStream_t stream);
+
+// w4a16_dequant.cu (the prefill path: dequantize once, then a dense GEMM). packed: the int4 blob as above, 16-byte
+// aligned; out: contiguous [N, K] of out_dtype (bf16 or fp16), w = (u - z) * s in fp32 rounded once. K % 8 == 0.
+cudaError_t launch_w4a16_dequant(const void* packed, int group_size, bool asym, int64_t N, int64_t K,
+                                 InDtype out_dtype, void* out, cudaStream_t stream);
 
 // Scale-record bytes per FP4 tile block (64 per packet, both formats).
 constexpr int kFp4RecordBytes = 8 * 64;

@@ -8,10 +8,17 @@ the checkpoint layout into the kernel's.
   y = x @ W^T, W = (u - z) * s in fp32 (the checkpoint's dequant, cublade.ops.int4), summed in fp32, rounded
   once to x's dtype. On a GPU with the extension: `torch.ops.cublade.w4a16_gemm` (kernel: csrc/w4a16_gemm.cu);
   elsewhere the reference `w4a16_gemm_ref`, the same numbers up to fp32 summation order.
-  Shapes the kernel takes: any M (one pass over the weights per 32 tokens above 16, so large M is slow: see
-  cublade.vllm.kernels.CubladeW4A16Gemm for why the vLLM method still runs every M on it), any N, K % 8 == 0,
-  K % group_size == 0, group_size in (32, 64, 128, -1); x bf16 or fp16. `split_k` (K splits per thread-block
-  cluster, 1..8; 0 = automatic) is for tuning and tests.
+  Shapes the kernel takes: any M, any N, K % 8 == 0, K % group_size == 0, group_size in (32, 64, 128, -1); x
+  bf16 or fp16. The streaming kernel reads the weights once per 32 tokens, so from 128 rows the op takes the
+  prefill path instead: `w4a16_dequant` to x's dtype, then a cuBLAS GEMM (the weights rounded once to x's
+  dtype; the reference keeps them in fp32). `split_k` (K splits per thread-block cluster, 1..8, which also
+  forces the streaming kernel at any M; 0 = automatic) is for tuning and tests.
+
+`w4a16_dequant(packed, group_size, symmetric, size_n, size_k, dtype) -> [size_n, size_k]` in dtype, the
+  prefill path (dequantize once, then a dense GEMM: for large M that beats re-reading the weights per 32-token
+  pass): W = (u - z) * s in fp32, rounded once to dtype (bf16 or fp16), contiguous. On a GPU with the extension
+  `torch.ops.cublade.w4a16_dequant` (kernel: csrc/w4a16_dequant.cu), elsewhere `w4a16_dequant_ref`; the two are
+  bit-identical (the product is exact in fp32).
 
 Repacked layout (the kernel's; kernels never see the checkpoint layout): one int32 blob
   packed [ceil(N/64), ceil(K/512), 4, 1024 + sbytes/4]
@@ -190,3 +197,24 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, group_size: int, symmetric
 def _w4a16_gemm_fake(x: torch.Tensor, packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int,
                      split_k: int = 0) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], size_n))
+
+
+def w4a16_dequant_ref(packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int, size_k: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The blob -> the dense weight [size_n, size_k] in dtype: the fp32 weight rounded once (nearest even)."""
+    return w4a16_dequant_repacked(packed, group_size, symmetric, size_n, size_k).to(dtype)
+
+
+def w4a16_dequant(packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int, size_k: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    if dtype not in (torch.bfloat16, torch.float16):  # here too: the CPU path refuses what the kernel refuses
+        raise NotImplementedError(f"w4a16_dequant: dtype must be bfloat16 or float16, got {dtype}")
+    if use_kernel(packed, "w4a16_dequant"):
+        return torch.ops.cublade.w4a16_dequant(packed, group_size, symmetric, size_n, size_k, dtype)
+    return w4a16_dequant_ref(packed, group_size, symmetric, size_n, size_k, dtype)
+
+
+@register_fake("cublade::w4a16_dequant")
+def _w4a16_dequant_fake(packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int, size_k: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    return packed.new_empty((size_n, size_k), dtype=dtype)

@@ -166,12 +166,11 @@ class VllmCutlassScaledMM(LinearKernel):
 
 class CubladeW4A16Gemm(LinearKernel):
     """cublade's W4A16 GEMM (cublade.ops.w4a16_gemm) on weights repacked once by `w4a16_repack` into the
-    kernel's tile layout; every M runs on it. The kernel is built for decode and re-reads the weights once
-    per 32 tokens above 16, so prefills are slower than on Machete (H200, 2026-11-22, K 8192 x N 28672:
-    1.13x the faster of Machete/Marlin at M = 4, 0.86x at 16, 0.45x at 64; benchmarks/RESULTS.md). Sending
-    large M to Machete would keep a second, Machete-layout copy of the weights (twice the memory W4A16 is
-    there to save), so it is not done: `CUBLADE_DISABLED_KERNELS=cublade-w4a16-gemm` runs Machete/Marlin for
-    every M instead."""
+    kernel's tile layout. The op runs decode batches on its streaming kernel and, from 128 tokens, dequantizes
+    the weight and runs a dense cuBLAS GEMM (the prefill path; a transient N x K weight in x's dtype per call).
+    Sending large M to Machete instead would keep a second, Machete-layout copy of the weights (twice the
+    memory W4A16 is there to save). Speeds against Machete/Marlin per M: benchmarks/RESULTS.md;
+    `CUBLADE_DISABLED_KERNELS=cublade-w4a16-gemm` runs Machete/Marlin for every M instead."""
     name = "cublade-w4a16-gemm"
     own = True
 
@@ -183,7 +182,7 @@ class CubladeW4A16Gemm(LinearKernel):
         why = why_no_kernel("w4a16_gemm", device)
         if why is not None:
             return False, why
-        return True, "cublade's CUDA op w4a16_gemm, every M"
+        return True, "cublade's CUDA op w4a16_gemm (decode kernel; from 128 tokens dequantize + cuBLAS)"
 
     def __init__(self, layer):
         super().__init__(layer)
