@@ -62,6 +62,10 @@ __device__ __forceinline__ void st_cs_u32(void* p, uint32_t v) {
 }
 
 // ---- element conversions -----------------------------------------------------------------------------
+// The bf16 in the low / high half of a 32-bit word, as an fp32 (exact: a bf16 is an fp32's top 16 bits).
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
+
 template <InDtype T> struct Elem;
 template <> struct Elem<InDtype::kBF16> {
   using type = __nv_bfloat16;

@@ -51,9 +51,6 @@ __device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, int sh, floa
                     pack2<T>(w(w1, 0), w(w1, 4)), pack2<T>(w(w1, 2), w(w1, 6)));
 }
 
-__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
-
 // One CTA per (tile group, chunk), one warp per tile block: the CTA's 4 tile blocks are contiguous in the blob
 // (one ~17 KB span), and small CTAs (one per 64 x 512 of the weight) leave little tail at the end of the grid.
 // Each lane issues its 8 word loads and its scale-record loads before any use (128 B+ in flight per lane: the

@@ -82,9 +82,6 @@ __device__ __forceinline__ void dequant_int4(uint32_t q, uint32_t bias_lo, uint3
   a[3] = sub2<T>(lowbit::and_or(q >> 12, kMask, kBase), bias_hi);
 }
 
-__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
-
 // Scale record of one group for rows (g, g+8): fp32 scales and packed (base + z) subtrahends.
 template <typename T, bool ASYM, typename Rec>
 __device__ __forceinline__ void unpack_rec(const Rec& r, float& s_lo, float& s_hi, uint32_t& b_lo, uint32_t& b_hi) {

@@ -365,6 +365,15 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
   }
 }
 
+// Lets kernel P take up to kMaxSmemKB of dynamic shared memory (once per instantiation); the occupancy query and
+// the launch both need it.
+template <class P>
+cudaError_t allow_max_smem() {
+  static const cudaError_t e = cudaFuncSetAttribute(stream_gemm_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    kMaxSmemKB * 1024);
+  return e;
+}
+
 // CTAs of kernel P that one SM holds with `smem` bytes of dynamic shared memory (cached per instantiation
 // and smem size: the occupancy query is not free, and this runs on every eager launch).
 template <class P>
@@ -374,7 +383,8 @@ int ctas_per_sm(int smem) {
   if (kb > kMaxSmemKB) return 0;
   if (cache[kb] == 0) {
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, stream_gemm_kernel<P>, (kGroupTiles + 1) * 32, kb * 1024) !=
+    if (allow_max_smem<P>() != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, stream_gemm_kernel<P>, (kGroupTiles + 1) * 32, kb * 1024) !=
         cudaSuccess)
       return 0;
     cache[kb] = n > 0 ? n : -1;
@@ -405,9 +415,7 @@ int pick_stages(Layout L, int64_t ctas, int sms) {
 template <class P>
 cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
   if (S < 1 || S > kMaxSplit || prm.stages > kMaxStages) return cudaErrorInvalidValue;
-  static const cudaError_t attr = cudaFuncSetAttribute(stream_gemm_kernel<P>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemKB * 1024);
-  if (attr != cudaSuccess) return attr;
+  if (const cudaError_t e = allow_max_smem<P>(); e != cudaSuccess) return e;
   prm.chunks_per_cta = (prm.chunks + S - 1) / S;
   Layout L{prm.sbytes, prm.xrows, kMaxStages};
   // CTAs with work: grouped launches (E experts) exit early for experts without rows, at most M have rows.
