@@ -76,6 +76,7 @@
  */
 #define CUBLADE_KERNELS_ONLY
 #include "common.cuh"
+#include "harness.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -101,15 +102,6 @@ using namespace ::cublade;
 #include "fp8_quant_per_tensor.cu"
 }  // namespace prod_pt
 
-#define CK(call)                                                                                      \
-  do {                                                                                                \
-    cudaError_t e_ = (call);                                                                          \
-    if (e_ != cudaSuccess) {                                                                          \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, \
-                   #call);                                                                            \
-      std::exit(2);                                                                                   \
-    }                                                                                                 \
-  } while (0)
 
 namespace sweep {
 using namespace ::cublade;
@@ -528,37 +520,9 @@ struct Row {
   int regs, occ, thr;
 };
 
-double median_of(std::vector<float>& v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // do_bench-like: L2 flush (256 MB memset) before every launch, events around the launch, median in us.
 double time_us(const std::function<cudaError_t()>& f) {
-  static std::vector<cudaEvent_t> e0, e1;
-  const int reps = g_reps;
-  while (static_cast<int>(e0.size()) < reps) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    e0.push_back(a);
-    e1.push_back(b);
-  }
-  for (int w = 0; w < 3; ++w) {
-    CK(cudaMemsetAsync(B.flush, w, kFlushBytes, B.st));
-    CK(f());
-  }
-  for (int r = 0; r < reps; ++r) {
-    CK(cudaMemsetAsync(B.flush, r & 0xFF, kFlushBytes, B.st));
-    CK(cudaEventRecord(e0[r], B.st));
-    CK(f());
-    CK(cudaEventRecord(e1[r], B.st));
-  }
-  CK(cudaStreamSynchronize(B.st));
-  std::vector<float> ms(reps);
-  for (int r = 0; r < reps; ++r) CK(cudaEventElapsedTime(&ms[r], e0[r], e1[r]));
-  return median_of(ms) * 1e3;
+  return harness::time_us(f, harness::memset_flush(B.flush, kFlushBytes, B.st), g_reps, B.st);
 }
 
 double time_copy_us(size_t bytes) {  // copy of bytes/2: bytes/2 read + bytes/2 written

@@ -100,6 +100,7 @@
 
 #define CUBLADE_LAUNCHER_ONLY
 #include "w4a16_gemm.cu"  // the production launcher (launch_w4a16_gemm) and its kernel, for the comparison
+#include "harness.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -454,15 +455,6 @@ cudaError_t launch(const __nv_bfloat16* x, int M, int K, int64_t x_stride, const
 // =============================================================================================================
 // Harness
 // =============================================================================================================
-#define CK(call)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e_ = (call);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
-                   cudaGetErrorString(e_));                                                        \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
 
 __host__ __device__ inline uint64_t mix64(uint64_t z) {
   z += 0x9E3779B97F4A7C15ull;
@@ -552,35 +544,10 @@ struct Variant {
   Launch run;
 };
 
-static float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // do_bench-like: flush L2 with a 256 MB memset before every launch; events around the launch; median.
 static float bench(const std::function<cudaError_t()>& f, void* scratch, size_t scratch_bytes, int reps,
                    cudaStream_t s) {
-  for (int i = 0; i < 3; ++i) CK(f());
-  std::vector<cudaEvent_t> e0(reps), e1(reps);
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventCreate(&e0[i]));
-    CK(cudaEventCreate(&e1[i]));
-  }
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaMemsetAsync(scratch, i & 0xFF, scratch_bytes, s));
-    CK(cudaEventRecord(e0[i], s));
-    CK(f());
-    CK(cudaEventRecord(e1[i], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  std::vector<float> ms(reps);
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventElapsedTime(&ms[i], e0[i], e1[i]));
-    CK(cudaEventDestroy(e0[i]));
-    CK(cudaEventDestroy(e1[i]));
-  }
-  return median(ms) * 1000.0f;
+  return static_cast<float>(harness::time_us(f, harness::memset_flush(scratch, scratch_bytes, s), reps, s));
 }
 
 int main(int argc, char** argv) {

@@ -15,6 +15,7 @@
 // previous layer's GEMM in a decode step). Weights: random codes, every scale 2^-7 (timing only; the outputs of
 // every configuration are compared with the automatic one: same stages -> identical, other splits -> close).
 #include "w4a16_gemm.cu"
+#include "harness.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -24,14 +25,6 @@
 #include <random>
 #include <vector>
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 namespace {
 
@@ -47,48 +40,12 @@ __global__ void read_flush(const uint4* p, size_t n, unsigned* sink) {
   if (acc == 0x9E3779B9u) *sink = acc;  // keeps the loads; practically never stores
 }
 
-template <int NT>
-cudaError_t launch_cfg(cublade::lowbit::GemmParams prm, int S, int stages, cudaStream_t s) {
-  prm.xrows = std::min(8 * NT, prm.M);
-  prm.sbytes = cublade::int4_sbytes<kGS, false>();
-  prm.stages = stages;
-  return cublade::lowbit::launch_stream<cublade::Int4Policy<bf16, NT, kGS, false>>(prm, 1, S, s);
-}
-
 // CTAs per SM the launch gets (0: does not fit), as the production launcher computes it.
 template <int NT>
 int ctas_per_sm(const cublade::lowbit::GemmParams& prm, int stages) {
   using P = cublade::Int4Policy<bf16, NT, kGS, false>;
   const cublade::lowbit::Layout L{cublade::int4_sbytes<kGS, false>(), std::min(8 * NT, prm.M), stages};
-  CK(cudaFuncSetAttribute(cublade::lowbit::stream_gemm_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                          cublade::lowbit::kMaxSmemKB * 1024));
   return cublade::lowbit::ctas_per_sm<P>(L.total(NT));
-}
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Median us of f() over reps launches, each after flush().
-float time_us(const std::function<cudaError_t()>& f, const std::function<void()>& flush, int reps, cudaStream_t s) {
-  for (int i = 0; i < 3; ++i) CK(f());
-  std::vector<cudaEvent_t> e(2 * reps);
-  for (auto& ev : e) CK(cudaEventCreate(&ev));
-  for (int i = 0; i < reps; ++i) {
-    flush();
-    CK(cudaEventRecord(e[2 * i], s));
-    CK(f());
-    CK(cudaEventRecord(e[2 * i + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  std::vector<float> us(reps);
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventElapsedTime(&us[i], e[2 * i], e[2 * i + 1]));
-    us[i] *= 1000.0f;
-  }
-  for (auto& ev : e) CK(cudaEventDestroy(ev));
-  return median(us);
 }
 
 }  // namespace
@@ -110,8 +67,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&sink, sizeof(unsigned)));
   CK(cudaMemset(scratch, 1, scratch_bytes));
   CK(cudaDeviceSynchronize());
-  int mem_flush_i = 0;
-  const std::function<void()> flush_memset = [&] { CK(cudaMemsetAsync(scratch, ++mem_flush_i & 0xFF, scratch_bytes, st)); };
+  const std::function<void()> flush_memset = harness::memset_flush(scratch, scratch_bytes, st);
   const std::function<void()> flush_read = [&] {
     read_flush<<<4 * sms, 512, 0, st>>>(static_cast<const uint4*>(scratch), scratch_bytes / 16, sink);
     CK(cudaGetLastError());
@@ -149,9 +105,10 @@ int main(int argc, char** argv) {
       prm.tiles = (N + 15) / 16; prm.groups = groups; prm.chunks = chunks;
       prm.out = out; prm.out_stride = N; prm.N = N;
       const int nt = M <= 8 ? 1 : M <= 16 ? 2 : 4;
-      auto launch = [&](int S, int stages) {
-        return nt == 1 ? launch_cfg<1>(prm, S, stages, st) : nt == 2 ? launch_cfg<2>(prm, S, stages, st)
-                                                                     : launch_cfg<4>(prm, S, stages, st);
+      auto launch = [&](int S, int stages) {  // the production launch with the ring depth given
+        cublade::lowbit::GemmParams p = prm;
+        p.stages = stages;
+        return cublade::launch_nt<bf16, kGS, false>(p, S, st);
       };
       auto occ = [&](int stages) {
         return nt == 1 ? ctas_per_sm<1>(prm, stages) : nt == 2 ? ctas_per_sm<2>(prm, stages)
@@ -178,7 +135,7 @@ int main(int argc, char** argv) {
           den += std::fabs(double(__bfloat162float(hr[i])));
         }
         const double rel = den > 0 ? num / den : num;
-        const float a = time_us(f, flush_memset, reps, st), b = time_us(f, flush_read, reps, st);
+        const double a = harness::time_us(f, flush_memset, reps, st), b = harness::time_us(f, flush_read, reps, st);
         std::printf("%5dx%-5d %3d %2s %6s %7s %9.2f %7.2f %9.2f %7.2f %s rel %.1e\n", K, N, M,
                     S ? std::to_string(S).c_str() : "-", stages ? std::to_string(stages).c_str() : "-",
                     stages ? std::to_string(occ(stages)).c_str() : "-", a, bytes / a * 1e-6, b, bytes / b * 1e-6,
