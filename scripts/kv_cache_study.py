@@ -48,6 +48,12 @@ def hadamard(n: int) -> torch.Tensor:
     return h / n**0.5
 
 
+LABELS = {"none": "not rounded (fp8-dynamic alone)", "per-layer": "abs-max scale per layer (shipped)",
+          "K only": "K only, per layer", "V only": "V only, per layer", "per-head": "K scale per head",
+          "per-channel": "K scale per channel", "K smoothed": "K - calibrated mean, scale per layer",
+          "K rotated": "Q and K rotated (Hadamard per head), scale per layer"}
+
+
 class Study:
     """Swaps the reference backend's attention function for one that rounds K/V as `self.mode` says."""
 
@@ -61,6 +67,7 @@ class Study:
         self.calib = windows(tokenize(ckpt, text, CALIB), 512)
         self.eval = windows(tokenize(ckpt, text, EVAL), 512)
         self.mode = "none"
+        self.k_layer, self.k_mult = None, 1.0  # "K only": round one layer's K only / scale its scale
         self.keys: list[list[torch.Tensor]] = [[] for _ in self.attn]
         AttentionInterface.register(FP8_KV_ATTENTION, self._attention)
 
@@ -73,13 +80,9 @@ class Study:
             self.keys[i].append(key[0].float())  # [heads, tokens, head_dim], after RoPE
         elif self.mode == "per-layer":
             key, value = fp8_round(key, k_scale), fp8_round(value, v_scale)
-        elif self.mode == "K only":
-            key = fp8_round(key, k_scale)
-        elif self.mode.startswith("K layer "):
-            if i == int(self.mode.split()[-1]):
-                key = fp8_round(key, k_scale)
-        elif self.mode.startswith("K scale x"):
-            key = fp8_round(key, k_scale * float(self.mode.split("x")[-1]))
+        elif self.mode == "K only":  # in layer self.k_layer alone when set, with the scale times self.k_mult
+            if self.k_layer in (None, i):
+                key = fp8_round(key, k_scale * self.k_mult)
         elif self.mode == "V only":
             value = fp8_round(value, v_scale)
         elif self.mode in ("per-head", "per-channel"):
@@ -115,13 +118,18 @@ class Study:
         }
 
     def run(self) -> list[tuple[str, float]]:
+        """(row label, loss) for every way of rounding; the first row is fp8-dynamic alone."""
         self.calibrate()
-        rows = [(mode, self.loss(mode)) for mode in ("none", "per-layer", "K only", "V only")]
+        rows = [(LABELS[mode], self.loss(mode)) for mode in ("none", "per-layer", "K only", "V only")]
         for mode in ("per-head", "per-channel", "K smoothed", "K rotated"):
             self.k_scales = [(a / 448).clamp_min(1e-12) for a in self.amax[mode]]
-            rows.append((mode, self.loss(mode)))
-        rows += [(f"K layer {i}", self.loss(f"K layer {i}")) for i in range(len(self.attn))]
-        rows += [(f"K scale x{f}", self.loss(f"K scale x{f}")) for f in (0.75, 1.25, 1.5, 2.0)]
+            rows.append((LABELS[mode], self.loss(mode)))
+        for self.k_layer in range(len(self.attn)):
+            rows.append((f"K only, layer {self.k_layer} alone", self.loss("K only")))
+        self.k_layer = None
+        for self.k_mult in (0.75, 1.25, 1.5, 2.0):
+            rows.append((f"K only, per-layer scale x {self.k_mult}", self.loss("K only")))
+        self.k_mult = 1.0
         return rows
 
 
@@ -137,13 +145,7 @@ def main() -> None:
     base = rows[0][1]
     print("fp8-dynamic weights/activations, K/V rounded through E4M3; loss on lines [6:), calibrated on [0:6)")
     print("| K/V in the cache | loss | cost over fp8-dynamic |\n|---|---|---|")
-    labels = {"none": "not rounded (fp8-dynamic alone)", "per-layer": "abs-max scale per layer (shipped)",
-              "K only": "K only, per layer", "V only": "V only, per layer", "per-head": "K scale per head",
-              "per-channel": "K scale per channel", "K smoothed": "K - calibrated mean, scale per layer",
-              "K rotated": "Q and K rotated (Hadamard per head), scale per layer"}
-    for mode, loss in rows:
-        label = labels.get(mode) or (f"K only, layer {mode.split()[-1]} alone" if mode.startswith("K layer")
-                                     else f"K only, per-layer scale x {mode.split('x')[-1]}")
+    for label, loss in rows:
         print(f"| {label} | {loss:.4f} | {loss - base:+.4f} |")
 
 

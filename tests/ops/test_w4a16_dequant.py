@@ -14,8 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cublade.ops.int4 import int4_dequant_weight, pack_int4
-from cublade.ops.w4a16_gemm import (_w4a16_dequant_fake, w4a16_dequant, w4a16_dequant_ref, w4a16_dequant_repacked,
-                                    w4a16_repack)
+from cublade.ops.w4a16_gemm import (_w4a16_dequant_fake, w4a16_dequant, w4a16_dequant_ref, w4a16_repack)
 from numerics import rel_err
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
@@ -86,7 +85,7 @@ def dequant(rp, dtype):
 
 
 def reference(rp, dtype):
-    return w4a16_dequant_repacked(rp.packed, rp.group_size, rp.symmetric, rp.size_n, rp.size_k).to(dtype)
+    return w4a16_dequant_ref(rp.packed, rp.group_size, rp.symmetric, rp.size_n, rp.size_k, dtype)
 
 
 @GPU
