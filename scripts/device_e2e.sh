@@ -6,7 +6,7 @@
 #   serve2   compiled vs eager, FP8 KV with cublade's cache write, compressed-tensors interop
 #   ppl      cublade ppl --backend vllm vs the reference backend; the MoE fixture served and scored
 #   tuning   the stand-alone sweeps of benchmarks/tuning (no vLLM needed): quant kernels, W4A16 small-M GEMV,
-#            W4A16 occupancy (splits x ring stages)
+#            W4A16 occupancy (tiles per warp x splits x ring stages), W4A16 pipeline (copies alone vs a plain read)
 # Logs and JSON results go under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ case "${1:?phase: kernels | serve | serve2 | ppl | tuning}" in
   serve2)  pytest_run serve2 560 tests/gpu/test_serve.py -k "compiled or kv_cache or compressed" ;;
   ppl)     pytest_run ppl 330 tests/gpu/test_serve.py -k "ppl"
            pytest_run moe 230 tests/moe/test_moe_gpu.py ;;
-  tuning)  for h in quant_sweep w4a16_gemv_sweep w4a16_occupancy; do
+  tuning)  for h in quant_sweep w4a16_gemv_sweep w4a16_occupancy w4a16_pipeline; do
              nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc "benchmarks/tuning/$h.cu" \
                -o "/tmp/$h" > "$OUT/$h.build.log" 2>&1 || { echo "$h: build FAILED"; continue; }
              timeout 240 "/tmp/$h" > "$OUT/$h.txt" 2>&1

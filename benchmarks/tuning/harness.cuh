@@ -52,9 +52,57 @@ inline double time_us(const std::function<cudaError_t()>& f, const std::function
   return median(ms) * 1e3;
 }
 
+// The current device (its properties) and a non-blocking stream to time on; stdout is line-buffered, so a run
+// that dies half-way still shows the rows it finished.
+struct Device {
+  cudaDeviceProp prop{};
+  int sms = 0;
+  cudaStream_t stream = nullptr;
+  Device() {
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);
+    int dev = 0;
+    CK(cudaGetDevice(&dev));
+    CK(cudaGetDeviceProperties(&prop, dev));
+    sms = prop.multiProcessorCount;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  }
+};
+
 // A do_bench-style flush: cudaMemsetAsync of `bytes` at p on s (a new byte value each call).
 inline std::function<void()> memset_flush(void* p, size_t bytes, cudaStream_t s) {
   return [p, bytes, s, i = 0]() mutable { CK(cudaMemsetAsync(p, ++i & 0xFF, bytes, s)); };
 }
+
+// Grid-stride 16-byte reads of p[0..n): a read flush, and the plain-read ceiling of a buffer.
+__global__ void plain_read(const uint4* p, size_t n, unsigned* sink) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldg(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;  // keeps the loads; practically never stores
+}
+
+// The two L2 flushes the W4A16 sweeps time with, over a 256 MB scratch buffer: do_bench's memset (leaves L2
+// full of dirty lines) and a read (leaves it full of clean ones, as after the previous layer's GEMM).
+struct Flushes {
+  static constexpr size_t kBytes = 256ull << 20;
+  void* scratch = nullptr;
+  unsigned* sink = nullptr;
+  std::function<void()> memset, read;
+  Flushes(int sms, cudaStream_t s) {
+    CK(cudaMalloc(&scratch, kBytes));
+    CK(cudaMalloc(&sink, sizeof(unsigned)));
+    CK(cudaMemset(scratch, 1, kBytes));
+    CK(cudaDeviceSynchronize());
+    memset = memset_flush(scratch, kBytes, s);
+    read = [this, sms, s] {
+      plain_read<<<4 * sms, 512, 0, s>>>(static_cast<const uint4*>(scratch), kBytes / 16, sink);
+      CK(cudaGetLastError());
+    };
+  }
+  Flushes(const Flushes&) = delete;
+  Flushes& operator=(const Flushes&) = delete;
+};
 
 }  // namespace harness

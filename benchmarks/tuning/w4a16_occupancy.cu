@@ -14,6 +14,7 @@
 // twice: after a 256 MB memset (do_bench's way) and after a 256 MB read (L2 holds clean lines, as after the
 // previous layer's GEMM in a decode step). Weights: random codes, every scale 2^-7 (timing only; the outputs of
 // every configuration are compared with the automatic one: same stages -> identical, other splits -> close).
+#define CUBLADE_LOWBIT_ALL_TPW  // every tiles-per-warp choice, not only the production one
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
 
@@ -31,51 +32,31 @@ namespace {
 using bf16 = __nv_bfloat16;
 constexpr int kGS = 128;
 
-__global__ void read_flush(const uint4* p, size_t n, unsigned* sink) {
-  uint32_t acc = 0;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const uint4 v = p[i];
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9E3779B9u) *sink = acc;  // keeps the loads; practically never stores
-}
-
 // CTAs per SM the launch gets (0: does not fit), as the production launcher computes it.
-template <int NT>
+template <int NT, int TPW>
 int ctas_per_sm(const cublade::lowbit::GemmParams& prm, int stages) {
   using P = cublade::Int4Policy<bf16, NT, kGS, false>;
   const cublade::lowbit::Layout L{cublade::int4_sbytes<kGS, false>(), std::min(8 * NT, prm.M), stages};
-  return cublade::lowbit::ctas_per_sm<P>(L.total(NT));
+  return cublade::lowbit::ctas_per_sm<P, TPW>(L.total(NT, TPW));
+}
+template <int NT>
+int ctas_per_sm(const cublade::lowbit::GemmParams& prm, int stages, int tpw) {
+  return tpw == 1 ? ctas_per_sm<NT, 1>(prm, stages) : tpw == 2 ? ctas_per_sm<NT, 2>(prm, stages)
+                                                                : ctas_per_sm<NT, 4>(prm, stages);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::max(20, std::atoi(argv[1])) : 50;
-  std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, dev));
-  cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  const size_t scratch_bytes = 256ull << 20;
-  void* scratch;
-  unsigned* sink;
-  CK(cudaMalloc(&scratch, scratch_bytes));
-  CK(cudaMalloc(&sink, sizeof(unsigned)));
-  CK(cudaMemset(scratch, 1, scratch_bytes));
-  CK(cudaDeviceSynchronize());
-  const std::function<void()> flush_memset = harness::memset_flush(scratch, scratch_bytes, st);
-  const std::function<void()> flush_read = [&] {
-    read_flush<<<4 * sms, 512, 0, st>>>(static_cast<const uint4*>(scratch), scratch_bytes / 16, sink);
-    CK(cudaGetLastError());
-  };
+  const harness::Device device;
+  const int sms = device.sms;
+  cudaStream_t st = device.stream;
+  const harness::Flushes flush(sms, st);
   std::printf("device: %s, %d SMs, L2 %d MB; median of %d launches; us_memset: after a 256 MB memset (do_bench's "
-              "flush), us_read: after a 256 MB read\n", prop.name, sms, prop.l2CacheSize >> 20, reps);
-  std::printf("%-11s %3s %2s %6s %7s %9s %7s %9s %7s %s\n", "KxN", "M", "S", "stages", "ctas/SM", "us_memset",
-              "TB/s", "us_read", "TB/s", "check");
+              "flush), us_read: after a 256 MB read\n", device.prop.name, sms, device.prop.l2CacheSize >> 20, reps);
+  std::printf("%-11s %3s %3s %2s %6s %7s %9s %7s %9s %7s %s\n", "KxN", "M", "tpw", "S", "stages", "ctas/SM",
+              "us_memset", "TB/s", "us_read", "TB/s", "check");
 
   struct Shape { int K, N; };
   for (const Shape sh : {Shape{8192, 28672}, Shape{4096, 14336}}) {
@@ -90,7 +71,7 @@ int main(int argc, char** argv) {
     void* blob;
     CK(cudaMalloc(&blob, blob_words * 4));
     CK(cudaMemcpy(blob, hb.data(), blob_words * 4, cudaMemcpyHostToDevice));
-    const int max_m = 32;
+    const int max_m = 64;
     std::vector<bf16> hx(size_t(max_m) * K);
     std::uniform_real_distribution<float> U(-1.0f, 1.0f);
     for (auto& v : hx) v = __float2bfloat16(U(rng));
@@ -99,20 +80,21 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&out, size_t(max_m) * N * sizeof(bf16)));
     CK(cudaMalloc(&ref, size_t(max_m) * N * sizeof(bf16)));
     CK(cudaMemcpy(x, hx.data(), hx.size() * sizeof(bf16), cudaMemcpyHostToDevice));
-    for (const int M : {1, 2, 4, 8, 16, 32}) {
+    for (const int M : {1, 2, 4, 8, 16, 32, 64}) {
       cublade::lowbit::GemmParams prm = {};
       prm.x = x; prm.x_stride = K; prm.M = M; prm.K = K; prm.w = static_cast<const unsigned char*>(blob);
       prm.tiles = (N + 15) / 16; prm.groups = groups; prm.chunks = chunks;
       prm.out = out; prm.out_stride = N; prm.N = N;
       const int nt = M <= 8 ? 1 : M <= 16 ? 2 : 4;
-      auto launch = [&](int S, int stages) {  // the production launch with the ring depth given
+      auto launch = [&](int tpw, int S, int stages) {  // the production launch with tiles/warp and ring depth given
         cublade::lowbit::GemmParams p = prm;
         p.stages = stages;
+        p.tpw = tpw;
         return cublade::launch_nt<bf16, kGS, false>(p, S, st);
       };
-      auto occ = [&](int stages) {
-        return nt == 1 ? ctas_per_sm<1>(prm, stages) : nt == 2 ? ctas_per_sm<2>(prm, stages)
-                                                               : ctas_per_sm<4>(prm, stages);
+      auto occ = [&](int tpw, int stages) {
+        return nt == 1 ? ctas_per_sm<1>(prm, stages, tpw) : nt == 2 ? ctas_per_sm<2>(prm, stages, tpw)
+                                                                    : ctas_per_sm<4>(prm, stages, tpw);
       };
       // the production choice, as the op makes it
       auto production = [&] {
@@ -124,7 +106,7 @@ int main(int argc, char** argv) {
       CK(cudaStreamSynchronize(st));
       std::vector<bf16> hr(size_t(M) * N), ho(size_t(M) * N);
       CK(cudaMemcpy(hr.data(), ref, hr.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
-      auto row = [&](const char* tag, int S, int stages, const std::function<cudaError_t()>& f) {
+      auto row = [&](int tpw, int S, int stages, const std::function<cudaError_t()>& f) {
         CK(cudaMemsetAsync(out, 0, size_t(M) * N * sizeof(bf16), st));
         CK(f());
         CK(cudaStreamSynchronize(st));
@@ -135,20 +117,21 @@ int main(int argc, char** argv) {
           den += std::fabs(double(__bfloat162float(hr[i])));
         }
         const double rel = den > 0 ? num / den : num;
-        const double a = harness::time_us(f, flush_memset, reps, st), b = harness::time_us(f, flush_read, reps, st);
-        std::printf("%5dx%-5d %3d %2s %6s %7s %9.2f %7.2f %9.2f %7.2f %s rel %.1e\n", K, N, M,
-                    S ? std::to_string(S).c_str() : "-", stages ? std::to_string(stages).c_str() : "-",
-                    stages ? std::to_string(occ(stages)).c_str() : "-", a, bytes / a * 1e-6, b, bytes / b * 1e-6,
-                    rel <= 2e-3 ? "ok" : "FAIL", rel);
-        (void)tag;
+        const double a = harness::time_us(f, flush.memset, reps, st), b = harness::time_us(f, flush.read, reps, st);
+        std::printf("%5dx%-5d %3d %3s %2s %6s %7s %9.2f %7.2f %9.2f %7.2f %s rel %.1e\n", K, N, M,
+                    tpw ? std::to_string(tpw).c_str() : "-", S ? std::to_string(S).c_str() : "-",
+                    stages ? std::to_string(stages).c_str() : "-",
+                    stages ? std::to_string(occ(tpw, stages)).c_str() : "-", a, bytes / a * 1e-6, b,
+                    bytes / b * 1e-6, rel <= 2e-3 ? "ok" : "FAIL", rel);
       };
-      row("production", 0, 0, production);
-      for (const int S : {1, 2, 4})
-        for (int stages = 2; stages <= cublade::lowbit::kMaxStages; ++stages) {
-          if (occ(stages) == 0) continue;
-          if (chunks < 2 * S) continue;
-          row("cfg", S, stages, [&, S, stages] { return launch(S, stages); });
-        }
+      row(0, 0, 0, production);
+      for (const int tpw : {1, 2, 4})
+        for (const int S : {1, 2, 4})
+          for (int stages = 2; stages <= 6; ++stages) {
+            if (occ(tpw, stages) == 0) continue;
+            if (chunks < 2 * S) continue;
+            row(tpw, S, stages, [&, tpw, S, stages] { return launch(tpw, S, stages); });
+          }
     }
     CK(cudaFree(blob)); CK(cudaFree(x)); CK(cudaFree(out)); CK(cudaFree(ref));
   }

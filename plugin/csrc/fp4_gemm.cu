@@ -90,13 +90,17 @@ struct Fp4Policy {
   static constexpr int NT = NT_;
   static constexpr int kSBytes = kFp4RecordBytes;  // 64 bytes of records per packet per tile
   struct State {};
+  template <int kSliceK>
+  __device__ static const unsigned char* slice_records(const unsigned char* srec, int slice) {
+    return srec + slice * (kSliceK / kPacketK) * 64;  // 64 bytes of records per packet
+  }
   __device__ static const float* row_scale(const lowbit::GemmParams& p, int e) {
     return p.row_scale ? p.row_scale + static_cast<int64_t>(e) * p.groups * lowbit::kGroupTiles * kTileN : nullptr;
   }
-  template <int i, bool kFirstChunk>
+  template <int j, int kSliceK>
   __device__ static void packet(State&, const uint4 q, const unsigned char* srec, const uint4 (&xc)[2][NT],
                                 float (&acc)[NT][4], int lane) {
-    const typename Fp4Rec<FMT>::type r = Fp4Rec<FMT>::load(srec, i, lane);
+    const typename Fp4Rec<FMT>::type r = Fp4Rec<FMT>::load(srec, j, lane);
     uint32_t s0_lo, s0_hi, s1_lo, s1_hi;
     Fp4Rec<FMT>::pairs(r, 0, s0_lo, s0_hi);
     Fp4Rec<FMT>::pairs(r, 1, s1_lo, s1_hi);
@@ -113,7 +117,6 @@ struct Fp4Policy {
       lowbit::mma_16816<T>(acc[n], a[3], xc[1][n].z, xc[1][n].w);
     }
   }
-  __device__ static void finish(State&, float (&)[NT][4]) {}
 };
 
 template <int FMT>
@@ -121,9 +124,9 @@ cudaError_t launch_fmt(lowbit::GemmParams prm, int E, int max_m, int S, cudaStre
   const int nt = max_m <= 8 ? 1 : max_m <= 16 ? 2 : 4;
   prm.xrows = std::min(8 * nt, max_m);
   prm.sbytes = Fp4Policy<1, FMT>::kSBytes;
-  if (nt == 1) return lowbit::launch_stream<Fp4Policy<1, FMT>>(prm, E, S, stream);
-  if (nt == 2) return lowbit::launch_stream<Fp4Policy<2, FMT>>(prm, E, S, stream);
-  return lowbit::launch_stream<Fp4Policy<4, FMT>>(prm, E, S, stream);
+  if (nt == 1) return lowbit::launch_tpw<Fp4Policy<1, FMT>>(prm, E, S, stream);
+  if (nt == 2) return lowbit::launch_tpw<Fp4Policy<2, FMT>>(prm, E, S, stream);
+  return lowbit::launch_tpw<Fp4Policy<4, FMT>>(prm, E, S, stream);
 }
 
 }  // namespace

@@ -94,43 +94,58 @@ __device__ __forceinline__ void unpack_rec(const Rec& r, float& s_lo, float& s_h
 }
 
 // int4 packets for the streaming kernel (w4a16_gemm.cuh). GS: group size 32 / 64 / 128, or 0 for one group per
-// output channel (handled as a group of one chunk, 512 K: the repack repeats the record in every chunk). Each
-// group's k-steps accumulate from zero into `part` (fp32); at the group's end acc += part * scale, in fp32, so
-// the weights are never rounded. A chunk starts on a group boundary for every GS, so which packet starts / ends
-// a group is known at compile time.
+// output channel (handled as one group per K slice: the repack repeats the record in every chunk, and a per-row
+// scale may multiply any partial sum). Each group's k-steps accumulate from zero into `part` (fp32); at the
+// group's end acc += part * scale, in fp32, so the weights are never rounded. A K slice starts on a group
+// boundary for every GS, so which packet starts / ends a group is known at compile time. With one n-tile of tokens
+// the k-steps alternate between two partial sums (two independent mma chains; NT > 1 has NT already).
 template <typename T_, int NT_, int GS, bool ASYM>
 struct Int4Policy {
   using T = T_;
   static constexpr int NT = NT_;
+  static constexpr int kChains = NT == 1 ? 2 : 1;
   using Rec = typename std::conditional<ASYM, uint2, uint32_t>::type;
-  static constexpr int kGS = GS == 0 ? lowbit::kChunk * kPacketK : GS;  // effective group in K
+  static constexpr int kRecGS = GS == 0 ? lowbit::kChunk * kPacketK : GS;  // K per scale record
   static constexpr int kRecBytes = static_cast<int>(sizeof(Rec));
-  static constexpr int kSBytes = lowbit::kChunk * kPacketK / kGS * 8 * kRecBytes;  // per tile block
+  static constexpr int kSBytes = lowbit::kChunk * kPacketK / kRecGS * 8 * kRecBytes;  // per tile block
 
   __device__ static const float* row_scale(const lowbit::GemmParams&, int) { return nullptr; }
 
   struct State {
     float s_lo = 0.0f, s_hi = 0.0f;  // the running group's fp32 scales, rows g and g+8
     uint32_t b_lo = 0, b_hi = 0;     // and its packed (base + z) subtrahends
-    float part[NT][4];               // the running group's sum
+    float part[kChains][NT][4];      // the running group's sum
   };
+  template <int kSliceK>
+  __device__ static const unsigned char* slice_records(const unsigned char* srec, int slice) {
+    if constexpr (GS == 0) {
+      return srec;  // one record per row, the same in every slice
+    } else {
+      static_assert(kSliceK % GS == 0, "a K slice must hold whole groups");
+      return srec + slice * (kSliceK / GS) * 8 * kRecBytes;
+    }
+  }
   __device__ static void flush(State& st, float (&acc)[NT][4]) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      acc[n][0] = fmaf(st.part[n][0], st.s_lo, acc[n][0]);
-      acc[n][1] = fmaf(st.part[n][1], st.s_lo, acc[n][1]);
-      acc[n][2] = fmaf(st.part[n][2], st.s_hi, acc[n][2]);
-      acc[n][3] = fmaf(st.part[n][3], st.s_hi, acc[n][3]);
+      float p[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) p[j] = kChains == 2 ? st.part[0][n][j] + st.part[kChains - 1][n][j] : st.part[0][n][j];
+      acc[n][0] = fmaf(p[0], st.s_lo, acc[n][0]);
+      acc[n][1] = fmaf(p[1], st.s_lo, acc[n][1]);
+      acc[n][2] = fmaf(p[2], st.s_hi, acc[n][2]);
+      acc[n][3] = fmaf(p[3], st.s_hi, acc[n][3]);
     }
   }
-  template <int i, bool kFirstChunk>
+  template <int j, int kSliceK>
   __device__ static void packet(State& st, const uint4 q, const unsigned char* srec, const uint4 (&xc)[2][NT],
                                 float (&acc)[NT][4], int lane) {
-    constexpr bool kStart0 = (i * kPacketK) % kGS == 0;
+    constexpr int kGS = GS == 0 ? kSliceK : GS;  // group within the slice
+    constexpr bool kStart0 = (j * kPacketK) % kGS == 0;
     constexpr bool kStart1 = kGS == 32;
     constexpr bool kFlush0 = kGS == 32;
-    constexpr bool kFlush1 = ((i + 1) * kPacketK) % kGS == 0;
-    constexpr int kGroup0 = i * kPacketK / kGS;  // group (within the chunk) of half 0
+    constexpr bool kFlush1 = ((j + 1) * kPacketK) % kGS == 0;
+    constexpr int kGroup0 = GS == 0 ? 0 : j * kPacketK / kGS;  // record (within the slice) of half 0
     const Rec* recs = reinterpret_cast<const Rec*>(srec) + (lane >> 2);
     uint32_t b1_lo = st.b_lo, b1_hi = st.b_hi;
     [[maybe_unused]] float s1_lo = 0.0f, s1_hi = 0.0f;
@@ -147,12 +162,14 @@ struct Int4Policy {
     dequant_int4<T>(q.y, st.b_lo, st.b_hi, a[1]);
     dequant_int4<T>(q.z, kStart1 ? b1_lo : st.b_lo, kStart1 ? b1_hi : st.b_hi, a[2]);
     dequant_int4<T>(q.w, kStart1 ? b1_lo : st.b_lo, kStart1 ? b1_hi : st.b_hi, a[3]);
-    auto half = [&](int h, bool first) {  // two k-steps into the group's sum
+    auto half = [&](int h, bool first) {  // two k-steps into the group's sum (one per chain when there are two)
+      constexpr int c1 = kChains - 1;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        if (first) lowbit::mma_16816_first<T>(st.part[n], a[2 * h], xc[h][n].x, xc[h][n].y);
-        else lowbit::mma_16816<T>(st.part[n], a[2 * h], xc[h][n].x, xc[h][n].y);
-        lowbit::mma_16816<T>(st.part[n], a[2 * h + 1], xc[h][n].z, xc[h][n].w);
+        if (first) lowbit::mma_16816_first<T>(st.part[0][n], a[2 * h], xc[h][n].x, xc[h][n].y);
+        else lowbit::mma_16816<T>(st.part[0][n], a[2 * h], xc[h][n].x, xc[h][n].y);
+        if (first && c1 == 1) lowbit::mma_16816_first<T>(st.part[c1][n], a[2 * h + 1], xc[h][n].z, xc[h][n].w);
+        else lowbit::mma_16816<T>(st.part[c1][n], a[2 * h + 1], xc[h][n].z, xc[h][n].w);
       }
     };
     half(0, kStart0);
@@ -161,7 +178,6 @@ struct Int4Policy {
     half(1, kStart1);
     if constexpr (kFlush1) flush(st, acc);
   }
-  __device__ static void finish(State&, float (&)[NT][4]) {}
 };
 
 template <int GS, bool ASYM>
@@ -174,9 +190,9 @@ cudaError_t launch_nt(lowbit::GemmParams prm, int S, cudaStream_t stream) {
   const int nt = prm.M <= 8 ? 1 : prm.M <= 16 ? 2 : 4;
   prm.xrows = std::min(8 * nt, prm.M);
   prm.sbytes = int4_sbytes<GS, ASYM>();
-  if (nt == 1) return lowbit::launch_stream<Int4Policy<T, 1, GS, ASYM>>(prm, 1, S, stream);
-  if (nt == 2) return lowbit::launch_stream<Int4Policy<T, 2, GS, ASYM>>(prm, 1, S, stream);
-  return lowbit::launch_stream<Int4Policy<T, 4, GS, ASYM>>(prm, 1, S, stream);
+  if (nt == 1) return lowbit::launch_tpw<Int4Policy<T, 1, GS, ASYM>>(prm, 1, S, stream);
+  if (nt == 2) return lowbit::launch_tpw<Int4Policy<T, 2, GS, ASYM>>(prm, 1, S, stream);
+  return lowbit::launch_tpw<Int4Policy<T, 4, GS, ASYM>>(prm, 1, S, stream);
 }
 
 template <typename T>

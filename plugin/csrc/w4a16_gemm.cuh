@@ -14,9 +14,10 @@
 // (8 per n-tile): the "swapped" orientation keeps 16 weight rows per instruction even at M = 1.
 //
 // Schedule (one CTA = 4 consumer warps + 1 producer warp, one tile group = 64 rows):
-//   * consumer warp r owns tile r of the group; the CTA covers the chunks of split blockIdx.y of K; the
-//     splits of one group form a thread-block cluster and add up their fp32 partials through distributed
-//     shared memory (no workspace, no atomics, one launch);
+//   * the CTA covers the chunks of split blockIdx.y of K; consumer warp w owns TPW tiles of the group over a
+//     1/TPW slice of every chunk (TPW = 1: tile w, all of it; see stream_gemm_kernel); the slices of a tile are
+//     added through shared memory, and the splits of one group form a thread-block cluster and add up their
+//     fp32 partials through distributed shared memory (no workspace, no atomics, one launch);
 //   * the producer warp streams the CTA's share into a ring of shared-memory stages with the bulk-copy engine
 //     (cp.async.bulk, completion counted in bytes on an mbarrier): per stage ONE 17 KB copy (the 4 tile blocks
 //     of a chunk, contiguous by construction of the layout) and one copy per x row of the token pass (issued
@@ -68,10 +69,13 @@ struct GemmParams {
   int chunks_per_cta;  // chunks per split
   int xrows;           // staged x rows per stage (= tokens per pass, capped by the rows an expert can have)
   int stages;          // ring depth (0: launch_stream picks it)
+  int tpw;             // tiles per consumer warp (0: the launcher's rule, default_tpw)
   int sms;             // the device's multiprocessor count (host side: the launch's choices)
 };
 
-// Shared memory: barriers, stages x [W: 4 tile blocks | X: xrows x kXRowBytes], reduction buffer.
+// Shared memory: barriers, stages x [W: 4 tile blocks | X: xrows x kXRowBytes], reduction buffer (the partial
+// sums of every tile: one slot per K slice beyond the first when a warp owns several tiles, else one slot for the
+// split-K reduction).
 static_assert(2 * kMaxStages * 8 <= 128, "the full/empty mbarriers must fit the 128-byte header");
 struct Layout {
   int sbytes, xrows, stages;
@@ -80,7 +84,11 @@ struct Layout {
   __host__ __device__ int stage_bytes() const { return w_bytes() + xrows * kXRowBytes; }
   __host__ __device__ int stage_offset(int s) const { return 128 + s * stage_bytes(); }
   __host__ __device__ int red_offset() const { return 128 + stages * stage_bytes(); }
-  __host__ __device__ int total(int nt) const { return red_offset() + kGroupTiles * nt * 4 * 32 * 4; }
+  __host__ __device__ static int red_slots(int tpw) { return tpw > 1 ? tpw - 1 : 1; }
+  __host__ __device__ static int red_slot_floats(int nt) { return kGroupTiles * nt * 4 * 32; }
+  __host__ __device__ int total(int nt, int tpw) const {
+    return red_offset() + red_slots(tpw) * red_slot_floats(nt) * 4;
+  }
 };
 
 // ---- PTX wrappers ------------------------------------------------------------------------------------------
@@ -153,13 +161,13 @@ __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cas
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   if constexpr (is_bf16<T>()) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   } else {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -171,13 +179,13 @@ template <typename T>
 __device__ __forceinline__ void mma_16816_first(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   const float z = 0.0f;
   if constexpr (is_bf16<T>()) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%10, %10, %10, %10};"
         : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(z));
   } else {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%10, %10, %10, %10};"
         : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
@@ -213,19 +221,32 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 }
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// Named barrier of the consumer warps only (the producer runs ahead on its own).
+__device__ __forceinline__ void consumer_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kGroupTiles * 32) : "memory");
+}
+
 // The kernel. A policy P says how a packet becomes mma's (dequant, scales) and provides:
 //   using T; static constexpr int NT;  struct State;
-//   template <int i, bool kFirstChunk> __device__ static void packet(State&, uint4 q, const unsigned char* srec,
-//       const uint4 (&x)[2][NT], float (&acc)[NT][4], int lane)   (packet i of a chunk; srec: the tile block's
-//       scale records)
-//   __device__ static void finish(State&, float (&acc)[NT][4])
+//   template <int kSliceK> __device__ static const unsigned char* slice_records(const unsigned char* srec, int slice)
+//       (the scale records of K slice `slice` of kSliceK within a tile block's records srec)
+//   template <int j, int kSliceK> __device__ static void packet(State&, uint4 q, const unsigned char* srec,
+//       const uint4 (&x)[2][NT], float (&acc)[NT][4], int lane)   (packet j of a K slice of kSliceK; srec: that
+//       slice's scale records)
 //   __device__ static const float* row_scale(const GemmParams&, int e)   (null: none)
-template <class P>
+// TPW (tiles per warp): consumer warp w owns tiles TPW*(w/TPW) .. +TPW-1 over K slice w%TPW of every chunk
+// (kChunk/TPW packets), so each x fragment it reads from shared memory feeds TPW tiles' mma's (shared-memory
+// traffic for x is 1/TPW of one-tile-per-warp) and its tiles' sums are independent chains; the TPW slices of a
+// tile are added through shared memory at the end of a token pass.
+template <class P, int TPW>
 __global__ void __launch_bounds__((kGroupTiles + 1) * 32)
 stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
   using T = typename P::T;
   constexpr int NT = P::NT;
   constexpr int R = kGroupTiles;
+  constexpr int PPW = kChunk / TPW;            // packets per warp per chunk
+  constexpr int kSliceK = PPW * kPacketK;      // K per slice
+  static_assert(R % TPW == 0 && kChunk % TPW == 0, "tiles per warp must divide the tile group and the chunk");
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -241,9 +262,14 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
   const int group = blockIdx.x;
   const int nst = prm.stages;
   const Layout L{prm.sbytes, prm.xrows, nst};
+  const int tile0 = (warp / TPW) * TPW, slice = warp % TPW;  // consumers: first tile, K slice
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxStages;
   float* red = reinterpret_cast<float*>(smem + L.red_offset());
+  // partial sums of tile `tile`, slot `slot`: [slot][tile][n][j][lane]
+  auto red_at = [&](int slot, int tile, int n, int j) {
+    return red + slot * Layout::red_slot_floats(NT) + ((tile * NT + n) * 4 + j) * 32 + lane;
+  };
   if (threadIdx.x == 0) {
     for (int s = 0; s < nst; ++s) {
       mbar_init(full + s, 1);
@@ -257,15 +283,17 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
   // Token passes of prm.xrows (<= 8 NT) rows: more rows than the launch planned for only cost more passes.
   for (int m0 = m_begin; m0 < m_end; m0 += prm.xrows) {
     const int rows = min(prm.xrows, m_end - m0);
-    float acc[NT][4];
+    float acc[TPW][NT][4];
 #pragma unroll
-    for (int n = 0; n < NT; ++n)
+    for (int u = 0; u < TPW; ++u)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) acc[n][j] = 0.0f;
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[u][n][j] = 0.0f;
 
     if (warp == R) {  // ---- producer: lane 0 the weights, lane r the x row r ----
       const unsigned char* xg = static_cast<const unsigned char*>(prm.x);
-      const uint64_t wpol = policy_evict_first(), xpol = policy_evict_last();
+      const uint64_t wpol = CUBLADE_WEIGHT_POLICY(), xpol = policy_evict_last();
       const int64_t block0 = (static_cast<int64_t>(e) * prm.groups + group) * prm.chunks;
       for (int c = 0; c < nchunks; ++c, ++it) {
         const int s = it % nst;
@@ -284,51 +312,73 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
                    xg + ((static_cast<int64_t>(m0 + row) * prm.x_stride) + k0) * 2, kbytes, full + s, xpol);
       }
     } else {  // ---- consumer ----
-      typename P::State st;
+      typename P::State st[TPW];
       for (int c = 0; c < nchunks; ++c, ++it) {
         const int s = it % nst;
         mbar_wait(full + s, (it / nst) & 1);
-        const int k0 = (cb + c) * kChunk * kPacketK;
+        const int kb = (cb + c) * kChunk * kPacketK + slice * kSliceK;  // this warp's first K
         const unsigned char* stg = smem + L.stage_offset(s);
-        const unsigned char* tb = stg + warp * L.tile_bytes();
-        const unsigned char* xsm = stg + L.w_bytes() + t * 16;
-        auto run = [&](auto checked_c, auto first_c) {
+        const unsigned char* tb = stg + tile0 * L.tile_bytes() + slice * PPW * 512 + lane * 16;
+        const unsigned char* srec[TPW];
+#pragma unroll
+        for (int u = 0; u < TPW; ++u)
+          srec[u] = P::template slice_records<kSliceK>(stg + (tile0 + u) * L.tile_bytes() + kChunk * 512, slice);
+        const unsigned char* xsm = stg + L.w_bytes() + t * 16 + slice * kSliceK * 2;
+        auto run = [&](auto checked_c) {
           constexpr bool kChecked = decltype(checked_c)::value;
-          static_for<kChunk>([&](auto i_c) {
-            constexpr int i = decltype(i_c)::value;
+          static_for<PPW>([&](auto j_c) {
+            constexpr int j = decltype(j_c)::value;
             uint4 xv[2][NT];
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
               for (int n = 0; n < NT; ++n) {
                 const int row = 8 * n + g;
-                const bool ok = row < rows && (!kChecked || k0 + i * kPacketK + 32 * h + 8 * t < prm.K);
-                xv[h][n] = ok ? lds128(xsm + row * kXRowBytes + (i * kPacketK + 32 * h) * 2)
+                const bool ok = row < rows && (!kChecked || kb + j * kPacketK + 32 * h + 8 * t < prm.K);
+                xv[h][n] = ok ? lds128(xsm + row * kXRowBytes + (j * kPacketK + 32 * h) * 2)
                               : make_uint4(0u, 0u, 0u, 0u);
               }
-            P::template packet<i, decltype(first_c)::value>(st, lds128(tb + i * 512 + lane * 16),
-                                                            tb + kChunk * 512, xv, acc, lane);
+#pragma unroll
+            for (int u = 0; u < TPW; ++u)
+              P::template packet<j, kSliceK>(st[u], lds128(tb + u * L.tile_bytes() + j * 512), srec[u], xv, acc[u],
+                                             lane);
           });
         };
-        // Past K the staged x holds stale bytes: the last chunk checks (the padded weights are zero anyway).
-        const bool checked = k0 + kChunk * kPacketK > prm.K;
-        if (c == 0) {
-          if (checked) run(std::true_type{}, std::true_type{});
-          else run(std::false_type{}, std::true_type{});
-        } else {
-          if (checked) run(std::true_type{}, std::false_type{});
-          else run(std::false_type{}, std::false_type{});
-        }
+        // Past K the staged x holds stale bytes: the slice that reaches past K checks (the padded weights are
+        // zero anyway).
+        if (kb + kSliceK > prm.K) run(std::true_type{});
+        else run(std::false_type{});
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + s);
       }
-      P::finish(st, acc);
     }
 
-    // ---- split-K reduction over the cluster, then the tile's outputs ----
+    // ---- the K slices of each tile (warps of one CTA), then the splits of the cluster, then the outputs ----
+    if constexpr (TPW > 1) {
+      if (warp < R) {
+        consumer_sync();  // the previous pass's readers of red are done
+        if (slice > 0)
+#pragma unroll
+          for (int u = 0; u < TPW; ++u)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) *red_at(slice - 1, tile0 + u, n, j) = acc[u][n][j];
+        consumer_sync();
+        if (slice == 0)
+          for (int q = 1; q < TPW; ++q)  // in slice order: the sum does not depend on timing
+#pragma unroll
+            for (int u = 0; u < TPW; ++u)
+#pragma unroll
+              for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[u][n][j] += *red_at(q - 1, tile0 + u, n, j);
+      }
+    }
+    const bool owner = warp < R && slice == 0;  // holds its tiles' sums over the CTA's K
     const float* rs = P::row_scale(prm, e);
-    auto store = [&](float (&v)[NT][4], int r) {
-      const int row0 = (group * R + r) * kTileN;
+    auto store = [&](float (&v)[NT][4], int tile) {
+      const int row0 = (group * R + tile) * kTileN;
       const int r_lo = row0 + g, r_hi = row0 + g + 8;
       const float f_lo = rs ? rs[r_lo] : 1.0f, f_hi = rs ? rs[r_hi] : 1.0f;  // row_scale is padded to groups
       T* out = static_cast<T*>(prm.out);
@@ -343,49 +393,56 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
         }
     };
     if (nsplit == 1) {
-      if (warp < R) store(acc, warp);
+      if (owner)
+#pragma unroll
+        for (int u = 0; u < TPW; ++u) store(acc[u], tile0 + u);
     } else {
-      if (warp < R) {
+      // slot 0 of the owner's own tiles: it read them (TPW > 1) before it overwrites them
+      if (owner)
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) red[((warp * NT + n) * 4 + j) * 32 + lane] = acc[n][j];
-      }
-      cluster_sync();
-      if (split == 0 && warp < R) {
-        for (int q = 1; q < nsplit; ++q)
+        for (int u = 0; u < TPW; ++u)
 #pragma unroll
           for (int n = 0; n < NT; ++n)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) acc[n][j] += ld_dsmem(&red[((warp * NT + n) * 4 + j) * 32 + lane], q);
-        store(acc, warp);
+            for (int j = 0; j < 4; ++j) *red_at(0, tile0 + u, n, j) = acc[u][n][j];
+      cluster_sync();
+      if (split == 0 && owner) {
+#pragma unroll
+        for (int u = 0; u < TPW; ++u) {
+          for (int q = 1; q < nsplit; ++q)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) acc[u][n][j] += ld_dsmem(red_at(0, tile0 + u, n, j), q);
+          store(acc[u], tile0 + u);
+        }
       }
       cluster_sync();  // the other CTAs keep their shared memory until rank 0 has read it
     }
   }
 }
 
-// Lets kernel P take up to kMaxSmemKB of dynamic shared memory (once per instantiation); the occupancy query and
-// the launch both need it.
-template <class P>
+// Lets kernel <P, TPW> take up to kMaxSmemKB of dynamic shared memory (once per instantiation); the occupancy
+// query and the launch both need it.
+template <class P, int TPW>
 cudaError_t allow_max_smem() {
-  static const cudaError_t e = cudaFuncSetAttribute(stream_gemm_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    kMaxSmemKB * 1024);
+  static const cudaError_t e = cudaFuncSetAttribute(stream_gemm_kernel<P, TPW>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemKB * 1024);
   return e;
 }
 
-// CTAs of kernel P that one SM holds with `smem` bytes of dynamic shared memory (cached per instantiation
+// CTAs of kernel <P, TPW> that one SM holds with `smem` bytes of dynamic shared memory (cached per instantiation
 // and smem size: the occupancy query is not free, and this runs on every eager launch).
-template <class P>
+template <class P, int TPW>
 int ctas_per_sm(int smem) {
   static int cache[kMaxSmemKB + 1] = {};  // by smem in KB rounded up; 0 = not asked yet (an int race is benign)
   const int kb = (smem + 1023) / 1024;
   if (kb > kMaxSmemKB) return 0;
   if (cache[kb] == 0) {
     int n = 0;
-    if (allow_max_smem<P>() != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, stream_gemm_kernel<P>, (kGroupTiles + 1) * 32, kb * 1024) !=
-        cudaSuccess)
+    if (allow_max_smem<P, TPW>() != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, stream_gemm_kernel<P, TPW>, (kGroupTiles + 1) * 32,
+                                                      kb * 1024) != cudaSuccess)
       return 0;
     cache[kb] = n > 0 ? n : -1;
   }
@@ -398,11 +455,11 @@ int ctas_per_sm(int smem) {
 // even waves) wins. Measured on the H200 (benchmarks/tuning/w4a16_occupancy.cu, 8192x28672 = 448 CTAs): M=1
 // 44.5 us at 2 stages (5 CTAs/SM) vs 58.7 us at 4 (3/SM: 1.13 waves); M=16 80.5 us at 2 (3/SM, 1.13 waves) vs
 // 64.9 us at 3 (2/SM, 1.7 waves).
-template <class P>
+template <class P, int TPW>
 int pick_stages(Layout L, int64_t ctas, int sms) {
   for (int st = 2; st <= 4; ++st) {
     L.stages = st;
-    const int64_t slots = static_cast<int64_t>(ctas_per_sm<P>(L.total(P::NT))) * sms;
+    const int64_t slots = static_cast<int64_t>(ctas_per_sm<P, TPW>(L.total(P::NT, TPW))) * sms;
     if (slots == 0) continue;
     const int64_t full = ctas / slots, rem = ctas % slots;
     if (full == 0 || rem == 0 || 2 * rem >= slots) return st;
@@ -412,17 +469,18 @@ int pick_stages(Layout L, int64_t ctas, int sms) {
 
 // Launch one instantiation: S splits of K per cluster, E experts; xrows and sbytes set in prm; prm.stages = 0
 // picks the ring depth (a tuning harness may set it).
-template <class P>
+template <class P, int TPW>
 cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
   if (S < 1 || S > kMaxSplit || prm.stages > kMaxStages) return cudaErrorInvalidValue;
-  if (const cudaError_t e = allow_max_smem<P>(); e != cudaSuccess) return e;
+  if (const cudaError_t e = allow_max_smem<P, TPW>(); e != cudaSuccess) return e;
   prm.chunks_per_cta = (prm.chunks + S - 1) / S;
+  prm.tpw = TPW;
   Layout L{prm.sbytes, prm.xrows, kMaxStages};
   // CTAs with work: grouped launches (E experts) exit early for experts without rows, at most M have rows.
   const int64_t ctas = static_cast<int64_t>(prm.groups) * S * std::min(E, prm.M);
-  if (prm.stages <= 0) prm.stages = pick_stages<P>(L, ctas, prm.sms);
+  if (prm.stages <= 0) prm.stages = pick_stages<P, TPW>(L, ctas, prm.sms);
   L.stages = prm.stages;
-  const int smem = L.total(P::NT);
+  const int smem = L.total(P::NT, TPW);
   if (smem > kMaxSmemKB * 1024) return cudaErrorInvalidValue;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(prm.groups), static_cast<unsigned>(S), static_cast<unsigned>(E));
@@ -436,7 +494,31 @@ cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
   attrs[0].val.clusterDim.z = 1;
   cfg.attrs = attrs;
   cfg.numAttrs = S > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, stream_gemm_kernel<P>, prm);
+  return cudaLaunchKernelEx(&cfg, stream_gemm_kernel<P, TPW>, prm);
+}
+
+// Tiles per consumer warp for NT n-tiles of tokens. More tiles per warp divide the shared-memory reads of x by TPW
+// and give each warp TPW independent mma chains, at the cost of registers (TPW x the accumulators) and one
+// reduction through shared memory per token pass. Measured on the H200 (benchmarks/tuning/w4a16_occupancy.cu,
+// 2026-11-22, us after do_bench's flush, best splits/stages of each): 8192x28672 M = 1: 44.0 (1 tile per warp)
+// vs 46.2 (2); M = 16: 63.5 vs 58.0; M = 32: 104.9 vs 95.3; M = 64: 195.8 vs 178.3. Four tiles per warp lost
+// everywhere (one CTA per SM at NT = 4).
+constexpr int default_tpw(int nt) { return nt == 1 ? 1 : 2; }
+
+// Launch with prm.tpw tiles per warp (0: default_tpw). Production builds instantiate the default only; tuning
+// builds (CUBLADE_LOWBIT_ALL_TPW) every choice.
+template <class P>
+cudaError_t launch_tpw(GemmParams prm, int E, int S, cudaStream_t stream) {
+  constexpr int kDefault = default_tpw(P::NT);
+  const int tpw = prm.tpw > 0 ? prm.tpw : kDefault;
+#ifdef CUBLADE_LOWBIT_ALL_TPW
+  if (tpw != kDefault) {
+    if (tpw == 1) return launch_stream<P, 1>(prm, E, S, stream);
+    if (tpw == 2) return launch_stream<P, 2>(prm, E, S, stream);
+    if (tpw == 4) return launch_stream<P, 4>(prm, E, S, stream);
+  }
+#endif
+  return tpw == kDefault ? launch_stream<P, kDefault>(prm, E, S, stream) : cudaErrorInvalidValue;
 }
 
 // K splits (cluster size). Measured on the H200 (README.md): one split is best while the grid has about as
