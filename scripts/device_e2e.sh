@@ -20,7 +20,7 @@ pytest_run() {  # name, timeout, pytest args...
   grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -20
 }
 case "${1:?phase: kernels | serve | serve2 | ppl | tuning}" in
-  kernels) CUBLADE_TEST_TIMEOUT=${CUBLADE_TEST_TIMEOUT:-240} bash scripts/device_check.sh ;;
+  kernels) CUBLADE_TEST_TIMEOUT=${CUBLADE_TEST_TIMEOUT:-300} bash scripts/device_check.sh ;;
   serve)   pytest_run serve 560 tests/gpu/test_serve.py -k "answers or baseline or greedy" ;;
   serve2)  pytest_run serve2 560 tests/gpu/test_serve.py -k "compiled or kv_cache or compressed" ;;
   ppl)     pytest_run ppl 330 tests/gpu/test_serve.py -k "ppl"
