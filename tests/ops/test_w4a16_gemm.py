@@ -1,9 +1,12 @@
 """w4a16_gemm: repack (exact round trip to the checkpoint's dequant), reference GEMM, and the CUDA kernel.
 
 Tolerance classes: the repack and the reference are exact (rtol=0, atol=0: same fp32 weights, same matmul);
-the kernel is a GEMM (fp32 sums in another order, one rounding to bf16/fp16 at the end), so it is held to
-mean|C - ref| / mean|ref| <= 2e-3 against the fp32 product with the dequantized weights (the issue's bar; the
-final bf16 rounding alone is ~1.4e-3 on this metric, fp16's ~2e-4). The kernel applies each group's scale
+the kernel is a GEMM (fp32 sums in another order, one rounding to bf16/fp16 at the end), so every output is held
+to one rounding of the fp32 product with the dequantized weights (|C - ref| <= 2^-8 |ref|, bf16's half ulp, plus
+1e-4 mean|ref| for the summation order), and outputs of 4096 elements or more also to mean|C - ref| / mean|ref|
+<= 2e-3 (the issue's bar; the final bf16 rounding alone is ~1.4e-3 on this metric, fp16's ~2e-4; on a few dozen
+outputs the mean is sample noise around that, 2.1e-3 was seen for 37). x is random but seeded per test. The
+kernel applies each group's scale
 to an fp32 partial sum, so the weights themselves are never rounded. From 128 rows the op takes its prefill
 path instead (w4a16_dequant to x's dtype, then cuBLAS): held bit-equal to that product in torch, and to <= 4e-3
 against the fp32 product (the weight's rounding to bf16 adds ~0.7e-3).
@@ -125,12 +128,20 @@ def gpu_case(N, K, G, sym, seed=0):
     return rp, w
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)  # the random x of every test (CPU and CUDA generators)
+
+
 def check(x, rp, w, split_k=0):
     y = torch.ops.cublade.w4a16_gemm(x, rp.packed, rp.group_size, rp.symmetric, rp.size_n, split_k)
     ref = x.reshape(-1, x.shape[-1]).float() @ w.t()
     assert y.shape == (*x.shape[:-1], rp.size_n) and y.dtype == x.dtype
-    err = rel_err(y.reshape(-1, rp.size_n), ref)
-    assert err <= BAR, f"mean|C-ref|/mean|ref| = {err:.2e} > {BAR}"
+    y2 = y.reshape(-1, rp.size_n).float()
+    torch.testing.assert_close(y2, ref, rtol=2.0 ** -8, atol=1e-4 * ref.abs().mean().item())
+    if y2.numel() >= 4096:
+        err = rel_err(y2, ref)
+        assert err <= BAR, f"mean|C-ref|/mean|ref| = {err:.2e} > {BAR}"
     return y
 
 
@@ -238,7 +249,8 @@ def test_kernel_refuses_with_a_message():
         (ValueError, "w4a16_gemm: in_features K=252 must be a positive multiple of 8",
          (x[:, :252], rp.packed, 128, True, 32)),
         (ValueError, r"w4a16_gemm: packed must be a contiguous int32 \[2, 1, 4, 1056\]", (x, rp.packed, 128, True, 80)),
-        (ValueError, r"w4a16_gemm: packed must be a contiguous int32 \[1, 1, 4, 1088\]", (x, rp.packed, 128, False, 32)),
+        (ValueError, r"w4a16_gemm: packed must be a contiguous int32 \[1, 1, 4, 1088\]",
+         (x, rp.packed, 128, False, 32)),
         (ValueError, "w4a16_gemm: in_features K=192 is not a multiple of group_size=128",
          (x[:, :192], rp.packed, 128, True, 32)),
     ]
