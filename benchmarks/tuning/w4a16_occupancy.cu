@@ -1,5 +1,6 @@
-// Occupancy sweep of the production W4A16 kernel (plugin/csrc/w4a16_gemm.cu): K splits x ring depth, and how
-// the L2 flush before each launch changes the time. Stand-alone (CUDA runtime only), on the H200:
+// Occupancy sweep of the production W4A16 kernel (plugin/csrc/w4a16_gemm.cu): tiles per consumer warp x K splits x
+// ring depth, on four Llama-70B-like shapes (K x N: 8192x28672, 4096x14336, 28672x8192, 8192x10240), M = 1..64, and
+// how the L2 flush before each launch changes the time. Stand-alone (CUDA runtime only), on the H200:
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc \
 //        benchmarks/tuning/w4a16_occupancy.cu -o /tmp/w4a16_occupancy && /tmp/w4a16_occupancy
@@ -7,7 +8,8 @@
 // Why: at M = 1 on 8192x28672 the automatic choice (1 split, 4 stages) ran 58.0 us and split 2 ran 50.3 us
 // (benchmarks/runs/2026-11-22-1616-h200-tuning.txt), while M = 2 ran 48.4 us on 1 split: at M = 1 a CTA's
 // shared memory (4 stages, 74 KB) lets 3 CTAs share an SM, at M = 2 (76 KB) only 2. This sweep times every
-// (splits, stages) pair with the CTAs per SM it gives, to pick the rule from data.
+// (splits, stages) pair with the CTAs per SM it gives, to pick the rule from data; the fifth session added the
+// tiles-per-warp dimension and two shapes with fewer tile groups (pick_split, pick_stages, default_tpw).
 //
 // Flush: triton's do_bench (the issue's method) zeroes a 256 MB buffer before each call, which leaves L2 full of
 // dirty lines that the timed kernel must write back while it reads its weights. Each configuration is timed
@@ -59,7 +61,7 @@ int main(int argc, char** argv) {
               "us_memset", "TB/s", "us_read", "TB/s", "check");
 
   struct Shape { int K, N; };
-  for (const Shape sh : {Shape{8192, 28672}, Shape{4096, 14336}}) {
+  for (const Shape sh : {Shape{8192, 28672}, Shape{4096, 14336}, Shape{28672, 8192}, Shape{8192, 10240}}) {
     const int K = sh.K, N = sh.N;
     const int groups = (N + 63) / 64, chunks = (K + 511) / 512;
     const int words = 1024 + cublade::int4_sbytes<kGS, false>() / 4;

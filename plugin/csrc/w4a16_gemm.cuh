@@ -457,15 +457,18 @@ int ctas_per_sm(int smem) {
 // the GPU holds at once: its short second wave runs nearly alone, so a deeper ring (fewer CTAs per SM, more
 // even waves) wins. Measured on the H200 (benchmarks/tuning/w4a16_occupancy.cu, 8192x28672 = 448 CTAs): M=1
 // 44.5 us at 2 stages (5 CTAs/SM) vs 58.7 us at 4 (3/SM: 1.13 waves); M=16 80.5 us at 2 (3/SM, 1.13 waves) vs
-// 64.9 us at 3 (2/SM, 1.7 waves).
+// 64.9 us at 3 (2/SM, 1.7 waves). With more waves the last one matters less: 896 CTAs (2 splits) at M=16 ran
+// 56.0 us at 2 stages (2.3 waves) and 88.7 us at 4 (1 CTA/SM, 6.8 waves). And one CTA per SM never pays:
+// 8192x10240 M=32 in 2 splits (320 CTAs, 1.2 waves at 2/SM) ran 62.2 us at 3 stages (1/SM) against 47.3 at 2.
 template <class P, int TPW>
 int pick_stages(Layout L, int64_t ctas, int sms) {
   for (int st = 2; st <= 4; ++st) {
     L.stages = st;
-    const int64_t slots = static_cast<int64_t>(ctas_per_sm<P, TPW>(L.total(P::NT, TPW))) * sms;
-    if (slots == 0) continue;
-    const int64_t full = ctas / slots, rem = ctas % slots;
-    if (full == 0 || rem == 0 || 2 * rem >= slots) return st;
+    const int per_sm = ctas_per_sm<P, TPW>(L.total(P::NT, TPW));
+    if (per_sm == 0) continue;
+    if (st > 2 && per_sm < 2) break;  // one CTA (4 consumer warps) per SM: always slower
+    const int64_t slots = static_cast<int64_t>(per_sm) * sms, full = ctas / slots, rem = ctas % slots;
+    if (full != 1 || rem == 0 || 2 * rem >= slots) return st;  // only a 1-1.5 wave grid deepens the ring
   }
   return 2;
 }
@@ -524,12 +527,15 @@ cudaError_t launch_tpw(GemmParams prm, int E, int S, cudaStream_t stream) {
   return tpw == kDefault ? launch_stream<P, kDefault>(prm, E, S, stream) : cudaErrorInvalidValue;
 }
 
-// K splits (cluster size). Measured on the H200 (README.md): one split is best while the grid has about as
-// many CTAs as SMs or more (8192x28672: 448 CTAs, 4096x14336: 224); below that, split until it does
-// (14336x4096: 64 CTAs -> 2 splits), keeping at least two chunks per split.
+// K splits (cluster size): more CTAs per SM means more consumer warps, which is what this kernel needs, but each
+// split's ring fills and drains on its own, so a split must keep at least 8 chunks (4096 K). Rule: double the
+// splits while the grid has fewer than 1.5 CTAs per SM and the chunks allow it. Measured on the H200 (occupancy
+// sweep, 2026-11-22, us after do_bench's flush, 1 / 2 splits at M = 1 / 16 / 32): K 28672 x N 8192 (128 groups,
+// 56 chunks) 52.2 / 42.2, 68.9 / 52.4, 113.2 / 79.7; 8192x10240 (160, 16) 25.1 / 21.1, 31.1 / 26.5, 46.7 / 47.3;
+// 4096x14336 (224, 8) 16.3 / 17.5; 8192x28672 (448, 16) 42.5 / 45.4, 58.5 / 55.8, 89.6 / 93.1.
 inline int pick_split(int64_t ctas, int chunks, int sms) {
   int S = 1;
-  while (S < kMaxSplit && ctas * S * 10 < static_cast<int64_t>(sms) * 9 && chunks >= 2 * 2 * S) S *= 2;
+  while (S < kMaxSplit && 2 * ctas * S < 3 * static_cast<int64_t>(sms) && chunks >= 16 * S) S *= 2;
   return S;
 }
 

@@ -206,6 +206,20 @@ def test_kernel_real_decode_shapes():
 
 
 @GPU
+@pytest.mark.parametrize("groups_per_sm,K,splits", [(1, 8192, 2), (1, 4096, 1), (2, 8192, 1)])
+def test_automatic_splits(groups_per_sm, K, splits):
+    """The launcher splits K in 2 when the grid has under 1.5 tile groups per SM and each split keeps >= 8 chunks
+    of 512 K, else not: the automatic call equals that split_k bit for bit (and stays within the bars)."""
+    N = 64 * groups_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+    rp, w = gpu_case(N, K, 128, True)
+    for M in (1, 16):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        y = check(x, rp, w)
+        torch.testing.assert_close(y, torch.ops.cublade.w4a16_gemm(x, rp.packed, 128, True, N, splits), rtol=0,
+                                   atol=0)
+
+
+@GPU
 def test_kernel_strided_and_batched_inputs():
     rp, w = gpu_case(96, 512, 64, True)
     big = torch.randn(12, 640, device="cuda").to(torch.bfloat16)
