@@ -97,13 +97,13 @@ __device__ __forceinline__ void unpack_rec(const Rec& r, float& s_lo, float& s_h
 // output channel (handled as one group per K slice: the repack repeats the record in every chunk, and a per-row
 // scale may multiply any partial sum). Each group's k-steps accumulate from zero into `part` (fp32); at the
 // group's end acc += part * scale, in fp32, so the weights are never rounded. A K slice starts on a group
-// boundary for every GS, so which packet starts / ends a group is known at compile time. With one n-tile of tokens
-// the k-steps alternate between two partial sums (two independent mma chains; NT > 1 has NT already).
+// boundary for every GS, so which packet starts / ends a group is known at compile time. (Summing alternate
+// k-steps into two partial sums, two independent mma chains at NT = 1, did not change M = 1 on the H200: 43.95 us
+// either way, benchmarks/runs/2026-11-22-1723-*; the consumers' latency is not what limits M = 1.)
 template <typename T_, int NT_, int GS, bool ASYM>
 struct Int4Policy {
   using T = T_;
   static constexpr int NT = NT_;
-  static constexpr int kChains = NT == 1 ? 2 : 1;
   using Rec = typename std::conditional<ASYM, uint2, uint32_t>::type;
   static constexpr int kRecGS = GS == 0 ? lowbit::kChunk * kPacketK : GS;  // K per scale record
   static constexpr int kRecBytes = static_cast<int>(sizeof(Rec));
@@ -114,7 +114,7 @@ struct Int4Policy {
   struct State {
     float s_lo = 0.0f, s_hi = 0.0f;  // the running group's fp32 scales, rows g and g+8
     uint32_t b_lo = 0, b_hi = 0;     // and its packed (base + z) subtrahends
-    float part[kChains][NT][4];      // the running group's sum
+    float part[NT][4];               // the running group's sum
   };
   template <int kSliceK>
   __device__ static const unsigned char* slice_records(const unsigned char* srec, int slice) {
@@ -128,13 +128,10 @@ struct Int4Policy {
   __device__ static void flush(State& st, float (&acc)[NT][4]) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      float p[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) p[j] = kChains == 2 ? st.part[0][n][j] + st.part[kChains - 1][n][j] : st.part[0][n][j];
-      acc[n][0] = fmaf(p[0], st.s_lo, acc[n][0]);
-      acc[n][1] = fmaf(p[1], st.s_lo, acc[n][1]);
-      acc[n][2] = fmaf(p[2], st.s_hi, acc[n][2]);
-      acc[n][3] = fmaf(p[3], st.s_hi, acc[n][3]);
+      acc[n][0] = fmaf(st.part[n][0], st.s_lo, acc[n][0]);
+      acc[n][1] = fmaf(st.part[n][1], st.s_lo, acc[n][1]);
+      acc[n][2] = fmaf(st.part[n][2], st.s_hi, acc[n][2]);
+      acc[n][3] = fmaf(st.part[n][3], st.s_hi, acc[n][3]);
     }
   }
   template <int j, int kSliceK>
@@ -162,14 +159,12 @@ struct Int4Policy {
     dequant_int4<T>(q.y, st.b_lo, st.b_hi, a[1]);
     dequant_int4<T>(q.z, kStart1 ? b1_lo : st.b_lo, kStart1 ? b1_hi : st.b_hi, a[2]);
     dequant_int4<T>(q.w, kStart1 ? b1_lo : st.b_lo, kStart1 ? b1_hi : st.b_hi, a[3]);
-    auto half = [&](int h, bool first) {  // two k-steps into the group's sum (one per chain when there are two)
-      constexpr int c1 = kChains - 1;
+    auto half = [&](int h, bool first) {  // two k-steps into the group's sum
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        if (first) lowbit::mma_16816_first<T>(st.part[0][n], a[2 * h], xc[h][n].x, xc[h][n].y);
-        else lowbit::mma_16816<T>(st.part[0][n], a[2 * h], xc[h][n].x, xc[h][n].y);
-        if (first && c1 == 1) lowbit::mma_16816_first<T>(st.part[c1][n], a[2 * h + 1], xc[h][n].z, xc[h][n].w);
-        else lowbit::mma_16816<T>(st.part[c1][n], a[2 * h + 1], xc[h][n].z, xc[h][n].w);
+        if (first) lowbit::mma_16816_first<T>(st.part[n], a[2 * h], xc[h][n].x, xc[h][n].y);
+        else lowbit::mma_16816<T>(st.part[n], a[2 * h], xc[h][n].x, xc[h][n].y);
+        lowbit::mma_16816<T>(st.part[n], a[2 * h + 1], xc[h][n].z, xc[h][n].w);
       }
     };
     half(0, kStart0);
