@@ -121,7 +121,7 @@ struct Fp4Policy {
 
 template <int FMT>
 cudaError_t launch_fmt(lowbit::GemmParams prm, int E, int max_m, int S, cudaStream_t stream) {
-  const int nt = max_m <= 8 ? 1 : max_m <= 16 ? 2 : 4;
+  const int nt = lowbit::token_tiles(max_m);
   prm.xrows = std::min(8 * nt, max_m);
   prm.sbytes = Fp4Policy<1, FMT>::kSBytes;
   if (nt == 1) return lowbit::launch_tpw<Fp4Policy<1, FMT>>(prm, E, S, stream);

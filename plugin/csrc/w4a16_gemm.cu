@@ -178,11 +178,12 @@ struct Int4Policy {
 template <int GS, bool ASYM>
 constexpr int int4_sbytes() { return Int4Policy<__nv_bfloat16, 1, GS, ASYM>::kSBytes; }
 
-// Tokens per pass from M: 8 / 16 / 32; larger M makes several passes, each re-reading the weights (from L2
-// when they are still there). The vLLM method sends large M to its GEMM instead.
+// Tokens per pass from M: 8 / 16 / 32 (lowbit::token_tiles); larger M makes several passes, each re-reading the
+// weights (from L2 when they are still there). From 128 rows the torch op dequantizes and calls cuBLAS instead
+// (w4a16_gemm_torch.cpp).
 template <typename T, int GS, bool ASYM>
 cudaError_t launch_nt(lowbit::GemmParams prm, int S, cudaStream_t stream) {
-  const int nt = prm.M <= 8 ? 1 : prm.M <= 16 ? 2 : 4;
+  const int nt = lowbit::token_tiles(prm.M);
   prm.xrows = std::min(8 * nt, prm.M);
   prm.sbytes = int4_sbytes<GS, ASYM>();
   if (nt == 1) return lowbit::launch_tpw<Int4Policy<T, 1, GS, ASYM>>(prm, 1, S, stream);

@@ -480,7 +480,6 @@ cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
   if (S < 1 || S > kMaxSplit || prm.stages > kMaxStages) return cudaErrorInvalidValue;
   if (const cudaError_t e = allow_max_smem<P, TPW>(); e != cudaSuccess) return e;
   prm.chunks_per_cta = (prm.chunks + S - 1) / S;
-  prm.tpw = TPW;
   Layout L{prm.sbytes, prm.xrows, kMaxStages};
   // CTAs with work: grouped launches (E experts) exit early for experts without rows, at most M have rows.
   const int64_t ctas = static_cast<int64_t>(prm.groups) * S * std::min(E, prm.M);
@@ -503,6 +502,10 @@ cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, stream_gemm_kernel<P, TPW>, prm);
 }
 
+// n-tiles of 8 tokens per pass (the policy's NT) for a launch whose experts have at most `rows` rows: 1, 2 or 4;
+// more rows than 32 take more passes, each re-reading the weights.
+constexpr int token_tiles(int rows) { return rows <= 8 ? 1 : rows <= 16 ? 2 : 4; }
+
 // Tiles per consumer warp for NT n-tiles of tokens. More tiles per warp divide the shared-memory reads of x by TPW
 // and give each warp TPW independent mma chains, at the cost of registers (TPW x the accumulators) and one
 // reduction through shared memory per token pass. Measured on the H200 (benchmarks/tuning/w4a16_occupancy.cu,
@@ -517,14 +520,13 @@ template <class P>
 cudaError_t launch_tpw(GemmParams prm, int E, int S, cudaStream_t stream) {
   constexpr int kDefault = default_tpw(P::NT);
   const int tpw = prm.tpw > 0 ? prm.tpw : kDefault;
+  if (tpw == kDefault) return launch_stream<P, kDefault>(prm, E, S, stream);
 #ifdef CUBLADE_LOWBIT_ALL_TPW
-  if (tpw != kDefault) {
-    if (tpw == 1) return launch_stream<P, 1>(prm, E, S, stream);
-    if (tpw == 2) return launch_stream<P, 2>(prm, E, S, stream);
-    if (tpw == 4) return launch_stream<P, 4>(prm, E, S, stream);
-  }
+  if (tpw == 1) return launch_stream<P, 1>(prm, E, S, stream);
+  if (tpw == 2) return launch_stream<P, 2>(prm, E, S, stream);
+  if (tpw == 4) return launch_stream<P, 4>(prm, E, S, stream);
 #endif
-  return tpw == kDefault ? launch_stream<P, kDefault>(prm, E, S, stream) : cudaErrorInvalidValue;
+  return cudaErrorInvalidValue;
 }
 
 // K splits (cluster size): more CTAs per SM means more consumer warps, which is what this kernel needs, but each
