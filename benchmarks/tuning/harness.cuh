@@ -52,6 +52,9 @@ inline double time_us(const std::function<cudaError_t()>& f, const std::function
   return median(ms) * 1e3;
 }
 
+// A sweep's launches per configuration: argv[1] if given (at least 20), else 50.
+inline int reps_arg(int argc, char** argv) { return argc > 1 ? std::max(20, std::atoi(argv[1])) : 50; }
+
 // The current device (its properties) and a non-blocking stream to time on; stdout is line-buffered, so a run
 // that dies half-way still shows the rows it finished.
 struct Device {
@@ -90,13 +93,13 @@ struct Flushes {
   void* scratch = nullptr;
   unsigned* sink = nullptr;
   std::function<void()> memset, read;
-  Flushes(int sms, cudaStream_t s) {
+  explicit Flushes(const Device& d) {
     CK(cudaMalloc(&scratch, kBytes));
     CK(cudaMalloc(&sink, sizeof(unsigned)));
     CK(cudaMemset(scratch, 1, kBytes));
     CK(cudaDeviceSynchronize());
-    memset = memset_flush(scratch, kBytes, s);
-    read = [this, sms, s] {
+    memset = memset_flush(scratch, kBytes, d.stream);
+    read = [this, sms = d.sms, s = d.stream] {
       plain_read<<<4 * sms, 512, 0, s>>>(static_cast<const uint4*>(scratch), kBytes / 16, sink);
       CK(cudaGetLastError());
     };

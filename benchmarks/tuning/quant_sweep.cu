@@ -502,6 +502,15 @@ int g_reps = 60;
 int g_prod_amax_grid = 0;  // set per shape
 constexpr size_t kFlushBytes = 256ull << 20;
 
+// A variant's name: "<head> w<bits> ld=<load> st=<store> lb=<launch bounds: max threads>/<min blocks>[ pf=<n>]".
+inline std::string variant_name(const std::string& head, int W, LH l, SH s, int max_threads, int min_blocks, bool pf,
+                                int pf_n) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%s w%d ld=%s st=%s lb=%d/%d%s", head.c_str(), W * 8, lh_name(l), sh_name(s),
+                max_threads, min_blocks, pf ? (" pf=" + std::to_string(pf_n)).c_str() : "");
+  return buf;
+}
+
 struct Variant {
   std::string name;
   bool prod = false;
@@ -676,10 +685,7 @@ void time_op(const std::string& op, const std::vector<Variant>& vs, size_t (*byt
 template <int VPT, int RPB, int W, LH L, SH S, int MAXT = 1024, int MINB = 1, bool PF = false>
 Variant make_tok(int pf_rows = 0) {
   Variant v;
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "tok v%d r%d w%d ld=%s st=%s lb=%d/%d%s", VPT, RPB, W * 8, lh_name(L), sh_name(S), MAXT,
-                MINB, PF ? (" pf=" + std::to_string(pf_rows)).c_str() : "");
-  v.name = buf;
+  v.name = variant_name("tok v" + std::to_string(VPT) + " r" + std::to_string(RPB), W, L, S, MAXT, MINB, PF, pf_rows);
   auto tpr_of = [](int64_t K) { return rup32((K / N / W + VPT / W - 1) / (VPT / W)); };
   v.threads = [tpr_of](int64_t, int64_t K) { return tpr_of(K) * RPB; };
   v.ok = [tpr_of](int64_t, int64_t K) { return K % (N * W) == 0 && tpr_of(K) * RPB <= MAXT; };
@@ -797,10 +803,7 @@ void run_tok() {
 template <bool R, int THR, int UNR, int W, LH L, SH S, int MINB = 1, bool PF = false>
 Variant make_mx(int pf_blocks = 0) {
   Variant v;
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "mx t%d u%d w%d ld=%s st=%s lb=%d/%d%s", THR, UNR, W * 8, lh_name(L), sh_name(S), THR, MINB,
-                PF ? (" pf=" + std::to_string(pf_blocks)).c_str() : "");
-  v.name = buf;
+  v.name = variant_name("mx t" + std::to_string(THR) + " u" + std::to_string(UNR), W, L, S, THR, MINB, PF, pf_blocks);
   v.threads = [](int64_t, int64_t) { return THR; };
   v.ok = [](int64_t, int64_t K) { return K % 32 == 0; };
   v.fn = [](int64_t, int64_t) { return reinterpret_cast<const void*>(&mx_kernel<R, THR, UNR, W, L, S, MINB, PF>); };
@@ -930,10 +933,7 @@ template <int THR, int UPT, int W, LH L, SH S, int MINB_ = -1, bool PF = false>
 CastV make_cast(int pf_blocks = 0) {
   constexpr int MINB = MINB_ >= 0 ? MINB_ : (UPT * W <= 4 ? 2048 / THR : 1);
   CastV v;
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "cast t%d u%d w%d ld=%s st=%s lb=%d/%d%s", THR, UPT, W * 8, lh_name(L), sh_name(S), THR, MINB,
-                PF ? (" pf=" + std::to_string(pf_blocks)).c_str() : "");
-  v.name = buf;
+  v.name = variant_name("cast t" + std::to_string(THR) + " u" + std::to_string(UPT), W, L, S, THR, MINB, PF, pf_blocks);
   v.ok = [](int64_t, int64_t) { return true; };
   v.threads = []() { return THR; };
   v.fn = reinterpret_cast<const void*>(&cast_kernel<THR, UPT, W, L, S, MINB, PF>);
@@ -1279,11 +1279,10 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  int dev = 0;
-  CK(cudaGetDevice(&dev));
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, dev));
-  B.num_sms = prop.multiProcessorCount;
+  const harness::Device device;
+  const cudaDeviceProp& prop = device.prop;
+  B.num_sms = device.sms;
+  B.st = device.stream;
   int drv = 0, rt = 0;
   cudaDriverGetVersion(&drv);
   cudaRuntimeGetVersion(&rt);
@@ -1294,7 +1293,6 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int64_t maxMK = 16384ll * 14336ll;
-  CK(cudaStreamCreateWithFlags(&B.st, cudaStreamNonBlocking));
   CK(cudaMalloc(&B.x, maxMK * 2));
   CK(cudaMalloc(&B.q, maxMK));
   CK(cudaMalloc(&B.q_ref, maxMK));

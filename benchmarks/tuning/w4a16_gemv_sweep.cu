@@ -558,16 +558,11 @@ int main(int argc, char** argv) {
     else reps = std::atoi(argv[i]);
   }
   if (reps < 50) reps = 50;
-  std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, dev));
+  const harness::Device device;
+  const int sms = device.sms;
+  cudaStream_t st = device.stream;
   std::printf("device: %s, %d SMs, L2 %d MB; reps %d (median), L2 flushed by a 256 MB memset before each launch\n",
-              prop.name, sms, prop.l2CacheSize >> 20, reps);
-  cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+              device.prop.name, sms, device.prop.l2CacheSize >> 20, reps);
 
   const std::vector<Shape> shapes = {{8192, 28672, true}, {4096, 14336, true}, {2176, 1000, false}};
   const std::vector<int> Ms = {1, 2, 4};

@@ -50,11 +50,11 @@ int ctas_per_sm(const cublade::lowbit::GemmParams& prm, int stages, int tpw) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int reps = argc > 1 ? std::max(20, std::atoi(argv[1])) : 50;
+  const int reps = harness::reps_arg(argc, argv);
   const harness::Device device;
+  const harness::Flushes flush(device);
   const int sms = device.sms;
   cudaStream_t st = device.stream;
-  const harness::Flushes flush(sms, st);
   std::printf("device: %s, %d SMs, L2 %d MB; median of %d launches; us_memset: after a 256 MB memset (do_bench's "
               "flush), us_read: after a 256 MB read\n", device.prop.name, sms, device.prop.l2CacheSize >> 20, reps);
   std::printf("%-11s %3s %3s %2s %6s %7s %9s %7s %9s %7s %s\n", "KxN", "M", "tpw", "S", "stages", "ctas/SM",
@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
       prm.x = x; prm.x_stride = K; prm.M = M; prm.K = K; prm.w = static_cast<const unsigned char*>(blob);
       prm.tiles = (N + 15) / 16; prm.groups = groups; prm.chunks = chunks;
       prm.out = out; prm.out_stride = N; prm.N = N;
-      const int nt = M <= 8 ? 1 : M <= 16 ? 2 : 4;
+      const int nt = cublade::lowbit::token_tiles(M);
       auto launch = [&](int tpw, int S, int stages) {  // the production launch with tiles/warp and ring depth given
         cublade::lowbit::GemmParams p = prm;
         p.stages = stages;

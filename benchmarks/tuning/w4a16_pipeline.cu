@@ -42,11 +42,11 @@ struct NullPolicy {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int reps = argc > 1 ? std::max(20, std::atoi(argv[1])) : 50;
+  const int reps = harness::reps_arg(argc, argv);
   const harness::Device device;
+  const harness::Flushes flush(device);
   const int sms = device.sms;
   cudaStream_t st = device.stream;
-  const harness::Flushes flush(sms, st);
 #define STR2(x) #x
 #define STR(x) STR2(x)
   std::printf("weight policy: %s; median of %d launches; us_memset / us_read: after a 256 MB memset / read\n",

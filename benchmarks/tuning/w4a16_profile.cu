@@ -16,7 +16,7 @@ int main(int argc, char** argv) {
   const int M = argc > 1 ? std::atoi(argv[1]) : 1;
   const int K = 8192, N = 28672, kGS = 128;
   const harness::Device device;
-  const harness::Flushes flush(device.sms, device.stream);
+  const harness::Flushes flush(device);
   const size_t blob_bytes = size_t((N + 63) / 64) * (K / 512) * 4 * (4096 + cublade::int4_sbytes<kGS, false>());
   void *blob, *x, *out;
   CK(cudaMalloc(&blob, blob_bytes));
