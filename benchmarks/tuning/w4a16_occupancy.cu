@@ -81,6 +81,8 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&x, hx.size() * sizeof(bf16)));
     CK(cudaMalloc(&out, size_t(max_m) * N * sizeof(bf16)));
     CK(cudaMalloc(&ref, size_t(max_m) * N * sizeof(bf16)));
+    void* ws;  // the production choice runs the wide kernel from 17 rows
+    CK(cudaMalloc(&ws, cublade::w4a16_gemm_workspace_bytes(max_m, K, kGS, 0)));
     CK(cudaMemcpy(x, hx.data(), hx.size() * sizeof(bf16), cudaMemcpyHostToDevice));
     for (const int M : {1, 2, 4, 8, 16, 32, 64}) {
       cublade::lowbit::GemmParams prm = {};
@@ -100,7 +102,7 @@ int main(int argc, char** argv) {
       };
       // the production choice, as the op makes it
       auto production = [&] {
-        return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N, 0, sms,
+        return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N, 0, ws, sms,
                                           st);
       };
       CK(production());
@@ -135,7 +137,7 @@ int main(int argc, char** argv) {
             row(tpw, S, stages, [&, tpw, S, stages] { return launch(tpw, S, stages); });
           }
     }
-    CK(cudaFree(blob)); CK(cudaFree(x)); CK(cudaFree(out)); CK(cudaFree(ref));
+    CK(cudaFree(blob)); CK(cudaFree(x)); CK(cudaFree(out)); CK(cudaFree(ref)); CK(cudaFree(ws));
   }
   std::printf("done\n");
   return 0;

@@ -12,6 +12,7 @@
 //           z[g+8]) (z exact in bf16); per channel: one group, repeated in every chunk.
 #define CUBLADE_KERNELS_ONLY  // the torch wrapper is w4a16_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
+#include "wgmma.cuh"
 #include "w4a16_gemm.h"
 
 static_assert(cublade::kLowbitGroupRows == cublade::lowbit::kGroupTiles * cublade::lowbit::kTileN &&
@@ -175,6 +176,265 @@ struct Int4Policy {
   }
 };
 
+// ---- The wide kernel (from 17 tokens): wgmma, tokens as the MMA's N -----------------------------------------
+// The streaming kernel issues one mma.sync per 8 tokens and re-stages x for every 64 weight rows, so from ~24
+// tokens its consumer warps, not the weights, set the pace (ncu: latency-bound, DRAM 23% busy at M = 32). This
+// kernel feeds the same blob to wgmma: a packet's lane vectors are wgmma A fragments as they are (the 4 tiles of
+// a group are the 4 warps of a warpgroup, 64 rows), and x is the shared-memory B operand, N = NTOK tokens, so one
+// instruction covers 64 rows x NTOK tokens x 16 K and reads x from shared memory itself. A CTA has WG consumer
+// warpgroups, one per tile group, sharing each staged chunk of x, and one producer warp (bulk copies, as in the
+// streaming kernel). Per batch of 2 packets (128 K, 8 k-steps) the mma's accumulate from zero into `part`; the
+// scale group's fp32 scales then fold it into acc, as the streaming kernel does, so the weights are never rounded
+// (group size 128; per-channel scales multiply acc once at the end).
+//
+// x must reach wgmma in the packets' permuted k order (w4a16_gemm.cuh) and in core matrices (8 tokens x 8 K):
+// prep_x writes xp [chunks][NTOK/8][64 core matrices along K][8 tokens][8 K] (zero past M and K) into the caller's
+// workspace, so each stage's x is one contiguous bulk copy.
+//
+// Measured on the H200 (benchmarks/tuning/w4a16_wide.cu, 2026-11-22, us after do_bench's flush, prep included,
+// streaming kernel / wide): 8192x28672 M = 16 59.2 / 62.2, M = 24 80.4 / 66.5, M = 32 88.7 / 67.1, M = 64 168.2 /
+// 84.2; 8192x10240 M = 16 27.1 / 34.3, M = 24 42.4 / 36.8. So it takes M > 16. Keeping batch i+1's mma's in flight
+// while batch i is folded did not gain (pairs of batches: within 1 us either way), and ptxas serializes the
+// fully pipelined form at group size 128 (C7514: it will not let acc be read while another batch's mma's run).
+namespace wide {
+
+constexpr int kChunkK = lowbit::kChunk * kPacketK;  // 512
+constexpr int kXTokBytes = kChunkK * 2;             // one token's chunk of xp
+constexpr int kMinRows = 17;                        // fewer rows: the streaming kernel
+constexpr int kPassRows = 64;                       // tokens per pass (wgmma N); more rows take more passes
+constexpr int kWarpGroups = 2;                      // consumer warpgroups (tile groups) per CTA
+
+constexpr int ntok(int64_t rows) { return rows <= 32 ? 32 : 64; }
+constexpr bool takes(int group_size) { return group_size == 128 || group_size == -1; }
+
+// xp's 16-byte unit i = ((c * NTOK/8 + tg) * 64 + kb) * 8 + r: token 8 tg + r, logical K 8 kb .. 8 kb + 7 of chunk
+// c, i.e. k-step kb / 2 (packet kb / 8, step s = (kb % 8) / 2) and its half h = kb % 2; logical pair t (k 2t, 2t+1,
+// + 8h) is actual K0(s, t) + 2h (w4a16_gemm.cuh: K0 = 64 packet + 32 (s / 2) + 8 t + 4 (s % 2)).
+template <typename T>
+__global__ void prep_x(const T* __restrict__ x, int64_t x_stride, int M, int K, int ntok, int chunks,
+                       uint4* __restrict__ xp) {
+  const int64_t total = static_cast<int64_t>(chunks) * ntok * 64;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int r = static_cast<int>(i % 8), kb = static_cast<int>((i / 8) % 64);
+    const int64_t rest = i / 512;
+    const int tok = static_cast<int>(rest % (ntok / 8)) * 8 + r, c = static_cast<int>(rest / (ntok / 8));
+    const int p = kb / 8, s = (kb % 8) / 2, h = kb % 2;
+    const int k0 = c * kChunkK + 64 * p + 32 * (s / 2) + 4 * (s % 2) + 2 * h;
+    uint32_t v[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int k = k0 + 8 * t;
+      v[t] = tok < M && k < K ? *reinterpret_cast<const uint32_t*>(x + tok * x_stride + k) : 0u;
+    }
+    xp[i] = make_uint4(v[0], v[1], v[2], v[3]);
+  }
+}
+
+struct Params {
+  const unsigned char* xp;  // prepped x
+  const unsigned char* w;   // the blob
+  int M, N, groups, chunks, chunks_per_cta, stages;
+  void* out;
+  int64_t out_stride;
+};
+
+// Shared memory: 128-byte barrier header, then stages x [W: WG tile groups' chunk blocks | x: NTOK x 1 KB].
+template <int NTOK, int GS, bool ASYM, int WG>
+struct Layout {
+  static constexpr int kTileBytes = lowbit::kChunk * 512 + Int4Policy<__nv_bfloat16, 1, GS, ASYM>::kSBytes;
+  static constexpr int kGroupBytes = lowbit::kGroupTiles * kTileBytes;
+  static constexpr int kStageBytes = WG * kGroupBytes + NTOK * kXTokBytes;
+  static constexpr int bytes(int stages) { return 128 + stages * kStageBytes; }
+};
+
+template <typename T, int NTOK, int GS, bool ASYM, int WG>
+__global__ void __launch_bounds__(WG * 128 + 32, 1) wide_gemm_kernel(const __grid_constant__ Params prm) {
+  static_assert(GS == 128 || GS == 0, "the wide kernel takes group size 128 or per-channel scales");
+  using Lay = Layout<NTOK, GS, ASYM, WG>;
+  using Rec = typename std::conditional<ASYM, uint2, uint32_t>::type;
+  constexpr int ND = NTOK / 2;  // accumulators per thread
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int split = blockIdx.y, nsplit = gridDim.y;
+  const int cb = split * prm.chunks_per_cta;
+  const int nchunks = max(min(cb + prm.chunks_per_cta, prm.chunks) - cb, 0);
+  const int group0 = blockIdx.x * WG, ngroups = min(WG, prm.groups - group0);
+  const int nst = prm.stages;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + lowbit::kMaxStages;
+  auto stage = [&](int s) { return smem + 128 + s * Lay::kStageBytes; };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < nst; ++s) {
+      lowbit::mbar_init(full + s, 1);
+      lowbit::mbar_init(empty + s, ngroups * 4);  // the consumer warps with a tile group (the last CTA may have fewer)
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  float acc[ND];
+#pragma unroll
+  for (int i = 0; i < ND; ++i) acc[i] = 0.0f;
+  float s_lo = 1.0f, s_hi = 1.0f;  // per-channel scales (GS = 0), rows g and g+8
+  const int wg = warp / 4, wq = warp % 4;
+
+  if (warp == WG * 4) {  // ---- producer: one lane issues the stage's copies ----
+    if (lane == 0) {
+      const uint64_t wpol = lowbit::CUBLADE_WEIGHT_POLICY(), xpol = lowbit::policy_evict_last();
+      for (int c = 0; c < nchunks; ++c) {
+        const int s = c % nst;
+        if (c >= nst) lowbit::mbar_wait(empty + s, ((c / nst) - 1) & 1);
+        lowbit::mbar_expect_tx(full + s, ngroups * Lay::kGroupBytes + NTOK * kXTokBytes);
+        unsigned char* st = stage(s);
+        for (int q = 0; q < ngroups; ++q)
+          lowbit::bulk_g2s(st + q * Lay::kGroupBytes,
+                           prm.w + (static_cast<int64_t>(group0 + q) * prm.chunks + cb + c) * Lay::kGroupBytes,
+                           Lay::kGroupBytes, full + s, wpol);
+        lowbit::bulk_g2s(st + WG * Lay::kGroupBytes, prm.xp + static_cast<int64_t>(cb + c) * NTOK * kXTokBytes,
+                         NTOK * kXTokBytes, full + s, xpol);
+      }
+    }
+  } else if (wg < ngroups) {  // ---- consumer warpgroup wg: tile group group0 + wg, warp wq its tile wq ----
+    float part[ND];
+    for (int c = 0; c < nchunks; ++c) {
+      const int s = c % nst;
+      lowbit::mbar_wait(full + s, (c / nst) & 1);
+      const unsigned char* tb = stage(s) + wg * Lay::kGroupBytes + wq * Lay::kTileBytes;
+      const Rec* recs = reinterpret_cast<const Rec*>(tb + lowbit::kChunk * 512) + g;
+      const uint32_t xs = lowbit::smem_u32(stage(s) + WG * Lay::kGroupBytes);
+#pragma unroll
+      for (int b = 0; b < kChunkK / 128; ++b) {
+        uint32_t b_lo = bias_pair<T>(8.0f), b_hi = b_lo;  // symmetric: z = 8
+        float gs_lo, gs_hi;
+        unpack_rec<T, ASYM>(recs[GS == 0 ? 0 : b * 8], gs_lo, gs_hi, b_lo, b_hi);
+        if (GS == 0 && c == 0 && b == 0) { s_lo = gs_lo; s_hi = gs_hi; }  // the same record in every chunk
+        uint32_t a[8][4];  // the batch's 8 k-steps
+#pragma unroll
+        for (int pk = 0; pk < 2; ++pk) {
+          const uint4 q = lowbit::lds128(tb + (2 * b + pk) * 512 + lane * 16);
+          dequant_int4<T>(q.x, b_lo, b_hi, a[4 * pk + 0]);
+          dequant_int4<T>(q.y, b_lo, b_hi, a[4 * pk + 1]);
+          dequant_int4<T>(q.z, b_lo, b_hi, a[4 * pk + 2]);
+          dequant_int4<T>(q.w, b_lo, b_hi, a[4 * pk + 3]);
+        }
+        wgmma::fence();
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          // k-step 8b + k: its two core matrices of every 8 tokens (128 B apart), token groups 8 KB apart
+          const uint64_t desc = wgmma::desc(xs + (8 * b + k) * 256, 128, 64 * 128);
+          if constexpr (GS == 0) wgmma::MmaRS<T, NTOK>::run(acc, a[k], desc, 1);
+          else wgmma::MmaRS<T, NTOK>::run(part, a[k], desc, k);  // k = 0: part = A * B
+        }
+        // The next batch rewrites a (these mma's read it as they run); the chunk's last batch frees the stage.
+        wgmma::commit();
+        wgmma::wait<0>();
+        if constexpr (GS != 0) {
+          wgmma::fence_regs(part);
+#pragma unroll
+          for (int i = 0; i < ND; ++i) acc[i] = fmaf(part[i], (i & 2) ? gs_hi : gs_lo, acc[i]);
+        } else {
+          wgmma::fence_regs(acc);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) lowbit::mbar_arrive(empty + s);
+    }
+  }
+
+  // ---- the splits of the cluster, then the outputs ----
+  const bool consumer = warp < WG * 4 && wg < ngroups;
+  const int tid = threadIdx.x;  // < WG * 128 for consumers
+  if (nsplit > 1) {
+    __syncthreads();  // every stage consumed: the ring's memory holds the partial sums now
+    float* red = reinterpret_cast<float*>(smem + 128);
+    if (consumer)
+#pragma unroll
+      for (int i = 0; i < ND; ++i) red[i * WG * 128 + tid] = acc[i];
+    lowbit::cluster_sync();
+    if (split == 0 && consumer)
+      for (int q = 1; q < nsplit; ++q)
+#pragma unroll
+        for (int i = 0; i < ND; ++i) acc[i] += lowbit::ld_dsmem(red + i * WG * 128 + tid, q);
+    lowbit::cluster_sync();  // the other CTAs keep their shared memory until rank 0 has read it
+  }
+  if (split == 0 && consumer) {
+    T* out = static_cast<T*>(prm.out);
+    const int row0 = (group0 + wg) * 64 + wq * kTileN + g;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+      const int row = row0 + 8 * ((i >> 1) & 1), tok = 8 * (i >> 2) + 2 * t + (i & 1);
+      if (row < prm.N && tok < prm.M)
+        out[static_cast<int64_t>(tok) * prm.out_stride + row] = lowbit::from_float<T>(acc[i] * ((i & 2) ? s_hi : s_lo));
+    }
+  }
+}
+
+// K splits: the CTAs (WG tile groups each) fill at most one wave at one CTA per SM, so split K while that leaves
+// every SM at most one CTA and each split at least 8 chunks. Measured (w4a16_wide.cu, M = 32): 28672x8192 (64 CTAs)
+// 104.3 us on 1 split, 60.2 on 2; 8192x10240 (80 CTAs) 37.7 on 1, 41.7 on 2; 4096x14336 (112) 24.1 on 1, 29.7 on 2.
+inline int pick_split(int64_t ctas, int chunks, int sms) {
+  int S = 1;
+  while (S < lowbit::kMaxSplit && 2 * ctas * S <= sms && chunks >= 16 * S) S *= 2;
+  return S;
+}
+
+// One pass of at most 64 rows: the x prep, then the kernel (S splits; stages = 0: as deep as fits, up to 4).
+template <typename T, int NTOK, int GS, bool ASYM, int WG = kWarpGroups>
+cudaError_t launch(const void* x, int64_t x_stride, int M, int K, const unsigned char* w, void* out,
+                   int64_t out_stride, int N, int S, int stages, void* workspace, int sms, cudaStream_t stream) {
+  using Lay = Layout<NTOK, GS, ASYM, WG>;
+  Params prm = {};
+  prm.xp = static_cast<const unsigned char*>(workspace);
+  prm.w = w;
+  prm.M = M; prm.N = N;
+  prm.groups = static_cast<int>(ceil_div(N, 64));
+  prm.chunks = static_cast<int>(ceil_div(K, kChunkK));
+  if (S <= 0) S = pick_split(ceil_div(prm.groups, WG), prm.chunks, sms);
+  if (S > lowbit::kMaxSplit || M > NTOK) return cudaErrorInvalidValue;
+  prm.chunks_per_cta = (prm.chunks + S - 1) / S;
+  prm.stages = stages;
+  if (prm.stages <= 0) {
+    prm.stages = 4;
+    while (prm.stages > 2 && Lay::bytes(prm.stages) > lowbit::kMaxSmemKB * 1024) --prm.stages;
+  }
+  prm.out = out; prm.out_stride = out_stride;
+  const int smem = Lay::bytes(prm.stages);
+  if (prm.stages > lowbit::kMaxStages || smem > lowbit::kMaxSmemKB * 1024) return cudaErrorInvalidValue;
+
+  const int64_t units = static_cast<int64_t>(prm.chunks) * NTOK * 64;
+  const int prep_blocks = static_cast<int>(std::min<int64_t>(ceil_div(units, 256), 8LL * sms));
+  prep_x<T><<<prep_blocks, 256, 0, stream>>>(static_cast<const T*>(x), x_stride, M, K, NTOK, prm.chunks,
+                                             static_cast<uint4*>(workspace));
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+
+  auto kernel = wide_gemm_kernel<T, NTOK, GS, ASYM, WG>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lowbit::kMaxSmemKB * 1024);
+  if (attr != cudaSuccess) return attr;
+  return lowbit::launch_split_k(kernel, dim3(static_cast<unsigned>(ceil_div(prm.groups, WG)), S, 1), WG * 128 + 32,
+                                smem, S, stream, prm);
+}
+
+// One pass of at most 64 rows (group size 128 or -1).
+template <typename T>
+cudaError_t launch_pass(int group_size, bool asym, const void* x, int64_t x_stride, int M, int K,
+                        const unsigned char* w, void* out, int64_t out_stride, int N, void* workspace, int sms,
+                        cudaStream_t stream) {
+  auto go = [&](auto gs_c, auto asym_c) {
+    constexpr int GS = decltype(gs_c)::value;
+    constexpr bool A = decltype(asym_c)::value;
+    return M <= 32 ? launch<T, 32, GS, A>(x, x_stride, M, K, w, out, out_stride, N, 0, 0, workspace, sms, stream)
+                   : launch<T, 64, GS, A>(x, x_stride, M, K, w, out, out_stride, N, 0, 0, workspace, sms, stream);
+  };
+  using G128 = std::integral_constant<int, 128>;
+  using GChannel = std::integral_constant<int, 0>;
+  if (group_size == 128) return asym ? go(G128{}, std::true_type{}) : go(G128{}, std::false_type{});
+  return asym ? go(GChannel{}, std::true_type{}) : go(GChannel{}, std::false_type{});
+}
+
+}  // namespace wide
+
 template <int GS, bool ASYM>
 constexpr int int4_sbytes() { return Int4Policy<__nv_bfloat16, 1, GS, ASYM>::kSBytes; }
 
@@ -215,13 +475,47 @@ int w4a16_gemm_sbytes(int group_size, bool asym) {
   }
 }
 
+// Workspace bytes launch_w4a16_gemm needs (0: none): the wide kernel's prepped x, one pass of up to 64 rows.
+size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int group_size, int split_k) {
+  if (split_k != 0 || M < wide::kMinRows || !wide::takes(group_size)) return 0;
+  return static_cast<size_t>(ceil_div(K, wide::kChunkK)) * wide::ntok(std::min<int64_t>(M, wide::kPassRows)) *
+         wide::kXTokBytes;
+}
+
 // x: [M, K] (row stride x_stride elements, unit column stride, 16-byte aligned rows, K % 8 == 0); packed: the
-// repacked blob above; out: [M, N] with row stride out_stride. split_k: K splits per cluster (0 = pick).
-// sms: the multiprocessor count.
+// repacked blob above; out: [M, N] with row stride out_stride. split_k: K splits per cluster (0 = pick; >= 1
+// forces the streaming kernel). workspace: w4a16_gemm_workspace_bytes(...) bytes, 16-byte aligned, or null when
+// that is 0. sms: the multiprocessor count.
 cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t x_stride,
                               const void* packed, int group_size, bool asym, void* out, int64_t out_stride,
-                              int64_t N, int split_k, int sms, cudaStream_t stream) {
+                              int64_t N, int split_k, void* workspace, int sms, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
+  if (dtype != InDtype::kBF16 && dtype != InDtype::kF16) return cudaErrorInvalidValue;
+  const int esize = 2;
+  if (w4a16_gemm_workspace_bytes(M, K, group_size, split_k) > 0) {
+    // The wide kernel, 64 rows per pass; a last pass of at most 16 rows goes to the streaming kernel.
+    if (workspace == nullptr) return cudaErrorInvalidValue;
+    int64_t m0 = 0;  // rows done
+    while (M - m0 >= wide::kMinRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(M - m0, wide::kPassRows));
+      const auto* xr = static_cast<const unsigned char*>(x) + m0 * x_stride * esize;
+      auto* outr = static_cast<unsigned char*>(out) + m0 * out_stride * esize;
+      const auto* w = static_cast<const unsigned char*>(packed);
+      const int k = static_cast<int>(K), n = static_cast<int>(N);
+      const cudaError_t e =
+          dtype == InDtype::kBF16
+              ? wide::launch_pass<__nv_bfloat16>(group_size, asym, xr, x_stride, rows, k, w, outr, out_stride, n,
+                                                 workspace, sms, stream)
+              : wide::launch_pass<__half>(group_size, asym, xr, x_stride, rows, k, w, outr, out_stride, n, workspace,
+                                          sms, stream);
+      if (e != cudaSuccess) return e;
+      m0 += rows;
+    }
+    if (m0 == M) return cudaSuccess;
+    x = static_cast<const unsigned char*>(x) + m0 * x_stride * esize;
+    out = static_cast<unsigned char*>(out) + m0 * out_stride * esize;
+    M -= m0;
+  }
   lowbit::GemmParams prm = {};
   prm.x = x; prm.x_stride = x_stride; prm.M = static_cast<int>(M); prm.K = static_cast<int>(K);
   prm.w = static_cast<const unsigned char*>(packed);
@@ -231,12 +525,8 @@ cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K
   prm.out = out; prm.out_stride = out_stride; prm.N = static_cast<int>(N);
   prm.sms = sms;
   const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups, prm.chunks, sms);
-  switch (dtype) {
-    case InDtype::kBF16: return launch_dtype<__nv_bfloat16>(prm, group_size, asym, S, stream);
-    case InDtype::kF16: return launch_dtype<__half>(prm, group_size, asym, S, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dtype == InDtype::kBF16 ? launch_dtype<__nv_bfloat16>(prm, group_size, asym, S, stream)
+                                 : launch_dtype<__half>(prm, group_size, asym, S, stream);
 }
 
 }  // namespace cublade
-

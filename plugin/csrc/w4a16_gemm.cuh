@@ -473,6 +473,26 @@ int pick_stages(Layout L, int64_t ctas, int sms) {
   return 2;
 }
 
+// Launch kernel(arg) on `grid`, the S splits of K (grid.y) of a tile group forming one thread-block cluster (none
+// when S = 1): they add up their partial sums through distributed shared memory.
+template <typename Arg>
+cudaError_t launch_split_k(void (*kernel)(Arg), dim3 grid, int threads, int smem, int S, cudaStream_t stream,
+                           const Arg& arg) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[1];
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = 1;
+  attrs[0].val.clusterDim.y = static_cast<unsigned>(S);
+  attrs[0].val.clusterDim.z = 1;
+  cfg.attrs = attrs;
+  cfg.numAttrs = S > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, arg);
+}
+
 // Launch one instantiation: S splits of K per cluster, E experts; xrows and sbytes set in prm; prm.stages = 0
 // picks the ring depth (a tuning harness may set it).
 template <class P, int TPW>
@@ -487,19 +507,8 @@ cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
   L.stages = prm.stages;
   const int smem = L.total(P::NT, TPW);
   if (smem > kMaxSmemKB * 1024) return cudaErrorInvalidValue;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(prm.groups), static_cast<unsigned>(S), static_cast<unsigned>(E));
-  cfg.blockDim = dim3((kGroupTiles + 1) * 32);
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[1];
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = 1;
-  attrs[0].val.clusterDim.y = static_cast<unsigned>(S);
-  attrs[0].val.clusterDim.z = 1;
-  cfg.attrs = attrs;
-  cfg.numAttrs = S > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, stream_gemm_kernel<P, TPW>, prm);
+  return launch_split_k(stream_gemm_kernel<P, TPW>, dim3(static_cast<unsigned>(prm.groups), S, E),
+                        (kGroupTiles + 1) * 32, smem, S, stream, prm);
 }
 
 // n-tiles of 8 tokens per pass (the policy's NT) for a launch whose experts have at most `rows` rows: 1, 2 or 4;

@@ -32,9 +32,10 @@ at::Tensor w4a16_dequant(const at::Tensor& packed_in, int64_t group_size, bool s
                          int64_t size_k, at::ScalarType dtype);
 
 // From this many rows on, the GEMM dequantizes the weight once and runs a dense cuBLAS GEMM (the prefill path,
-// as vLLM's AWQ method does from 256 tokens): the streaming kernel re-reads the weights every 32 rows.
-// Crossover on the H200 (bench_w4a16_gemm.py, "stream" vs "deq+mm"): benchmarks/RESULTS.md.
-constexpr int64_t kDequantMinRows = 128;
+// as vLLM's AWQ method does from 256 tokens): the kernels re-read the weights every 32 rows (streaming kernel)
+// or 64 rows (wide kernel, group size 128 or per channel). Crossover on the H200 (bench_w4a16_gemm.py, "stream" /
+// "wide" vs "deq+mm"): benchmarks/RESULTS.md.
+int64_t dequant_min_rows(int64_t group_size) { return group_size == 128 || group_size == -1 ? 256 : 128; }
 
 at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group_size, bool symmetric,
                       int64_t size_n, int64_t split_k) {
@@ -68,16 +69,20 @@ at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   out_shape.back() = size_n;
   at::Tensor out = at::empty(out_shape, x_in.options());
   if (M == 0) return out;
-  if (split_k == 0 && M >= kDequantMinRows) {  // prefill: y = x @ W^T with W dequantized to x's dtype
+  if (split_k == 0 && M >= dequant_min_rows(group_size)) {  // prefill: y = x @ W^T with W dequantized to x's dtype
     const at::Tensor w = w4a16_dequant(packed, group_size, symmetric, size_n, K, x.scalar_type());
     at::Tensor out2d = out.view({M, size_n});
     at::mm_out(out2d, x, w.t());
     return out;
   }
   CUBLADE_CHECK_VALUE(M <= INT32_MAX, op, "x has ", num(M), " rows; at most 2^31 - 1");
+  const size_t ws_bytes = w4a16_gemm_workspace_bytes(M, K, static_cast<int>(group_size), static_cast<int>(split_k));
+  at::Tensor workspace;  // the wide kernel's re-laid-out x (the caching allocator makes this cheap)
+  if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
   check_launch(op, launch_w4a16_gemm(x.data_ptr(), in_dtype_of(op, "x", x), M, K, x.stride(0), packed.data_ptr(),
                                      static_cast<int>(group_size), !symmetric, out.data_ptr(), size_n, size_n,
-                                     static_cast<int>(split_k), sm_count(x_in), current_stream()));
+                                     static_cast<int>(split_k), ws_bytes > 0 ? workspace.data_ptr() : nullptr,
+                                     sm_count(x_in), current_stream()));
   return out;
 }
 

@@ -148,19 +148,46 @@ def check(x, rp, w, split_k=0):
 @GPU
 def test_kernel_every_m_1_to_64_and_large():
     rp, w = gpu_case(272, 1024, 128, True)
-    for M in list(range(1, 65)) + [100, 127]:
+    for M in list(range(1, 65)) + [100, 127, 128, 200, 255]:  # from 17 the wide kernel (from 256: deq + mm)
         check(torch.randn(M, 1024, device="cuda").to(torch.bfloat16), rp, w)
     check(torch.randn(257, 1024, device="cuda").to(torch.bfloat16), rp, w, split_k=1)  # forced: 9 passes
 
 
 @GPU
+@pytest.mark.parametrize("G,sym,dtype", [(128, True, torch.bfloat16), (128, False, torch.float16),
+                                         (-1, True, torch.float16), (-1, False, torch.bfloat16)])
+def test_wide_kernel_passes_and_remainder(G, sym, dtype):
+    """From 17 rows at group size 128 or per channel the op runs the wide (wgmma) kernel, 64 rows per pass, and a
+    last pass of up to 16 rows on the streaming kernel: every row count lands within one rounding of the reference,
+    and close to the streaming kernel forced on the same input."""
+    rp, w = gpu_case(200, 1024, G, sym, seed=7)
+    for M in (17, 31, 32, 33, 64, 65, 80, 81, 150, 255):
+        x = torch.randn(M, 1024, device="cuda").to(dtype)
+        y = check(x, rp, w)
+        y1 = torch.ops.cublade.w4a16_gemm(x, rp.packed, rp.group_size, rp.symmetric, rp.size_n, 1)
+        assert rel_err(y.float(), y1.float()) <= 2e-3
+
+
+@GPU
+@pytest.mark.parametrize("K,splits", [(8192, 2), (16384, 4)])
+def test_wide_kernel_splits_k_on_small_grids(K, splits):
+    """The wide kernel splits K (thread-block clusters) when its CTAs fill under half the SMs and every split keeps
+    >= 8 chunks of 512 K: here one CTA, K = 8192 -> 2 splits, 16384 -> 4. The sums stay within the bars."""
+    rp, w = gpu_case(100, K, 128, True, seed=K)
+    for M in (20, 40, 64):
+        check(torch.randn(M, K, device="cuda").to(torch.bfloat16), rp, w)
+
+
+@GPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_large_m_dequantizes_then_runs_a_dense_gemm(dtype):
-    """From 128 rows the op dequantizes the weight to x's dtype (w4a16_dequant) and multiplies with cuBLAS: the
-    same bits as that product in torch, and within the error of a dense GEMM on the rounded weight."""
-    rp, w = gpu_case(200, 1024, 64, False)
+@pytest.mark.parametrize("G,rows", [(64, 128), (128, 256)])
+def test_large_m_dequantizes_then_runs_a_dense_gemm(dtype, G, rows):
+    """From 128 rows (256 at group size 128 or per channel, which the wide kernel takes below that) the op
+    dequantizes the weight to x's dtype (w4a16_dequant) and multiplies with cuBLAS: the same bits as that product
+    in torch, and within the error of a dense GEMM on the rounded weight."""
+    rp, w = gpu_case(200, 1024, G, False)
     wq = torch.ops.cublade.w4a16_dequant(rp.packed, rp.group_size, rp.symmetric, rp.size_n, 1024, dtype)
-    for shape in [(128, 1024), (3, 100, 1024)]:
+    for shape in [(rows, 1024), (3, 100, 1024)]:
         x = torch.randn(shape, device="cuda").to(dtype)
         y = torch.ops.cublade.w4a16_gemm(x, rp.packed, rp.group_size, rp.symmetric, rp.size_n, 0)
         assert y.shape == (*shape[:-1], rp.size_n) and y.dtype == dtype
@@ -242,6 +269,10 @@ def test_kernel_zero_rows_nan_and_inf():
     assert torch.isnan(y[1]).all()
     assert not torch.isfinite(y[2]).all()
     assert torch.isfinite(y[0]).all() and torch.isfinite(y[3]).all()
+    xw = torch.cat([x, torch.randn(20, 256, device="cuda").to(torch.bfloat16)])  # 24 rows: the wide kernel
+    y = torch.ops.cublade.w4a16_gemm(xw, rp.packed, 128, True, 64)
+    assert torch.isnan(y[1]).all() and not torch.isfinite(y[2]).all()
+    assert torch.isfinite(y[[0, 3]]).all() and torch.isfinite(y[4:]).all()
 
 
 @GPU

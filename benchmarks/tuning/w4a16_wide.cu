@@ -1,0 +1,183 @@
+// The wide W4A16 kernel (wgmma, w4a16_gemm.cu namespace wide) against the streaming kernel, on four Llama-70B-like
+// shapes (K x N: 8192x28672, 4096x14336, 28672x8192, 8192x10240), M = 17..64: checks both against a host reference
+// on sampled rows, and times every (warpgroups per CTA, K splits) choice after do_bench's memset flush.
+// Stand-alone (CUDA runtime only), on the H200:
+//
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc \
+//        benchmarks/tuning/w4a16_wide.cu -o /tmp/w4a16_wide && /tmp/w4a16_wide
+//
+// Weights: random codes, random bf16 scales in [2^-8, 2^-6) per group of 128 (symmetric). "ref err": over sampled
+// outputs, the largest |kernel - host| / (|host| / 128 + 2e-3 mean |host|) (host: the blob decoded, fp64 sums);
+// <= 1 is "ok" (one bf16 rounding of the output). Rows with "-" for WG and S: the production choices.
+#include "w4a16_gemm.cu"
+#include "harness.cuh"
+
+#include <cmath>
+#include <cstring>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int kGS = 128;
+
+float bf16_bits_to_float(uint32_t b) {
+  const uint32_t v = b << 16;
+  float f;
+  std::memcpy(&f, &v, 4);
+  return f;
+}
+uint16_t float_to_bf16_bits(float f) {  // round to nearest even (finite inputs)
+  uint32_t v;
+  std::memcpy(&v, &f, 4);
+  return uint16_t((v + 0x7FFF + ((v >> 16) & 1)) >> 16);
+}
+
+// Host decode of output row n of the blob (w4a16_gemm.cu's layout): w[k] for k < K.
+std::vector<double> decode_row(const std::vector<uint32_t>& blob, int n, int K, int chunks, int words) {
+  std::vector<double> w(K, 0.0);
+  const int group = n / 64, tile = (n % 64) / 16, g = n % 8, hi = (n % 16) / 8;
+  for (int c = 0; c < chunks; ++c) {
+    const uint32_t* tb = blob.data() + ((size_t(group) * chunks + c) * 4 + tile) * words;
+    for (int j = 0; j < 8; ++j)
+      for (int t = 0; t < 4; ++t)
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t q = tb[j * 128 + (4 * g + t) * 4 + s];
+          const int k0 = c * 512 + 64 * j + 32 * (s / 2) + 8 * t + 4 * (s % 2);
+          // nibble slots (row g: 0, 4, 2, 6; row g + 8: 1, 5, 3, 7) hold K0, K0+1, K0+2, K0+3
+          const int slots[2][4] = {{0, 4, 2, 6}, {1, 5, 3, 7}};
+          for (int e = 0; e < 4; ++e) {
+            const int k = k0 + e;
+            if (k >= K) continue;
+            const uint32_t rec = tb[1024 + ((k % 512) / kGS) * 8 + g];
+            const double scale = bf16_bits_to_float(hi ? rec >> 16 : rec & 0xFFFF);
+            const int u = (q >> (4 * slots[hi][e])) & 0xF;
+            w[k] = (u - 8) * scale;
+          }
+        }
+  }
+  return w;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int reps = harness::reps_arg(argc, argv);
+  const harness::Device device;
+  const harness::Flushes flush(device);
+  const int sms = device.sms;
+  cudaStream_t st = device.stream;
+  std::printf("device: %s, %d SMs; median of %d launches after a 256 MB memset (do_bench's flush); wide = prep + "
+              "kernel\n", device.prop.name, sms, reps);
+  std::printf("%-11s %3s %-8s %2s %2s %9s %7s %s\n", "KxN", "M", "kernel", "WG", "S", "us", "TB/s", "ref err");
+
+  struct Shape { int K, N; };
+  for (const Shape sh : {Shape{8192, 28672}, Shape{4096, 14336}, Shape{28672, 8192}, Shape{8192, 10240}}) {
+    const int K = sh.K, N = sh.N;
+    const int groups = (N + 63) / 64, chunks = (K + 511) / 512;
+    const int words = 1024 + cublade::int4_sbytes<kGS, false>() / 4;
+    const size_t blob_words = size_t(groups) * chunks * 4 * words;
+    std::vector<uint32_t> hb(blob_words);
+    std::mt19937 rng(1234);
+    std::uniform_real_distribution<float> Us(1.0f / 256, 1.0f / 64);
+    for (size_t i = 0; i < blob_words; ++i)
+      hb[i] = (i % words) < 1024 ? rng() : (uint32_t(float_to_bf16_bits(Us(rng))) << 16) | float_to_bf16_bits(Us(rng));
+    const double bytes = double(N) * K / 2 + double(N) * (K / kGS) * 2;
+    void* blob;
+    CK(cudaMalloc(&blob, blob_words * 4));
+    CK(cudaMemcpy(blob, hb.data(), blob_words * 4, cudaMemcpyHostToDevice));
+    const int max_m = 64;
+    std::vector<bf16> hx(size_t(max_m) * K);
+    std::uniform_real_distribution<float> U(-1.0f, 1.0f);
+    for (auto& v : hx) v = __float2bfloat16(U(rng));
+    bf16 *x, *out;
+    void* ws;
+    CK(cudaMalloc(&x, hx.size() * sizeof(bf16)));
+    CK(cudaMalloc(&out, size_t(max_m) * N * sizeof(bf16)));
+    CK(cudaMalloc(&ws, cublade::w4a16_gemm_workspace_bytes(max_m, K, kGS, 0)));
+    CK(cudaMemcpy(x, hx.data(), hx.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+    std::vector<int> rows;  // sampled output rows, with their decoded weights
+    std::vector<std::vector<double>> wrows;
+    for (int i = 0; i < 24; ++i) {
+      rows.push_back(i < 4 ? N - 1 - i : int(rng() % N));
+      wrows.push_back(decode_row(hb, rows.back(), K, chunks, words));
+    }
+    for (const int M : {17, 24, 32, 48, 64}) {
+      std::vector<double> want(rows.size() * M);
+      double mean = 0;
+      for (size_t r = 0; r < rows.size(); ++r)
+        for (int m = 0; m < M; ++m) {
+          double acc = 0;
+          for (int k = 0; k < K; ++k) acc += wrows[r][k] * __bfloat162float(hx[size_t(m) * K + k]);
+          want[r * M + m] = acc;
+          mean += std::fabs(acc) / want.size();
+        }
+      auto row = [&](const char* name, int wg, int S, const std::function<cudaError_t()>& f) {
+        CK(cudaMemsetAsync(out, 0xFF, size_t(M) * N * sizeof(bf16), st));
+        CK(f());
+        CK(cudaStreamSynchronize(st));
+        std::vector<bf16> ho(size_t(M) * N);
+        CK(cudaMemcpy(ho.data(), out, ho.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+        double err = 0;
+        for (size_t r = 0; r < rows.size(); ++r)
+          for (int m = 0; m < M; ++m) {
+            const double got = __bfloat162float(ho[size_t(m) * N + rows[r]]);
+            const double w = want[r * M + m];  // one bf16 rounding of the output, plus fp32 summation slack
+            err = std::max(err, std::isfinite(got) ? std::fabs(got - w) / (std::fabs(w) / 128 + mean * 2e-3) : 1e9);
+          }
+        const double us = harness::time_us(f, flush.memset, reps, st);
+        std::printf("%5dx%-5d %3d %-8s %2s %2s %9.2f %7.2f %.1e %s\n", K, N, M, name,
+                    wg ? std::to_string(wg).c_str() : "-", S ? std::to_string(S).c_str() : "-", us,
+                    bytes / us * 1e-6, err, err <= 1.0 ? "ok" : "FAIL");
+      };
+      row("stream", 0, 0, [&] {  // the streaming kernel, its automatic split
+        return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N,
+                                          cublade::lowbit::pick_split((N + 63) / 64, chunks, sms), nullptr, sms, st);
+      });
+      auto wide = [&](int wg, int S) -> std::function<cudaError_t()> {
+        return [=] {
+          auto w = static_cast<const unsigned char*>(blob);
+          auto go = [&](auto nt_c, auto wg_c) {
+            return cublade::wide::launch<bf16, decltype(nt_c)::value, kGS, false, decltype(wg_c)::value>(
+                x, K, M, K, w, out, N, N, S, 0, ws, sms, st);
+          };
+          auto by_wg = [&](auto nt_c) {
+            return wg == 1 ? go(nt_c, std::integral_constant<int, 1>{})
+                 : wg == 2 ? go(nt_c, std::integral_constant<int, 2>{}) : go(nt_c, std::integral_constant<int, 4>{});
+          };
+          return M <= 32 ? by_wg(std::integral_constant<int, 32>{}) : by_wg(std::integral_constant<int, 64>{});
+        };
+      };
+      row("wide", 0, 0, [&] {  // the production choice (split_k = 0: the wide kernel from 17 rows)
+        return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N, 0, ws,
+                                          sms, st);
+      });
+      for (const int wg : {1, 2, 4})
+        for (const int S : {1, 2, 4}) {
+          if (chunks < 2 * S) continue;
+          const auto f = wide(wg, S);
+          if (f() != cudaSuccess) {  // does not fit the shared memory
+            CK(cudaGetLastError());
+            continue;
+          }
+          row("wide", wg, S, f);
+        }
+      {  // the x prep alone (part of every wide row)
+        const int nt = cublade::wide::ntok(M);
+        const int64_t units = int64_t(chunks) * nt * 64;
+        auto prep = [&] {
+          cublade::wide::prep_x<bf16><<<int(std::min<int64_t>((units + 255) / 256, 8LL * sms)), 256, 0, st>>>(
+              x, K, M, K, nt, chunks, static_cast<uint4*>(ws));
+          return cudaGetLastError();
+        };
+        std::printf("%5dx%-5d %3d %-8s %2s %2s %9.2f\n", K, N, M, "prep", "-", "-",
+                    harness::time_us(prep, flush.memset, reps, st));
+      }
+    }
+    CK(cudaFree(blob)); CK(cudaFree(x)); CK(cudaFree(out)); CK(cudaFree(ws));
+  }
+  std::printf("done\n");
+  return 0;
+}
