@@ -181,9 +181,9 @@ struct Int4Policy {
 // tokens its consumer warps, not the weights, set the pace (ncu: latency-bound, DRAM 23% busy at M = 32). This
 // kernel feeds the same blob to wgmma: a packet's lane vectors are wgmma A fragments as they are (the 4 tiles of
 // a group are the 4 warps of a warpgroup, 64 rows), and x is the shared-memory B operand, N = NTOK tokens, so one
-// instruction covers 64 rows x NTOK tokens x 16 K and reads x from shared memory itself. A CTA has WG consumer
-// warpgroups, one per tile group, sharing each staged chunk of x, and one producer warp (bulk copies, as in the
-// streaming kernel). Per batch of 2 packets (128 K, 8 k-steps) the mma's accumulate from zero into `part`; the
+// instruction covers 64 rows x NTOK tokens x 16 K and reads x from shared memory itself. A CTA has WG (2 or 4)
+// consumer warpgroups, one per tile group, sharing each staged chunk of x, and one producer warp (bulk copies, as
+// in the streaming kernel). Per batch of 2 packets (128 K, 8 k-steps) the mma's accumulate from zero into `part`; the
 // scale group's fp32 scales then fold it into acc, as the streaming kernel does, so the weights are never rounded
 // (group size 128; per-channel scales multiply acc once at the end).
 //
@@ -202,7 +202,6 @@ constexpr int kChunkK = lowbit::kChunk * kPacketK;  // 512
 constexpr int kXTokBytes = kChunkK * 2;             // one token's chunk of xp
 constexpr int kMinRows = 17;                        // fewer rows: the streaming kernel
 constexpr int kPassRows = 64;                       // tokens per pass (wgmma N); more rows take more passes
-constexpr int kWarpGroups = 2;                      // consumer warpgroups (tile groups) per CTA
 
 constexpr int ntok(int64_t rows) { return rows <= 32 ? 32 : 64; }
 constexpr bool takes(int group_size) { return group_size == 128 || group_size == -1; }
@@ -380,7 +379,7 @@ inline int pick_split(int64_t ctas, int chunks, int sms) {
 }
 
 // One pass of at most 64 rows: the x prep, then the kernel (S splits; stages = 0: as deep as fits, up to 4).
-template <typename T, int NTOK, int GS, bool ASYM, int WG = kWarpGroups>
+template <typename T, int NTOK, int GS, bool ASYM, int WG>
 cudaError_t launch(const void* x, int64_t x_stride, int M, int K, const unsigned char* w, void* out,
                    int64_t out_stride, int N, int S, int stages, void* workspace, int sms, cudaStream_t stream) {
   using Lay = Layout<NTOK, GS, ASYM, WG>;
@@ -416,6 +415,12 @@ cudaError_t launch(const void* x, int64_t x_stride, int M, int K, const unsigned
                                 smem, S, stream, prm);
 }
 
+// Four warpgroups per CTA (256 rows sharing each staged x) when their grid still fills 3/4 of the SMs; else two.
+// Only at 32 tokens per pass (4 x 17 KB of weights + 32 KB of x per stage: 2 stages fit; at 64 tokens 1 would).
+// Measured (w4a16_wide.cu, 2026-11-22, M = 17 / 24 / 32): 8192x28672 (112 CTAs of 4) 51.6 / 52.0 / 52.0 us vs
+// 59.3 / 59.4 / 59.9 with 2; 4096x14336 (56 CTAs of 4) 24.1 (2 splits) vs 22.1; 28672x8192 (32) 82.9 vs 53.4.
+inline bool four_warpgroups(int N, int sms) { return 4 * ceil_div(ceil_div(N, 64), 4) >= 3LL * sms; }
+
 // One pass of at most 64 rows (group size 128 or -1).
 template <typename T>
 cudaError_t launch_pass(int group_size, bool asym, const void* x, int64_t x_stride, int M, int K,
@@ -424,8 +429,10 @@ cudaError_t launch_pass(int group_size, bool asym, const void* x, int64_t x_stri
   auto go = [&](auto gs_c, auto asym_c) {
     constexpr int GS = decltype(gs_c)::value;
     constexpr bool A = decltype(asym_c)::value;
-    return M <= 32 ? launch<T, 32, GS, A>(x, x_stride, M, K, w, out, out_stride, N, 0, 0, workspace, sms, stream)
-                   : launch<T, 64, GS, A>(x, x_stride, M, K, w, out, out_stride, N, 0, 0, workspace, sms, stream);
+    if (M > 32) return launch<T, 64, GS, A, 2>(x, x_stride, M, K, w, out, out_stride, N, 0, 0, workspace, sms, stream);
+    return four_warpgroups(N, sms)
+               ? launch<T, 32, GS, A, 4>(x, x_stride, M, K, w, out, out_stride, N, 0, 0, workspace, sms, stream)
+               : launch<T, 32, GS, A, 2>(x, x_stride, M, K, w, out, out_stride, N, 0, 0, workspace, sms, stream);
   };
   using G128 = std::integral_constant<int, 128>;
   using GChannel = std::integral_constant<int, 0>;

@@ -169,6 +169,20 @@ def test_wide_kernel_passes_and_remainder(G, sym, dtype):
 
 
 @GPU
+def test_wide_kernel_four_warpgroups_on_large_n():
+    """Up to 32 rows per pass, when CTAs of 4 tile groups still fill 3/4 of the SMs the wide kernel runs 4 consumer
+    warpgroups per CTA (N = 256 rows per SM here, 2 partial CTAs at the end): within the bars, and close to the
+    streaming kernel forced on the same input."""
+    N = 256 * torch.cuda.get_device_properties(0).multi_processor_count - 100
+    rp, w = gpu_case(N, 1024, 128, True, seed=3)
+    for M in (17, 32, 40):  # 40: 64 rows per pass, 2 warpgroups
+        x = torch.randn(M, 1024, device="cuda").to(torch.bfloat16)
+        y = check(x, rp, w)
+        y1 = torch.ops.cublade.w4a16_gemm(x, rp.packed, rp.group_size, rp.symmetric, rp.size_n, 1)
+        assert rel_err(y.float(), y1.float()) <= 2e-3
+
+
+@GPU
 @pytest.mark.parametrize("K,splits", [(8192, 2), (16384, 4)])
 def test_wide_kernel_splits_k_on_small_grids(K, splits):
     """The wide kernel splits K (thread-block clusters) when its CTAs fill under half the SMs and every split keeps
