@@ -204,7 +204,6 @@ constexpr int kMinRows = 17;                        // fewer rows: the streaming
 constexpr int kPassRows = 64;                       // tokens per pass (wgmma N); more rows take more passes
 
 constexpr int ntok(int64_t rows) { return rows <= 32 ? 32 : 64; }
-constexpr bool takes(int group_size) { return group_size == 128 || group_size == -1; }
 
 // xp's 16-byte unit i = ((c * NTOK/8 + tg) * 64 + kb) * 8 + r: token 8 tg + r, logical K 8 kb .. 8 kb + 7 of chunk
 // c, i.e. k-step kb / 2 (packet kb / 8, step s = (kb % 8) / 2) and its half h = kb % 2; logical pair t (k 2t, 2t+1,
@@ -251,7 +250,7 @@ template <typename T, int NTOK, int GS, bool ASYM, int WG>
 __global__ void __launch_bounds__(WG * 128 + 32, 1) wide_gemm_kernel(const __grid_constant__ Params prm) {
   static_assert(GS == 128 || GS == 0, "the wide kernel takes group size 128 or per-channel scales");
   using Lay = Layout<NTOK, GS, ASYM, WG>;
-  using Rec = typename std::conditional<ASYM, uint2, uint32_t>::type;
+  using Rec = typename Int4Policy<T, 1, GS, ASYM>::Rec;
   constexpr int ND = NTOK / 2;  // accumulators per thread
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -401,16 +400,14 @@ cudaError_t launch(const void* x, int64_t x_stride, int M, int K, const unsigned
   const int smem = Lay::bytes(prm.stages);
   if (prm.stages > lowbit::kMaxStages || smem > lowbit::kMaxSmemKB * 1024) return cudaErrorInvalidValue;
 
+  constexpr auto kernel = wide_gemm_kernel<T, NTOK, GS, ASYM, WG>;
+  if (const cudaError_t e = lowbit::allow_max_smem<kernel>(); e != cudaSuccess) return e;
+
   const int64_t units = static_cast<int64_t>(prm.chunks) * NTOK * 64;
   const int prep_blocks = static_cast<int>(std::min<int64_t>(ceil_div(units, 256), 8LL * sms));
   prep_x<T><<<prep_blocks, 256, 0, stream>>>(static_cast<const T*>(x), x_stride, M, K, NTOK, prm.chunks,
                                              static_cast<uint4*>(workspace));
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-
-  auto kernel = wide_gemm_kernel<T, NTOK, GS, ASYM, WG>;
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lowbit::kMaxSmemKB * 1024);
-  if (attr != cudaSuccess) return attr;
   return lowbit::launch_split_k(kernel, dim3(static_cast<unsigned>(ceil_div(prm.groups, WG)), S, 1), WG * 128 + 32,
                                 smem, S, stream, prm);
 }
@@ -484,7 +481,7 @@ int w4a16_gemm_sbytes(int group_size, bool asym) {
 
 // Workspace bytes launch_w4a16_gemm needs (0: none): the wide kernel's prepped x, one pass of up to 64 rows.
 size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int group_size, int split_k) {
-  if (split_k != 0 || M < wide::kMinRows || !wide::takes(group_size)) return 0;
+  if (split_k != 0 || M < wide::kMinRows || !w4a16_gemm_wide_takes(group_size)) return 0;
   return static_cast<size_t>(ceil_div(K, wide::kChunkK)) * wide::ntok(std::min<int64_t>(M, wide::kPassRows)) *
          wide::kXTokBytes;
 }

@@ -425,12 +425,12 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
   }
 }
 
-// Lets kernel <P, TPW> take up to kMaxSmemKB of dynamic shared memory (once per instantiation); the occupancy
-// query and the launch both need it.
-template <class P, int TPW>
+// Lets `Kernel` take up to kMaxSmemKB of dynamic shared memory (once per kernel); the occupancy query and the
+// launch both need it (the streaming kernel here, the wide kernel in w4a16_gemm.cu).
+template <auto Kernel>
 cudaError_t allow_max_smem() {
-  static const cudaError_t e = cudaFuncSetAttribute(stream_gemm_kernel<P, TPW>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemKB * 1024);
+  static const cudaError_t e =
+      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmemKB * 1024);
   return e;
 }
 
@@ -443,7 +443,7 @@ int ctas_per_sm(int smem) {
   if (kb > kMaxSmemKB) return 0;
   if (cache[kb] == 0) {
     int n = 0;
-    if (allow_max_smem<P, TPW>() != cudaSuccess ||
+    if (allow_max_smem<stream_gemm_kernel<P, TPW>>() != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, stream_gemm_kernel<P, TPW>, (kGroupTiles + 1) * 32,
                                                       kb * 1024) != cudaSuccess)
       return 0;
@@ -498,7 +498,7 @@ cudaError_t launch_split_k(void (*kernel)(Arg), dim3 grid, int threads, int smem
 template <class P, int TPW>
 cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
   if (S < 1 || S > kMaxSplit || prm.stages > kMaxStages) return cudaErrorInvalidValue;
-  if (const cudaError_t e = allow_max_smem<P, TPW>(); e != cudaSuccess) return e;
+  if (const cudaError_t e = allow_max_smem<stream_gemm_kernel<P, TPW>>(); e != cudaSuccess) return e;
   prm.chunks_per_cta = (prm.chunks + S - 1) / S;
   Layout L{prm.sbytes, prm.xrows, kMaxStages};
   // CTAs with work: grouped launches (E experts) exit early for experts without rows, at most M have rows.

@@ -21,6 +21,9 @@ constexpr int kLowbitMaxSplit = 8;  // K splits per thread-block cluster
 // Scale-record bytes per int4 tile block for a group size (32, 64, 128, -1) and symmetry; -1 for others.
 int w4a16_gemm_sbytes(int group_size, bool asym);
 
+// Group sizes the wide (wgmma) kernel takes: 128 and -1 (per channel).
+constexpr bool w4a16_gemm_wide_takes(int64_t group_size) { return group_size == 128 || group_size == -1; }
+
 // Device workspace bytes launch_w4a16_gemm needs for these arguments (0: none). From 17 rows, at group size 128
 // or per channel, the automatic choice (split_k = 0) runs the wide (wgmma) kernel, which reads x re-laid out.
 size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int group_size, int split_k);
