@@ -19,6 +19,7 @@
 #define CUBLADE_LOWBIT_ALL_TPW  // every tiles-per-warp choice, not only the production one
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
+#include "int4_problem.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -62,28 +63,14 @@ int main(int argc, char** argv) {
 
   struct Shape { int K, N; };
   for (const Shape sh : {Shape{8192, 28672}, Shape{4096, 14336}, Shape{28672, 8192}, Shape{8192, 10240}}) {
-    const int K = sh.K, N = sh.N;
-    const int groups = (N + 63) / 64, chunks = (K + 511) / 512;
-    const int words = 1024 + cublade::int4_sbytes<kGS, false>() / 4;
-    const size_t blob_words = size_t(groups) * chunks * 4 * words;
-    std::vector<uint32_t> hb(blob_words);
+    const int K = sh.K, N = sh.N, max_m = 64;
     std::mt19937 rng(1234);
-    for (size_t i = 0; i < blob_words; ++i) hb[i] = (i % words) < 1024 ? rng() : 0x3C003C00u;  // bf16 2^-7 pairs
-    const double bytes = double(N) * K / 2 + double(N) * (K / kGS) * 2;  // weights + scales, the issue's count
-    void* blob;
-    CK(cudaMalloc(&blob, blob_words * 4));
-    CK(cudaMemcpy(blob, hb.data(), blob_words * 4, cudaMemcpyHostToDevice));
-    const int max_m = 64;
-    std::vector<bf16> hx(size_t(max_m) * K);
-    std::uniform_real_distribution<float> U(-1.0f, 1.0f);
-    for (auto& v : hx) v = __float2bfloat16(U(rng));
-    bf16 *x, *out, *ref;
-    CK(cudaMalloc(&x, hx.size() * sizeof(bf16)));
-    CK(cudaMalloc(&out, size_t(max_m) * N * sizeof(bf16)));
+    const Int4Problem pb(K, N, max_m, rng, [](std::mt19937&) { return 0x3C003C00u; });  // scales: bf16 2^-7 pairs
+    const int groups = pb.groups, chunks = pb.chunks;
+    const double bytes = pb.bytes;
+    void *blob = pb.blob, *ws = pb.ws;  // ws: the production choice runs the wide kernel from 17 rows
+    bf16 *x = pb.x, *out = pb.out, *ref;
     CK(cudaMalloc(&ref, size_t(max_m) * N * sizeof(bf16)));
-    void* ws;  // the production choice runs the wide kernel from 17 rows
-    CK(cudaMalloc(&ws, cublade::w4a16_gemm_workspace_bytes(max_m, K, kGS, 0)));
-    CK(cudaMemcpy(x, hx.data(), hx.size() * sizeof(bf16), cudaMemcpyHostToDevice));
     for (const int M : {1, 2, 4, 8, 16, 32, 64}) {
       cublade::lowbit::GemmParams prm = {};
       prm.x = x; prm.x_stride = K; prm.M = M; prm.K = K; prm.w = static_cast<const unsigned char*>(blob);
@@ -137,7 +124,7 @@ int main(int argc, char** argv) {
             row(tpw, S, stages, [&, tpw, S, stages] { return launch(tpw, S, stages); });
           }
     }
-    CK(cudaFree(blob)); CK(cudaFree(x)); CK(cudaFree(out)); CK(cudaFree(ref)); CK(cudaFree(ws));
+    CK(cudaFree(ref));
   }
   std::printf("done\n");
   return 0;

@@ -74,8 +74,8 @@ int main(int argc, char** argv) {
     prm.tiles = (N + 15) / 16; prm.groups = groups; prm.chunks = chunks;
     prm.out = out; prm.out_stride = N; prm.N = N; prm.sms = sms;
     row("production M=1", [&] {
-      return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, 1, K, K, blob, kGS, false, out, N, N, 0, nullptr, sms,
-                                        st);
+      return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, 1, K, K, blob, kGS, false, out, N, N, 0, nullptr,
+                                        sms, st);
     });
     for (int stages = 2; stages <= 8; ++stages) {
       char name[64];

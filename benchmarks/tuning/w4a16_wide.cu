@@ -11,6 +11,7 @@
 // <= 1 is "ok" (one bf16 rounding of the output). Rows with "-" for WG and S: the production choices.
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
+#include "int4_problem.cuh"
 
 #include <cmath>
 #include <cstring>
@@ -75,29 +76,18 @@ int main(int argc, char** argv) {
 
   struct Shape { int K, N; };
   for (const Shape sh : {Shape{8192, 28672}, Shape{4096, 14336}, Shape{28672, 8192}, Shape{8192, 10240}}) {
-    const int K = sh.K, N = sh.N;
-    const int groups = (N + 63) / 64, chunks = (K + 511) / 512;
-    const int words = 1024 + cublade::int4_sbytes<kGS, false>() / 4;
-    const size_t blob_words = size_t(groups) * chunks * 4 * words;
-    std::vector<uint32_t> hb(blob_words);
+    const int K = sh.K, N = sh.N, max_m = 64;
     std::mt19937 rng(1234);
     std::uniform_real_distribution<float> Us(1.0f / 256, 1.0f / 64);
-    for (size_t i = 0; i < blob_words; ++i)
-      hb[i] = (i % words) < 1024 ? rng() : (uint32_t(float_to_bf16_bits(Us(rng))) << 16) | float_to_bf16_bits(Us(rng));
-    const double bytes = double(N) * K / 2 + double(N) * (K / kGS) * 2;
-    void* blob;
-    CK(cudaMalloc(&blob, blob_words * 4));
-    CK(cudaMemcpy(blob, hb.data(), blob_words * 4, cudaMemcpyHostToDevice));
-    const int max_m = 64;
-    std::vector<bf16> hx(size_t(max_m) * K);
-    std::uniform_real_distribution<float> U(-1.0f, 1.0f);
-    for (auto& v : hx) v = __float2bfloat16(U(rng));
-    bf16 *x, *out;
-    void* ws;
-    CK(cudaMalloc(&x, hx.size() * sizeof(bf16)));
-    CK(cudaMalloc(&out, size_t(max_m) * N * sizeof(bf16)));
-    CK(cudaMalloc(&ws, cublade::w4a16_gemm_workspace_bytes(max_m, K, kGS, 0)));
-    CK(cudaMemcpy(x, hx.data(), hx.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+    const Int4Problem pb(K, N, max_m, rng, [&Us](std::mt19937& r) {
+      return (uint32_t(float_to_bf16_bits(Us(r))) << 16) | float_to_bf16_bits(Us(r));
+    });
+    const int chunks = pb.chunks, words = pb.words;
+    const double bytes = pb.bytes;
+    const std::vector<uint32_t>& hb = pb.hblob;
+    const std::vector<bf16>& hx = pb.hx;
+    void *blob = pb.blob, *ws = pb.ws;
+    bf16 *x = pb.x, *out = pb.out;
     std::vector<int> rows;  // sampled output rows, with their decoded weights
     std::vector<std::vector<double>> wrows;
     for (int i = 0; i < 24; ++i) {
@@ -176,7 +166,6 @@ int main(int argc, char** argv) {
                     harness::time_us(prep, flush.memset, reps, st));
       }
     }
-    CK(cudaFree(blob)); CK(cudaFree(x)); CK(cudaFree(out)); CK(cudaFree(ws));
   }
   std::printf("done\n");
   return 0;
