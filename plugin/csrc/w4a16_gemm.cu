@@ -194,8 +194,9 @@ struct Int4Policy {
 // Measured on the H200 (benchmarks/tuning/w4a16_wide.cu, 2026-11-22, us after do_bench's flush, prep included,
 // streaming kernel / wide): 8192x28672 M = 16 59.2 / 62.2, M = 24 80.4 / 66.5, M = 32 88.7 / 67.1, M = 64 168.2 /
 // 84.2; 8192x10240 M = 16 27.1 / 34.3, M = 24 42.4 / 36.8. So it takes M > 16. Keeping batch i+1's mma's in flight
-// while batch i is folded did not gain (pairs of batches: within 1 us either way), and ptxas serializes the
-// fully pipelined form at group size 128 (C7514: it will not let acc be read while another batch's mma's run).
+// while batch i is folded did not gain at 2 warpgroups (pairs of batches, M = 24-64: -0.8 to +2.5 us), and ptxas
+// serializes the fully pipelined form at group size 128 (C7514: it will not let acc be read while another batch's
+// mma's run).
 namespace wide {
 
 constexpr int kChunkK = lowbit::kChunk * kPacketK;  // 512
