@@ -1,6 +1,7 @@
 // The wide W4A16 kernel (wgmma, w4a16_gemm.cu namespace wide) against the streaming kernel, on four Llama-70B-like
-// shapes (K x N: 8192x28672, 4096x14336, 28672x8192, 8192x10240), M = 17..64: checks both against a host reference
-// on sampled rows, and times every (warpgroups per CTA, K splits) choice after do_bench's memset flush.
+// shapes (K x N: 8192x28672, 4096x14336, 28672x8192, 8192x10240), M = 17..256: checks both against a host reference
+// on sampled rows, and times every configuration (kVariants: tokens per pass, warpgroups per CTA, K per stage, PDL;
+// x K splits) after do_bench's memset flush.
 // Stand-alone (CUDA runtime only), on the H200:
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc \
@@ -8,7 +9,7 @@
 //
 // Weights: random codes, random bf16 scales in [2^-8, 2^-6) per group of 128 (symmetric). "ref err": over sampled
 // outputs, the largest |kernel - host| / (|host| / 128 + 2e-3 mean |host|) (host: the blob decoded, fp64 sums);
-// <= 1 is "ok" (one bf16 rounding of the output). Rows with "-" for WG and S: the production choices.
+// <= 1 is "ok" (one bf16 rounding of the output). Rows with "-" for variant and S: the production choices.
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
 #include "int4_problem.cuh"
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace {
@@ -62,6 +64,45 @@ std::vector<double> decode_row(const std::vector<uint32_t>& blob, int n, int K, 
   return w;
 }
 
+// The wide kernel's configurations: tokens per pass (wgmma N), consumer warpgroups per CTA, K per ring stage, and
+// whether the kernel is a programmatic dependent launch of the x prep. M > tokens per pass runs passes.
+struct Variant {
+  int ntok, wg, ks;
+  bool pdl;
+  std::string name() const {
+    return "n" + std::to_string(ntok) + " wg" + std::to_string(wg) + " k" + std::to_string(ks) + (pdl ? " pdl" : "");
+  }
+};
+const Variant kVariants[] = {
+    {32, 2, 512, false}, {32, 4, 512, false}, {32, 4, 512, true},  {32, 4, 256, false}, {32, 4, 256, true},
+    {64, 2, 512, false}, {64, 2, 512, true},  {64, 2, 256, false}, {64, 4, 256, false}, {64, 4, 256, true},
+    {128, 2, 256, false}, {128, 2, 256, true},
+};
+
+template <int NTOK, int WG, int KS>
+cudaError_t run_config(bool pdl, int S, const bf16* x, int M, int K, const void* blob, bf16* out, int N, void* ws,
+                       int sms, cudaStream_t st) {
+  for (int m0 = 0; m0 < M; m0 += NTOK) {  // passes of NTOK rows
+    const int rows = std::min(NTOK, M - m0);
+    const cudaError_t e = cublade::wide::launch<bf16, NTOK, kGS, false, WG, KS>(
+        x + size_t(m0) * K, K, rows, K, static_cast<const unsigned char*>(blob), out + size_t(m0) * N, N, N, S, 0,
+        pdl, ws, sms, st);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t run_variant(const Variant& v, int S, const bf16* x, int M, int K, const void* blob, bf16* out, int N,
+                        void* ws, int sms, cudaStream_t st) {
+#define CUBLADE_VARIANT(NT, W, KS_)                                                                   \
+  if (v.ntok == NT && v.wg == W && v.ks == KS_) return run_config<NT, W, KS_>(v.pdl, S, x, M, K, blob, out, N, ws, sms, st);
+  CUBLADE_VARIANT(32, 2, 512) CUBLADE_VARIANT(32, 4, 512) CUBLADE_VARIANT(32, 4, 256)
+  CUBLADE_VARIANT(64, 2, 512) CUBLADE_VARIANT(64, 2, 256) CUBLADE_VARIANT(64, 4, 256)
+  CUBLADE_VARIANT(128, 2, 256)
+#undef CUBLADE_VARIANT
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -72,11 +113,11 @@ int main(int argc, char** argv) {
   cudaStream_t st = device.stream;
   std::printf("device: %s, %d SMs; median of %d launches after a 256 MB memset (do_bench's flush); wide = prep + "
               "kernel\n", device.prop.name, sms, reps);
-  std::printf("%-11s %3s %-8s %2s %2s %9s %7s %s\n", "KxN", "M", "kernel", "WG", "S", "us", "TB/s", "ref err");
+  std::printf("%-11s %3s %-8s %-14s %2s %9s %7s %s\n", "KxN", "M", "kernel", "variant", "S", "us", "TB/s", "ref err");
 
   struct Shape { int K, N; };
   for (const Shape sh : {Shape{8192, 28672}, Shape{4096, 14336}, Shape{28672, 8192}, Shape{8192, 10240}}) {
-    const int K = sh.K, N = sh.N, max_m = 64;
+    const int K = sh.K, N = sh.N, max_m = 256;
     std::mt19937 rng(1234);
     std::uniform_real_distribution<float> Us(1.0f / 256, 1.0f / 64);
     const Int4Problem pb(K, N, max_m, rng, [&Us](std::mt19937& r) {
@@ -94,7 +135,7 @@ int main(int argc, char** argv) {
       rows.push_back(i < 4 ? N - 1 - i : int(rng() % N));
       wrows.push_back(decode_row(hb, rows.back(), K, chunks, words));
     }
-    for (const int M : {17, 24, 32, 48, 64}) {
+    for (const int M : {17, 32, 48, 64, 96, 128, 192, 256}) {
       std::vector<double> want(rows.size() * M);
       double mean = 0;
       for (size_t r = 0; r < rows.size(); ++r)
@@ -104,7 +145,7 @@ int main(int argc, char** argv) {
           want[r * M + m] = acc;
           mean += std::fabs(acc) / want.size();
         }
-      auto row = [&](const char* name, int wg, int S, const std::function<cudaError_t()>& f) {
+      auto row = [&](const char* name, const char* variant, int S, const std::function<cudaError_t()>& f) {
         CK(cudaMemsetAsync(out, 0xFF, size_t(M) * N * sizeof(bf16), st));
         CK(f());
         CK(cudaStreamSynchronize(st));
@@ -118,51 +159,39 @@ int main(int argc, char** argv) {
             err = std::max(err, std::isfinite(got) ? std::fabs(got - w) / (std::fabs(w) / 128 + mean * 2e-3) : 1e9);
           }
         const double us = harness::time_us(f, flush.memset, reps, st);
-        std::printf("%5dx%-5d %3d %-8s %2s %2s %9.2f %7.2f %.1e %s\n", K, N, M, name,
-                    wg ? std::to_string(wg).c_str() : "-", S ? std::to_string(S).c_str() : "-", us,
+        std::printf("%5dx%-5d %3d %-8s %-14s %2s %9.2f %7.2f %.1e %s\n", K, N, M, name, variant,
+                    S ? std::to_string(S).c_str() : "-", us,
                     bytes / us * 1e-6, err, err <= 1.0 ? "ok" : "FAIL");
       };
-      row("stream", 0, 0, [&] {  // the streaming kernel, its automatic split
+      if (M <= 64) row("stream", "-", 0, [&] {  // the streaming kernel, its automatic split
         return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N,
                                           cublade::lowbit::pick_split((N + 63) / 64, chunks, sms), nullptr, sms, st);
       });
-      auto wide = [&](int wg, int S) -> std::function<cudaError_t()> {
-        return [=] {
-          auto w = static_cast<const unsigned char*>(blob);
-          auto go = [&](auto nt_c, auto wg_c) {
-            return cublade::wide::launch<bf16, decltype(nt_c)::value, kGS, false, decltype(wg_c)::value>(
-                x, K, M, K, w, out, N, N, S, 0, ws, sms, st);
-          };
-          auto by_wg = [&](auto nt_c) {
-            return wg == 1 ? go(nt_c, std::integral_constant<int, 1>{})
-                 : wg == 2 ? go(nt_c, std::integral_constant<int, 2>{}) : go(nt_c, std::integral_constant<int, 4>{});
-          };
-          return M <= 32 ? by_wg(std::integral_constant<int, 32>{}) : by_wg(std::integral_constant<int, 64>{});
-        };
-      };
-      row("wide", 0, 0, [&] {  // the production choice (split_k = 0: the wide kernel from 17 rows)
+      row("wide", "-", 0, [&] {  // the production choice (split_k = 0: the wide kernel from 17 rows)
         return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N, 0, ws,
                                           sms, st);
       });
-      for (const int wg : {1, 2, 4})
+      for (const Variant& v : kVariants) {
+        if ((v.ntok == 128) != (M > 64) || (v.ntok == 32 && M > 32)) continue;
         for (const int S : {1, 2, 4}) {
           if (chunks < 2 * S) continue;
-          const auto f = wide(wg, S);
+          const auto f = [&, v, S] { return run_variant(v, S, x, M, K, blob, out, N, ws, sms, st); };
           if (f() != cudaSuccess) {  // does not fit the shared memory
             CK(cudaGetLastError());
             continue;
           }
-          row("wide", wg, S, f);
+          row("wide", v.name().c_str(), S, f);
         }
-      {  // the x prep alone (part of every wide row)
-        const int nt = cublade::wide::ntok(M);
+      }
+      {  // the x prep alone (part of every wide row), at the production pass size
+        const int nt = cublade::wide::ntok(std::min(M, 64));
         const int64_t units = int64_t(chunks) * nt * 64;
         auto prep = [&] {
           cublade::wide::prep_x<bf16><<<int(std::min<int64_t>((units + 255) / 256, 8LL * sms)), 256, 0, st>>>(
-              x, K, M, K, nt, chunks, static_cast<uint4*>(ws));
+              x, K, std::min(M, nt), K, nt, 512, chunks, static_cast<uint4*>(ws));
           return cudaGetLastError();
         };
-        std::printf("%5dx%-5d %3d %-8s %2s %2s %9.2f\n", K, N, M, "prep", "-", "-",
+        std::printf("%5dx%-5d %3d %-8s %-14s %2s %9.2f\n", K, N, M, "prep", "-", "-",
                     harness::time_us(prep, flush.memset, reps, st));
       }
     }

@@ -22,6 +22,7 @@ static_assert(cublade::kLowbitGroupRows == cublade::lowbit::kGroupTiles * cublad
               "w4a16_gemm.h and w4a16_gemm.cuh disagree on the blob geometry");
 
 #include <algorithm>
+#include <tuple>
 
 namespace cublade {
 namespace {
@@ -181,15 +182,16 @@ struct Int4Policy {
 // tokens its consumer warps, not the weights, set the pace (ncu: latency-bound, DRAM 23% busy at M = 32). This
 // kernel feeds the same blob to wgmma: a packet's lane vectors are wgmma A fragments as they are (the 4 tiles of
 // a group are the 4 warps of a warpgroup, 64 rows), and x is the shared-memory B operand, N = NTOK tokens, so one
-// instruction covers 64 rows x NTOK tokens x 16 K and reads x from shared memory itself. A CTA has WG (2 or 4)
-// consumer warpgroups, one per tile group, sharing each staged chunk of x, and one producer warp (bulk copies, as
-// in the streaming kernel). Per batch of 2 packets (128 K, 8 k-steps) the mma's accumulate from zero into `part`; the
+// instruction covers 64 rows x NTOK (32, 64 or 128) tokens x 16 K and reads x from shared memory itself. A CTA has
+// WG (2 or 4) consumer warpgroups, one per tile group, sharing each staged x, and one producer warpgroup (one lane
+// issues the bulk copies, as in the streaming kernel; its registers go to the consumers). Per batch of 2 packets (128 K, 8 k-steps) the mma's accumulate from zero into `part`; the
 // scale group's fp32 scales then fold it into acc, as the streaming kernel does, so the weights are never rounded
 // (group size 128; per-channel scales multiply acc once at the end).
 //
 // x must reach wgmma in the packets' permuted k order (w4a16_gemm.cuh) and in core matrices (8 tokens x 8 K):
-// prep_x writes xp [chunks][NTOK/8][64 core matrices along K][8 tokens][8 K] (zero past M and K) into the caller's
-// workspace, so each stage's x is one contiguous bulk copy.
+// prep_x writes xp [stages of KS K][NTOK/8][KS/8 core matrices along K][8 tokens][8 K] (zero past M and K) into the
+// caller's workspace, so each stage's x is one contiguous bulk copy. The kernel is a programmatic dependent launch of
+// the prep: its producer fetches the first stages' weights while the prep runs (about 2 us of each call).
 //
 // Measured on the H200 (benchmarks/tuning/w4a16_wide.cu, 2026-11-22, us after do_bench's flush, prep included,
 // streaming kernel / wide): 8192x28672 M = 16 59.2 / 62.2, M = 24 80.4 / 66.5, M = 32 88.7 / 67.1, M = 64 168.2 /
@@ -199,27 +201,30 @@ struct Int4Policy {
 // mma's run).
 namespace wide {
 
-constexpr int kChunkK = lowbit::kChunk * kPacketK;  // 512
-constexpr int kXTokBytes = kChunkK * 2;             // one token's chunk of xp
-constexpr int kMinRows = 17;                        // fewer rows: the streaming kernel
-constexpr int kPassRows = 64;                       // tokens per pass (wgmma N); more rows take more passes
+constexpr int kBlobChunkK = lowbit::kChunk * kPacketK;  // 512: K per chunk of the blob
+constexpr int kMinRows = 17;                            // fewer rows: the streaming kernel
+constexpr int kMaxPassRows = 128;                       // tokens per pass at most (wgmma N); more rows: more passes
 
-constexpr int ntok(int64_t rows) { return rows <= 32 ? 32 : 64; }
+// Tokens per pass (wgmma N) for a pass of `rows` rows.
+constexpr int ntok(int64_t rows) { return rows <= 32 ? 32 : rows <= 64 ? 64 : 128; }
 
-// xp's 16-byte unit i = ((c * NTOK/8 + tg) * 64 + kb) * 8 + r: token 8 tg + r, logical K 8 kb .. 8 kb + 7 of chunk
-// c, i.e. k-step kb / 2 (packet kb / 8, step s = (kb % 8) / 2) and its half h = kb % 2; logical pair t (k 2t, 2t+1,
-// + 8h) is actual K0(s, t) + 2h (w4a16_gemm.cuh: K0 = 64 packet + 32 (s / 2) + 8 t + 4 (s % 2)).
+// xp's 16-byte unit i = ((c * NTOK/8 + tg) * KS/8 + kb) * 8 + r: token 8 tg + r, logical K 8 kb .. 8 kb + 7 of
+// stage c (KS K per stage), i.e. logical k kl = c KS + 8 kb of packet P = kl / 64, k-step s = (kl % 64) / 16 and
+// half h = (kl % 16) / 8; logical pair t (k 2t, 2t+1, + 8h) is actual K0(s, t) + 2h (w4a16_gemm.cuh: K0 = 64 P +
+// 32 (s / 2) + 8 t + 4 (s % 2)). Lets the kernel launched after it (PDL) start at once: it waits for xp itself.
 template <typename T>
-__global__ void prep_x(const T* __restrict__ x, int64_t x_stride, int M, int K, int ntok, int chunks,
+__global__ void prep_x(const T* __restrict__ x, int64_t x_stride, int M, int K, int ntok, int ks, int stages_k,
                        uint4* __restrict__ xp) {
-  const int64_t total = static_cast<int64_t>(chunks) * ntok * 64;
+  lowbit::pdl_launch_dependents();
+  const int kbs = ks / 8;
+  const int64_t total = static_cast<int64_t>(stages_k) * ntok * kbs;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int r = static_cast<int>(i % 8), kb = static_cast<int>((i / 8) % 64);
-    const int64_t rest = i / 512;
+    const int r = static_cast<int>(i % 8), kb = static_cast<int>((i / 8) % kbs);
+    const int64_t rest = i / (8 * kbs);
     const int tok = static_cast<int>(rest % (ntok / 8)) * 8 + r, c = static_cast<int>(rest / (ntok / 8));
-    const int p = kb / 8, s = (kb % 8) / 2, h = kb % 2;
-    const int k0 = c * kChunkK + 64 * p + 32 * (s / 2) + 4 * (s % 2) + 2 * h;
+    const int kl = c * ks + 8 * kb, s = (kl % 64) / 16, h = (kl % 16) / 8;
+    const int k0 = kl / 64 * 64 + 32 * (s / 2) + 4 * (s % 2) + 2 * h;
     uint32_t v[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
@@ -233,24 +238,57 @@ __global__ void prep_x(const T* __restrict__ x, int64_t x_stride, int M, int K, 
 struct Params {
   const unsigned char* xp;  // prepped x
   const unsigned char* w;   // the blob
-  int M, N, groups, chunks, chunks_per_cta, stages;
+  int M, N, groups;
+  int blob_chunks;          // the blob's chunks of 512 K
+  int chunks;               // ring stages of KS K over the whole K
+  int chunks_per_cta, stages;
   void* out;
   int64_t out_stride;
 };
 
-// Shared memory: 128-byte barrier header, then stages x [W: WG tile groups' chunk blocks | x: NTOK x 1 KB].
-template <int NTOK, int GS, bool ASYM, int WG>
+// Shared memory: 128-byte barrier header, then stages x [WG tile groups' KS-K blocks (4 tiles: KS/64 packets, then
+// their scale records) | x: NTOK tokens x KS K]. KS = 512 stages a whole chunk of the blob (one copy per tile
+// group); KS = 256 half of one (two copies per tile), which leaves room for 4 warpgroups at 64 tokens or 128
+// tokens at 2.
+template <int NTOK, int GS, bool ASYM, int WG, int KS>
 struct Layout {
-  static constexpr int kTileBytes = lowbit::kChunk * 512 + Int4Policy<__nv_bfloat16, 1, GS, ASYM>::kSBytes;
+  static_assert(KS == 512 || KS == 256, "a stage is a chunk of the blob or half of one");
+  static constexpr int kPerChunk = kBlobChunkK / KS;  // stages per chunk of the blob
+  static constexpr int kBlobRecBytes = Int4Policy<__nv_bfloat16, 1, GS, ASYM>::kSBytes;
+  static constexpr int kBlobTileBytes = lowbit::kChunk * 512 + kBlobRecBytes;
+  static constexpr int kPacketBytes = KS / kPacketK * 512;  // a tile's packets in a stage
+  static constexpr int kRecBytes = GS == 0 ? kBlobRecBytes : kBlobRecBytes / kPerChunk;  // and their records
+  static constexpr int kTileBytes = kPacketBytes + kRecBytes;
   static constexpr int kGroupBytes = lowbit::kGroupTiles * kTileBytes;
-  static constexpr int kStageBytes = WG * kGroupBytes + NTOK * kXTokBytes;
+  static constexpr int kXBytes = NTOK * KS * 2;
+  static constexpr int kStageBytes = WG * kGroupBytes + kXBytes;
+  static constexpr int kRedBytes = NTOK / 2 * WG * 128 * 4;  // the K splits' partial sums, in the ring's memory
+  static constexpr int kMaxStages = 4 * kPerChunk;
   static constexpr int bytes(int stages) { return 128 + stages * kStageBytes; }
 };
 
-template <typename T, int NTOK, int GS, bool ASYM, int WG>
-__global__ void __launch_bounds__(WG * 128 + 32, 1) wide_gemm_kernel(const __grid_constant__ Params prm) {
+// A CTA is WG consumer warpgroups and one producer warpgroup (one lane of it issues the copies). The producer gives
+// its registers to the consumers (setmaxnreg): 4 warpgroups at 64 tokens need ~100 registers a thread, and the launch
+// bound of 640 threads caps every thread at 96. The CTA's registers are a fixed pool (threads x the launch count):
+// setmaxnreg.inc waits for registers the CTA's own decs returned, so asking for more than the pool holds hangs.
+template <int WG>
+struct Regs {
+  static constexpr int kThreads = (WG + 1) * 128;
+  static constexpr int kLaunch = 65536 / kThreads / 8 * 8;  // ptxas's count under __launch_bounds__(kThreads, 1)
+  static constexpr int kProducer = 24;
+  static constexpr int kConsumer = std::min(240, (kThreads * kLaunch - 128 * kProducer) / (WG * 128) / 8 * 8);
+  static_assert(128 * kProducer + WG * 128 * kConsumer <= kThreads * kLaunch, "setmaxnreg beyond the CTA's pool");
+};
+
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+
+template <typename T, int NTOK, int GS, bool ASYM, int WG, int KS>
+__global__ void __launch_bounds__(Regs<WG>::kThreads, 1) wide_gemm_kernel(const __grid_constant__ Params prm) {
   static_assert(GS == 128 || GS == 0, "the wide kernel takes group size 128 or per-channel scales");
-  using Lay = Layout<NTOK, GS, ASYM, WG>;
+  using Lay = Layout<NTOK, GS, ASYM, WG, KS>;
   using Rec = typename Int4Policy<T, 1, GS, ASYM>::Rec;
   constexpr int ND = NTOK / 2;  // accumulators per thread
   extern __shared__ __align__(128) unsigned char smem[];
@@ -272,42 +310,78 @@ __global__ void __launch_bounds__(WG * 128 + 32, 1) wide_gemm_kernel(const __gri
   }
   __syncthreads();
 
+  const int wg = warp / 4, wq = warp % 4;
+  if (wg == WG) {  // ---- producer warpgroup: one lane issues the stage's copies ----
+    setmaxnreg_dec<Regs<WG>::kProducer>();
+    if (warp == WG * 4 && lane == 0) {
+      const uint64_t wpol = lowbit::CUBLADE_WEIGHT_POLICY(), xpol = lowbit::policy_evict_last();
+      auto weights = [&](int c, int s) {  // stage c's blocks of the CTA's tile groups
+        const int bc = (cb + c) / Lay::kPerChunk, half = (cb + c) % Lay::kPerChunk;
+        for (int q = 0; q < ngroups; ++q) {
+          unsigned char* dst = stage(s) + q * Lay::kGroupBytes;
+          const unsigned char* src =
+              prm.w + (static_cast<int64_t>(group0 + q) * prm.blob_chunks + bc) * lowbit::kGroupTiles * Lay::kBlobTileBytes;
+          if constexpr (Lay::kPerChunk == 1) {
+            lowbit::bulk_g2s(dst, src, Lay::kGroupBytes, full + s, wpol);
+          } else {
+            for (int tile = 0; tile < lowbit::kGroupTiles; ++tile, dst += Lay::kTileBytes, src += Lay::kBlobTileBytes) {
+              lowbit::bulk_g2s(dst, src + half * Lay::kPacketBytes, Lay::kPacketBytes, full + s, wpol);
+              lowbit::bulk_g2s(dst + Lay::kPacketBytes,
+                               src + lowbit::kChunk * 512 + (GS == 0 ? 0 : half * Lay::kRecBytes), Lay::kRecBytes,
+                               full + s, wpol);
+            }
+          }
+        }
+      };
+      auto activations = [&](int c, int s) {
+        lowbit::bulk_g2s(stage(s) + WG * Lay::kGroupBytes, prm.xp + static_cast<int64_t>(cb + c) * Lay::kXBytes,
+                         Lay::kXBytes, full + s, xpol);
+      };
+      const uint32_t stage_tx = ngroups * Lay::kGroupBytes + Lay::kXBytes;
+      // The first stages' weights go out before xp is ready (the x prep, launched just before, may still run).
+      const int first = min(nst, nchunks);
+      for (int c = 0; c < first; ++c) {
+        lowbit::mbar_expect_tx(full + c, stage_tx);
+        weights(c, c);
+      }
+      lowbit::pdl_wait();
+      for (int c = 0; c < first; ++c) activations(c, c);
+      for (int c = first; c < nchunks; ++c) {
+        const int s = c % nst;
+        lowbit::mbar_wait(empty + s, ((c / nst) - 1) & 1);
+        lowbit::mbar_expect_tx(full + s, stage_tx);
+        weights(c, s);
+        activations(c, s);
+      }
+    }
+    if (nsplit > 1) {  // the consumers' barriers below
+      __syncthreads();
+      lowbit::cluster_sync();
+      lowbit::cluster_sync();
+    }
+    return;
+  }
+
+  // ---- consumer warpgroup wg: tile group group0 + wg, warp wq its tile wq ----
+  setmaxnreg_inc<Regs<WG>::kConsumer>();
   float acc[ND];
 #pragma unroll
   for (int i = 0; i < ND; ++i) acc[i] = 0.0f;
   float s_lo = 1.0f, s_hi = 1.0f;  // per-channel scales (GS = 0), rows g and g+8
-  const int wg = warp / 4, wq = warp % 4;
-
-  if (warp == WG * 4) {  // ---- producer: one lane issues the stage's copies ----
-    if (lane == 0) {
-      const uint64_t wpol = lowbit::CUBLADE_WEIGHT_POLICY(), xpol = lowbit::policy_evict_last();
-      for (int c = 0; c < nchunks; ++c) {
-        const int s = c % nst;
-        if (c >= nst) lowbit::mbar_wait(empty + s, ((c / nst) - 1) & 1);
-        lowbit::mbar_expect_tx(full + s, ngroups * Lay::kGroupBytes + NTOK * kXTokBytes);
-        unsigned char* st = stage(s);
-        for (int q = 0; q < ngroups; ++q)
-          lowbit::bulk_g2s(st + q * Lay::kGroupBytes,
-                           prm.w + (static_cast<int64_t>(group0 + q) * prm.chunks + cb + c) * Lay::kGroupBytes,
-                           Lay::kGroupBytes, full + s, wpol);
-        lowbit::bulk_g2s(st + WG * Lay::kGroupBytes, prm.xp + static_cast<int64_t>(cb + c) * NTOK * kXTokBytes,
-                         NTOK * kXTokBytes, full + s, xpol);
-      }
-    }
-  } else if (wg < ngroups) {  // ---- consumer warpgroup wg: tile group group0 + wg, warp wq its tile wq ----
+  if (wg < ngroups) {
     float part[ND];
     for (int c = 0; c < nchunks; ++c) {
       const int s = c % nst;
       lowbit::mbar_wait(full + s, (c / nst) & 1);
       const unsigned char* tb = stage(s) + wg * Lay::kGroupBytes + wq * Lay::kTileBytes;
-      const Rec* recs = reinterpret_cast<const Rec*>(tb + lowbit::kChunk * 512) + g;
+      const Rec* recs = reinterpret_cast<const Rec*>(tb + Lay::kPacketBytes) + g;
       const uint32_t xs = lowbit::smem_u32(stage(s) + WG * Lay::kGroupBytes);
 #pragma unroll
-      for (int b = 0; b < kChunkK / 128; ++b) {
+      for (int b = 0; b < KS / 128; ++b) {
         uint32_t b_lo = bias_pair<T>(8.0f), b_hi = b_lo;  // symmetric: z = 8
         float gs_lo, gs_hi;
         unpack_rec<T, ASYM>(recs[GS == 0 ? 0 : b * 8], gs_lo, gs_hi, b_lo, b_hi);
-        if (GS == 0 && c == 0 && b == 0) { s_lo = gs_lo; s_hi = gs_hi; }  // the same record in every chunk
+        if (GS == 0 && c == 0 && b == 0) { s_lo = gs_lo; s_hi = gs_hi; }  // the same record in every stage
         uint32_t a[8][4];  // the batch's 8 k-steps
 #pragma unroll
         for (int pk = 0; pk < 2; ++pk) {
@@ -320,12 +394,12 @@ __global__ void __launch_bounds__(WG * 128 + 32, 1) wide_gemm_kernel(const __gri
         wgmma::fence();
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          // k-step 8b + k: its two core matrices of every 8 tokens (128 B apart), token groups 8 KB apart
-          const uint64_t desc = wgmma::desc(xs + (8 * b + k) * 256, 128, 64 * 128);
+          // k-step 8b + k: its two core matrices of every 8 tokens (128 B apart), token groups KS * 16 B apart
+          const uint64_t desc = wgmma::desc(xs + (8 * b + k) * 256, 128, KS * 16);
           if constexpr (GS == 0) wgmma::MmaRS<T, NTOK>::run(acc, a[k], desc, 1);
           else wgmma::MmaRS<T, NTOK>::run(part, a[k], desc, k);  // k = 0: part = A * B
         }
-        // The next batch rewrites a (these mma's read it as they run); the chunk's last batch frees the stage.
+        // The next batch rewrites a (these mma's read it as they run); the stage's last batch frees the stage.
         wgmma::commit();
         wgmma::wait<0>();
         if constexpr (GS != 0) {
@@ -341,9 +415,9 @@ __global__ void __launch_bounds__(WG * 128 + 32, 1) wide_gemm_kernel(const __gri
     }
   }
 
-  // ---- the splits of the cluster, then the outputs ----
-  const bool consumer = warp < WG * 4 && wg < ngroups;
-  const int tid = threadIdx.x;  // < WG * 128 for consumers
+  // ---- the splits of the cluster (the producer warpgroup meets these barriers on its own path), then the outputs ----
+  const bool consumer = wg < ngroups;
+  const int tid = threadIdx.x;  // < WG * 128
   if (nsplit > 1) {
     __syncthreads();  // every stage consumed: the ring's memory holds the partial sums now
     float* red = reinterpret_cast<float*>(smem + 128);
@@ -370,56 +444,68 @@ __global__ void __launch_bounds__(WG * 128 + 32, 1) wide_gemm_kernel(const __gri
 }
 
 // K splits: the CTAs (WG tile groups each) fill at most one wave at one CTA per SM, so split K while that leaves
-// every SM at most one CTA and each split at least 8 chunks. Measured (w4a16_wide.cu, M = 32): 28672x8192 (64 CTAs)
-// 104.3 us on 1 split, 60.2 on 2; 8192x10240 (80 CTAs) 37.7 on 1, 41.7 on 2; 4096x14336 (112) 24.1 on 1, 29.7 on 2.
-inline int pick_split(int64_t ctas, int chunks, int sms) {
+// every SM at most one CTA and each split at least 8 chunks of the blob. Measured (w4a16_wide.cu, M = 32):
+// 28672x8192 (64 CTAs) 104.3 us on 1 split, 60.2 on 2; 8192x10240 (80 CTAs) 37.7 on 1, 41.7 on 2; 4096x14336 (112)
+// 24.1 on 1, 29.7 on 2.
+inline int pick_split(int64_t ctas, int blob_chunks, int sms) {
   int S = 1;
-  while (S < lowbit::kMaxSplit && 2 * ctas * S <= sms && chunks >= 16 * S) S *= 2;
+  while (S < lowbit::kMaxSplit && 2 * ctas * S <= sms && blob_chunks >= 16 * S) S *= 2;
   return S;
 }
 
-// One pass of at most 64 rows: the x prep, then the kernel (S splits; stages = 0: as deep as fits, up to 4).
-template <typename T, int NTOK, int GS, bool ASYM, int WG>
+// One pass of at most NTOK rows: the x prep, then the kernel (S splits, 0: pick_split; stages = 0: as deep as
+// fits). pdl: the kernel is a programmatic dependent launch of the prep (it fetches its first weight stages while
+// the prep runs).
+template <typename T, int NTOK, int GS, bool ASYM, int WG, int KS>
 cudaError_t launch(const void* x, int64_t x_stride, int M, int K, const unsigned char* w, void* out,
-                   int64_t out_stride, int N, int S, int stages, void* workspace, int sms, cudaStream_t stream) {
-  using Lay = Layout<NTOK, GS, ASYM, WG>;
+                   int64_t out_stride, int N, int S, int stages, bool pdl, void* workspace, int sms,
+                   cudaStream_t stream) {
+  using Lay = Layout<NTOK, GS, ASYM, WG, KS>;
   Params prm = {};
   prm.xp = static_cast<const unsigned char*>(workspace);
   prm.w = w;
   prm.M = M; prm.N = N;
   prm.groups = static_cast<int>(ceil_div(N, 64));
-  prm.chunks = static_cast<int>(ceil_div(K, kChunkK));
-  if (S <= 0) S = pick_split(ceil_div(prm.groups, WG), prm.chunks, sms);
+  prm.blob_chunks = static_cast<int>(ceil_div(K, kBlobChunkK));
+  prm.chunks = static_cast<int>(ceil_div(K, KS));
+  if (S <= 0) S = pick_split(ceil_div(prm.groups, WG), prm.blob_chunks, sms);
   if (S > lowbit::kMaxSplit || M > NTOK) return cudaErrorInvalidValue;
   prm.chunks_per_cta = (prm.chunks + S - 1) / S;
   prm.stages = stages;
   if (prm.stages <= 0) {
-    prm.stages = 4;
+    prm.stages = Lay::kMaxStages;
     while (prm.stages > 2 && Lay::bytes(prm.stages) > lowbit::kMaxSmemKB * 1024) --prm.stages;
   }
   prm.out = out; prm.out_stride = out_stride;
   const int smem = Lay::bytes(prm.stages);
-  if (prm.stages > lowbit::kMaxStages || smem > lowbit::kMaxSmemKB * 1024) return cudaErrorInvalidValue;
+  if (prm.stages > lowbit::kMaxStages || smem > lowbit::kMaxSmemKB * 1024 ||
+      (S > 1 && Lay::kRedBytes > prm.stages * Lay::kStageBytes))
+    return cudaErrorInvalidValue;
 
-  constexpr auto kernel = wide_gemm_kernel<T, NTOK, GS, ASYM, WG>;
+  constexpr auto kernel = wide_gemm_kernel<T, NTOK, GS, ASYM, WG, KS>;
   if (const cudaError_t e = lowbit::allow_max_smem<kernel>(); e != cudaSuccess) return e;
 
-  const int64_t units = static_cast<int64_t>(prm.chunks) * NTOK * 64;
+  const int64_t units = static_cast<int64_t>(prm.chunks) * NTOK * (KS / 8);
   const int prep_blocks = static_cast<int>(std::min<int64_t>(ceil_div(units, 256), 8LL * sms));
-  prep_x<T><<<prep_blocks, 256, 0, stream>>>(static_cast<const T*>(x), x_stride, M, K, NTOK, prm.chunks,
+  prep_x<T><<<prep_blocks, 256, 0, stream>>>(static_cast<const T*>(x), x_stride, M, K, NTOK, KS, prm.chunks,
                                              static_cast<uint4*>(workspace));
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  return lowbit::launch_split_k(kernel, dim3(static_cast<unsigned>(ceil_div(prm.groups, WG)), S, 1), WG * 128 + 32,
-                                smem, S, stream, prm);
+  return lowbit::launch_split_k(kernel, dim3(static_cast<unsigned>(ceil_div(prm.groups, WG)), S, 1),
+                                Regs<WG>::kThreads, smem, S, stream, prm, pdl);
 }
 
 // Four warpgroups per CTA (256 rows sharing each staged x) when their grid still fills 3/4 of the SMs; else two.
-// Only at 32 tokens per pass (4 x 17 KB of weights + 32 KB of x per stage: 2 stages fit; at 64 tokens 1 would).
-// Measured (w4a16_wide.cu, 2026-11-22, M = 17 / 24 / 32): 8192x28672 (112 CTAs of 4) 51.6 / 52.0 / 52.0 us vs
-// 59.3 / 59.4 / 59.9 with 2; 4096x14336 (56 CTAs of 4) 24.1 (2 splits) vs 22.1; 28672x8192 (32) 82.9 vs 53.4.
+// Measured (w4a16_wide.cu, 2026-11-22, us, best splits, prep included; sixth session, M = 17 / 24 / 32):
+// 8192x28672 (112 CTAs of 4) 51.6 / 52.0 / 52.0 vs 59.3 / 59.4 / 59.9 with 2; 4096x14336 (56 CTAs of 4) 24.1 (2
+// splits) vs 22.1; 28672x8192 (32) 82.9 vs 53.4. At 64 tokens (half-chunk stages, seventh session, M = 48 / 64, PDL):
+// 8192x28672 76.7 / 77.9 vs 78.9 / 79.8; the three smaller shapes lose (4096x14336 M = 64: 30.4+ vs 26.5).
 inline bool four_warpgroups(int N, int sms) { return 4 * ceil_div(ceil_div(N, 64), 4) >= 3LL * sms; }
 
-// One pass of at most 64 rows (group size 128 or -1).
+// One pass of at most 128 rows (group size 128 or -1); the kernel is a programmatic dependent launch of its x prep.
+// Tokens per pass: 32 up to 32 rows, 64 up to 64, then 128 (2 warpgroups, half-chunk stages: 2 stages of 82 KB).
+// Measured (w4a16_wide.cu, 2026-11-22 seventh session, us with PDL): M = 128 on 8192x28672 / 4096x14336 /
+// 28672x8192 / 8192x10240 125.8 / 38.4 / 114.9 / 65.3 in one pass of 128, against 162.8 / 55.1 / 146.8 / 86.9 in two
+// of 64 (no PDL).
 template <typename T>
 cudaError_t launch_pass(int group_size, bool asym, const void* x, int64_t x_stride, int M, int K,
                         const unsigned char* w, void* out, int64_t out_stride, int N, void* workspace, int sms,
@@ -427,10 +513,23 @@ cudaError_t launch_pass(int group_size, bool asym, const void* x, int64_t x_stri
   auto go = [&](auto gs_c, auto asym_c) {
     constexpr int GS = decltype(gs_c)::value;
     constexpr bool A = decltype(asym_c)::value;
-    if (M > 32) return launch<T, 64, GS, A, 2>(x, x_stride, M, K, w, out, out_stride, N, 0, 0, workspace, sms, stream);
-    return four_warpgroups(N, sms)
-               ? launch<T, 32, GS, A, 4>(x, x_stride, M, K, w, out, out_stride, N, 0, 0, workspace, sms, stream)
-               : launch<T, 32, GS, A, 2>(x, x_stride, M, K, w, out, out_stride, N, 0, 0, workspace, sms, stream);
+    auto run = [&](auto cfg) {  // cfg: (tokens per pass, warpgroups, K per stage)
+      using C = decltype(cfg);
+      return launch<T, std::tuple_element_t<0, C>::value, GS, A, std::tuple_element_t<1, C>::value,
+                    std::tuple_element_t<2, C>::value>(x, x_stride, M, K, w, out, out_stride, N, 0, 0, true,
+                                                       workspace, sms, stream);
+    };
+    using I32 = std::integral_constant<int, 32>;
+    using I64 = std::integral_constant<int, 64>;
+    using I128 = std::integral_constant<int, 128>;
+    using W2 = std::integral_constant<int, 2>;
+    using W4 = std::integral_constant<int, 4>;
+    using K512 = std::integral_constant<int, 512>;
+    using K256 = std::integral_constant<int, 256>;
+    const bool four = four_warpgroups(N, sms);
+    if (M > 64) return run(std::tuple<I128, W2, K256>{});
+    if (M > 32) return four ? run(std::tuple<I64, W4, K256>{}) : run(std::tuple<I64, W2, K512>{});
+    return four ? run(std::tuple<I32, W4, K512>{}) : run(std::tuple<I32, W2, K512>{});
   };
   using G128 = std::integral_constant<int, 128>;
   using GChannel = std::integral_constant<int, 0>;
@@ -480,11 +579,11 @@ int w4a16_gemm_sbytes(int group_size, bool asym) {
   }
 }
 
-// Workspace bytes launch_w4a16_gemm needs (0: none): the wide kernel's prepped x, one pass of up to 64 rows.
+// Workspace bytes launch_w4a16_gemm needs (0: none): the wide kernel's prepped x, one pass of up to 128 rows.
 size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int group_size, int split_k) {
   if (split_k != 0 || M < wide::kMinRows || !w4a16_gemm_wide_takes(group_size)) return 0;
-  return static_cast<size_t>(ceil_div(K, wide::kChunkK)) * wide::ntok(std::min<int64_t>(M, wide::kPassRows)) *
-         wide::kXTokBytes;
+  return static_cast<size_t>(ceil_div(K, wide::kBlobChunkK)) * wide::kBlobChunkK * 2 *
+         wide::ntok(std::min<int64_t>(M, wide::kMaxPassRows));
 }
 
 // x: [M, K] (row stride x_stride elements, unit column stride, 16-byte aligned rows, K % 8 == 0); packed: the
@@ -498,11 +597,11 @@ cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K
   if (dtype != InDtype::kBF16 && dtype != InDtype::kF16) return cudaErrorInvalidValue;
   const int esize = 2;
   if (w4a16_gemm_workspace_bytes(M, K, group_size, split_k) > 0) {
-    // The wide kernel, 64 rows per pass; a last pass of at most 16 rows goes to the streaming kernel.
+    // The wide kernel, up to 128 rows per pass; a last pass of at most 16 rows goes to the streaming kernel.
     if (workspace == nullptr) return cudaErrorInvalidValue;
     int64_t m0 = 0;  // rows done
     while (M - m0 >= wide::kMinRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(M - m0, wide::kPassRows));
+      const int rows = static_cast<int>(std::min<int64_t>(M - m0, wide::kMaxPassRows));
       const auto* xr = static_cast<const unsigned char*>(x) + m0 * x_stride * esize;
       auto* outr = static_cast<unsigned char*>(out) + m0 * out_stride * esize;
       const auto* w = static_cast<const unsigned char*>(packed);

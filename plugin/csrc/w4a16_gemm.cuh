@@ -159,6 +159,11 @@ __device__ __forceinline__ float ld_dsmem(const float* local, uint32_t rank) {
   return v;
 }
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+// Programmatic dependent launch: a kernel launched with launch_split_k(..., pdl = true) may start while the
+// stream's previous kernel runs; pdl_wait() returns once that kernel has finished and its writes are visible
+// (at once without PDL). The previous kernel's pdl_launch_dependents() lets the dependent launch start early.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
 // c += A(16x16, row) * B(16x8, col), fp32 accumulators, bf16 or fp16 operands.
 template <typename T>
@@ -474,22 +479,32 @@ int pick_stages(Layout L, int64_t ctas, int sms) {
 }
 
 // Launch kernel(arg) on `grid`, the S splits of K (grid.y) of a tile group forming one thread-block cluster (none
-// when S = 1): they add up their partial sums through distributed shared memory.
+// when S = 1): they add up their partial sums through distributed shared memory. pdl: a programmatic dependent
+// launch (the kernel calls pdl_wait() before it reads what the stream's previous kernel wrote).
 template <typename Arg>
 cudaError_t launch_split_k(void (*kernel)(Arg), dim3 grid, int threads, int smem, int S, cudaStream_t stream,
-                           const Arg& arg) {
+                           const Arg& arg, bool pdl = false) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(static_cast<unsigned>(threads));
   cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   cfg.stream = stream;
-  cudaLaunchAttribute attrs[1];
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = 1;
-  attrs[0].val.clusterDim.y = static_cast<unsigned>(S);
-  attrs[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attrs[2];
+  unsigned n = 0;
+  if (S > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = 1;
+    attrs[n].val.clusterDim.y = static_cast<unsigned>(S);
+    attrs[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (pdl) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
   cfg.attrs = attrs;
-  cfg.numAttrs = S > 1 ? 1 : 0;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, arg);
 }
 

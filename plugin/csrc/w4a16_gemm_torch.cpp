@@ -33,9 +33,9 @@ at::Tensor w4a16_dequant(const at::Tensor& packed_in, int64_t group_size, bool s
 
 // From this many rows on, the GEMM dequantizes the weight once and runs a dense cuBLAS GEMM (the prefill path,
 // as vLLM's AWQ method does from 256 tokens): the kernels re-read the weights every 32 rows (streaming kernel)
-// or 64 rows (wide kernel, group size 128 or per channel). Crossover on the H200 (bench_w4a16_gemm.py, "stream" /
+// or 128 rows (wide kernel, group size 128 or per channel). Crossover on the H200 (bench_w4a16_gemm.py, "stream" /
 // "wide" vs "deq+mm"): benchmarks/RESULTS.md.
-int64_t dequant_min_rows(int64_t group_size) { return w4a16_gemm_wide_takes(group_size) ? 256 : 128; }
+int64_t dequant_min_rows(int64_t group_size) { return w4a16_gemm_wide_takes(group_size) ? 320 : 128; }
 
 at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group_size, bool symmetric,
                       int64_t size_n, int64_t split_k) {

@@ -7,7 +7,7 @@ to one rounding of the fp32 product with the dequantized weights (|C - ref| <= 2
 <= 2e-3 (the issue's bar; the final bf16 rounding alone is ~1.4e-3 on this metric, fp16's ~2e-4; on a few dozen
 outputs the mean is sample noise around that, 2.1e-3 was seen for 37). x is random but seeded per test. The
 kernel applies each group's scale to an fp32 partial sum, so the weights themselves are never rounded. From 128
-rows (256 at group size 128 or per channel, where the wide kernel runs from 17) the op takes its prefill path
+rows (320 at group size 128 or per channel, where the wide kernel runs from 17) the op takes its prefill path
 instead (w4a16_dequant to x's dtype, then cuBLAS): held bit-equal to that product in torch, and to <= 4e-3
 against the fp32 product (the weight's rounding to bf16 adds ~0.7e-3).
 """
@@ -148,7 +148,7 @@ def check(x, rp, w, split_k=0):
 @GPU
 def test_kernel_every_m_1_to_64_and_large():
     rp, w = gpu_case(272, 1024, 128, True)
-    for M in list(range(1, 65)) + [100, 127, 128, 200, 255]:  # from 17 the wide kernel (from 256: deq + mm)
+    for M in list(range(1, 65)) + [100, 127, 128, 200, 255, 319]:  # from 17 the wide kernel (from 320: deq + mm)
         check(torch.randn(M, 1024, device="cuda").to(torch.bfloat16), rp, w)
     check(torch.randn(257, 1024, device="cuda").to(torch.bfloat16), rp, w, split_k=1)  # forced: 9 passes
 
@@ -164,22 +164,22 @@ def check_wide(x, rp, w):
 @pytest.mark.parametrize("G,sym,dtype", [(128, True, torch.bfloat16), (128, False, torch.float16),
                                          (-1, True, torch.float16), (-1, False, torch.bfloat16)])
 def test_wide_kernel_passes_and_remainder(G, sym, dtype):
-    """From 17 rows at group size 128 or per channel the op runs the wide (wgmma) kernel, 64 rows per pass, and a
-    last pass of up to 16 rows on the streaming kernel: every row count lands within one rounding of the reference,
-    and close to the streaming kernel forced on the same input."""
+    """From 17 rows at group size 128 or per channel the op runs the wide (wgmma) kernel, 32, 64 or 128 tokens per
+    pass and up to 128 rows a pass, and a last pass of up to 16 rows on the streaming kernel: every row count lands
+    within one rounding of the reference, and close to the streaming kernel forced on the same input."""
     rp, w = gpu_case(200, 1024, G, sym, seed=7)
-    for M in (17, 31, 32, 33, 64, 65, 80, 81, 150, 255):
+    for M in (17, 31, 32, 33, 64, 65, 80, 128, 129, 144, 145, 161, 255, 256, 300):
         check_wide(torch.randn(M, 1024, device="cuda").to(dtype), rp, w)
 
 
 @GPU
 def test_wide_kernel_four_warpgroups_on_large_n():
-    """Up to 32 rows per pass, when CTAs of 4 tile groups still fill 3/4 of the SMs the wide kernel runs 4 consumer
-    warpgroups per CTA (about 256 rows per SM here; the last CTA has 3 tile groups, the last of them partial):
-    within the bars, and close to the streaming kernel forced on the same input."""
+    """Up to 64 rows per pass, when CTAs of 4 tile groups still fill 3/4 of the SMs the wide kernel runs 4 consumer
+    warpgroups per CTA (about 256 rows per SM here; the last CTA has 3 tile groups, the last of them partial; at 64
+    tokens half-chunk stages): within the bars, and close to the streaming kernel forced on the same input."""
     N = 256 * torch.cuda.get_device_properties(0).multi_processor_count - 100
     rp, w = gpu_case(N, 1024, 128, True, seed=3)
-    for M in (17, 32, 40):  # 40: 64 rows per pass, 2 warpgroups
+    for M in (17, 32, 40, 64, 100):  # 40, 64: 64 tokens per pass; 100: 128 tokens, 2 warpgroups
         check_wide(torch.randn(M, 1024, device="cuda").to(torch.bfloat16), rp, w)
 
 
@@ -187,22 +187,23 @@ def test_wide_kernel_four_warpgroups_on_large_n():
 @pytest.mark.parametrize("K,splits", [(8192, 2), (16384, 4)])
 def test_wide_kernel_splits_k_on_small_grids(K, splits):
     """The wide kernel splits K (thread-block clusters) when its CTAs fill under half the SMs and every split keeps
-    >= 8 chunks of 512 K: here one CTA, K = 8192 -> 2 splits, 16384 -> 4. The sums stay within the bars."""
+    >= 8 chunks of 512 K: here one CTA, K = 8192 -> 2 splits, 16384 -> 4. The sums stay within the bars (128
+    tokens per pass: the splits' partial sums fill 64 KB of the ring's memory)."""
     rp, w = gpu_case(100, K, 128, True, seed=K)
-    for M in (20, 40, 64):
+    for M in (20, 40, 64, 100, 128):
         check(torch.randn(M, K, device="cuda").to(torch.bfloat16), rp, w)
 
 
 @GPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("G,rows", [(64, 128), (128, 256)])
+@pytest.mark.parametrize("G,rows", [(64, 128), (128, 320)])
 def test_large_m_dequantizes_then_runs_a_dense_gemm(dtype, G, rows):
-    """From 128 rows (256 at group size 128 or per channel, which the wide kernel takes below that) the op
+    """From 128 rows (320 at group size 128 or per channel, which the wide kernel takes below that) the op
     dequantizes the weight to x's dtype (w4a16_dequant) and multiplies with cuBLAS: the same bits as that product
     in torch, and within the error of a dense GEMM on the rounded weight."""
     rp, w = gpu_case(200, 1024, G, False)
     wq = torch.ops.cublade.w4a16_dequant(rp.packed, rp.group_size, rp.symmetric, rp.size_n, 1024, dtype)
-    for shape in [(rows, 1024), (3, 100, 1024)]:
+    for shape in [(rows, 1024), (3, 110, 1024)]:
         x = torch.randn(shape, device="cuda").to(dtype)
         y = torch.ops.cublade.w4a16_gemm(x, rp.packed, rp.group_size, rp.symmetric, rp.size_n, 0)
         assert y.shape == (*shape[:-1], rp.size_n) and y.dtype == dtype
