@@ -191,7 +191,7 @@ struct Int4Policy {
 // x must reach wgmma in the packets' permuted k order (w4a16_gemm.cuh) and in core matrices (8 tokens x 8 K):
 // prep_x writes xp [stages of KS K][NTOK/8][KS/8 core matrices along K][8 tokens][8 K] (zero past M and K) into the
 // caller's workspace, so each stage's x is one contiguous bulk copy. The kernel is a programmatic dependent launch of
-// the prep: its producer fetches the first stages' weights while the prep runs (about 2 us of each call).
+// the prep: its producer fetches the first stages' weights while the prep runs (a median 1.9 us per pass).
 //
 // Measured on the H200 (benchmarks/tuning/w4a16_wide.cu, 2026-11-22, us after do_bench's flush, prep included,
 // streaming kernel / wide): 8192x28672 M = 16 59.2 / 62.2, M = 24 80.4 / 66.5, M = 32 88.7 / 67.1, M = 64 168.2 /

@@ -167,7 +167,7 @@ class VllmCutlassScaledMM(LinearKernel):
 class CubladeW4A16Gemm(LinearKernel):
     """cublade's W4A16 GEMM (cublade.ops.w4a16_gemm) on weights repacked once by `w4a16_repack` into the
     kernel's tile layout. The op runs decode batches on its streaming kernel (up to 16 tokens) and its wide
-    wgmma kernel (from 17, at group size 128 or per channel) and, from 256 tokens (128 at other group sizes),
+    wgmma kernel (from 17, at group size 128 or per channel) and, from 320 tokens (128 at other group sizes),
     dequantizes the weight and runs a dense cuBLAS GEMM (the prefill path; a transient N x K weight in x's dtype
     per call).
     Sending large M to Machete instead would keep a second, Machete-layout copy of the weights (twice the
@@ -184,7 +184,7 @@ class CubladeW4A16Gemm(LinearKernel):
         why = why_no_kernel("w4a16_gemm", device)
         if why is not None:
             return False, why
-        return True, "cublade's CUDA op w4a16_gemm (decode kernels; from 256 tokens dequantize + cuBLAS)"
+        return True, "cublade's CUDA op w4a16_gemm (decode kernels; from 320 tokens dequantize + cuBLAS)"
 
     def __init__(self, layer):
         super().__init__(layer)
