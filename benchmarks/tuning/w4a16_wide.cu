@@ -74,10 +74,15 @@ struct Variant {
   }
 };
 const Variant kVariants[] = {
-    {32, 2, 512, false}, {32, 4, 512, false}, {32, 4, 512, true},  {32, 4, 256, false}, {32, 4, 256, true},
-    {64, 2, 512, false}, {64, 2, 512, true},  {64, 2, 256, false}, {64, 4, 256, false}, {64, 4, 256, true},
-    {128, 2, 256, false}, {128, 2, 256, true},
+    {32, 2, 512, true}, {32, 4, 512, true}, {48, 2, 512, true}, {48, 4, 256, true},  {64, 2, 512, true},
+    {64, 4, 256, true}, {96, 2, 256, true}, {128, 2, 256, true}, {64, 2, 512, false}, {128, 2, 256, false},
 };
+// The variants a sweep row of M times: the production tier's token count, the next tier up (what a coarser rule
+// would run), and for M > 128 both multi-pass sizes.
+bool applies(const Variant& v, int M) {
+  const int m = std::min(M, 128), nt = cublade::wide::ntok(m);
+  return v.ntok == nt || (m > 32 && m <= 64 && v.ntok == 64) || (m > 64 && v.ntok == 128) || (M > 128 && v.ntok == 96);
+}
 
 template <int NTOK, int WG, int KS>
 cudaError_t run_config(bool pdl, int S, const bf16* x, int M, int K, const void* blob, bf16* out, int N, void* ws,
@@ -96,9 +101,8 @@ cudaError_t run_variant(const Variant& v, int S, const bf16* x, int M, int K, co
                         void* ws, int sms, cudaStream_t st) {
 #define CUBLADE_VARIANT(NT, W, KS_)                                                                   \
   if (v.ntok == NT && v.wg == W && v.ks == KS_) return run_config<NT, W, KS_>(v.pdl, S, x, M, K, blob, out, N, ws, sms, st);
-  CUBLADE_VARIANT(32, 2, 512) CUBLADE_VARIANT(32, 4, 512) CUBLADE_VARIANT(32, 4, 256)
-  CUBLADE_VARIANT(64, 2, 512) CUBLADE_VARIANT(64, 2, 256) CUBLADE_VARIANT(64, 4, 256)
-  CUBLADE_VARIANT(128, 2, 256)
+  CUBLADE_VARIANT(32, 2, 512) CUBLADE_VARIANT(32, 4, 512) CUBLADE_VARIANT(48, 2, 512) CUBLADE_VARIANT(48, 4, 256)
+  CUBLADE_VARIANT(64, 2, 512) CUBLADE_VARIANT(64, 4, 256) CUBLADE_VARIANT(96, 2, 256) CUBLADE_VARIANT(128, 2, 256)
 #undef CUBLADE_VARIANT
   return cudaErrorInvalidValue;
 }
@@ -135,7 +139,7 @@ int main(int argc, char** argv) {
       rows.push_back(i < 4 ? N - 1 - i : int(rng() % N));
       wrows.push_back(decode_row(hb, rows.back(), K, chunks, words));
     }
-    for (const int M : {17, 32, 48, 64, 96, 128, 192, 256}) {
+    for (const int M : {17, 32, 40, 48, 64, 80, 96, 128, 192, 256}) {
       std::vector<double> want(rows.size() * M);
       double mean = 0;
       for (size_t r = 0; r < rows.size(); ++r)
@@ -172,7 +176,7 @@ int main(int argc, char** argv) {
                                           sms, st);
       });
       for (const Variant& v : kVariants) {
-        if ((v.ntok == 128) != (M > 64) || (v.ntok == 32 && M > 32)) continue;
+        if (!applies(v, M)) continue;
         for (const int S : {1, 2, 4}) {
           if (chunks < 2 * S) continue;
           const auto f = [&, v, S] { return run_variant(v, S, x, M, K, blob, out, N, ws, sms, st); };

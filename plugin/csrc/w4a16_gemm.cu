@@ -205,8 +205,11 @@ constexpr int kBlobChunkK = lowbit::kChunk * kPacketK;  // 512: K per chunk of t
 constexpr int kMinRows = 17;                            // fewer rows: the streaming kernel
 constexpr int kMaxPassRows = 128;                       // tokens per pass at most (wgmma N); more rows: more passes
 
-// Tokens per pass (wgmma N) for a pass of `rows` rows.
-constexpr int ntok(int64_t rows) { return rows <= 32 ? 32 : rows <= 64 ? 64 : 128; }
+// Tokens per pass (wgmma N) for a pass of `rows` rows. A pass costs about its token count whatever the rows (padded
+// tokens are computed), hence the steps of 16 and 32: 8192x28672 at 32 / 64 / 128 tokens 52.7 / 77.9 / 125.8 us.
+constexpr int ntok(int64_t rows) {
+  return rows <= 32 ? 32 : rows <= 48 ? 48 : rows <= 64 ? 64 : rows <= 96 ? 96 : 128;
+}
 
 // xp's 16-byte unit i = ((c * NTOK/8 + tg) * KS/8 + kb) * 8 + r: token 8 tg + r, logical K 8 kb .. 8 kb + 7 of
 // stage c (KS K per stage), i.e. logical k kl = c KS + 8 kb of packet P = kl / 64, k-step s = (kl % 64) / 16 and
@@ -502,7 +505,7 @@ cudaError_t launch(const void* x, int64_t x_stride, int M, int K, const unsigned
 inline bool four_warpgroups(int N, int sms) { return 4 * ceil_div(ceil_div(N, 64), 4) >= 3LL * sms; }
 
 // One pass of at most 128 rows (group size 128 or -1); the kernel is a programmatic dependent launch of its x prep.
-// Tokens per pass: 32 up to 32 rows, 64 up to 64, then 128 (2 warpgroups, half-chunk stages: 2 stages of 82 KB).
+// Tokens per pass: ntok(M); 96 and 128 at 2 warpgroups with half-chunk stages (3 stages of 66 KB / 2 of 82 KB).
 // Measured (w4a16_wide.cu, 2026-11-22 seventh session, us with PDL): M = 128 on 8192x28672 / 4096x14336 /
 // 28672x8192 / 8192x10240 125.8 / 38.4 / 114.9 / 65.3 in one pass of 128, against 162.8 / 55.1 / 146.8 / 86.9 in two
 // of 64 (no PDL).
@@ -520,16 +523,22 @@ cudaError_t launch_pass(int group_size, bool asym, const void* x, int64_t x_stri
                                                        workspace, sms, stream);
     };
     using I32 = std::integral_constant<int, 32>;
+    using I48 = std::integral_constant<int, 48>;
     using I64 = std::integral_constant<int, 64>;
+    using I96 = std::integral_constant<int, 96>;
     using I128 = std::integral_constant<int, 128>;
     using W2 = std::integral_constant<int, 2>;
     using W4 = std::integral_constant<int, 4>;
     using K512 = std::integral_constant<int, 512>;
     using K256 = std::integral_constant<int, 256>;
     const bool four = four_warpgroups(N, sms);
-    if (M > 64) return run(std::tuple<I128, W2, K256>{});
-    if (M > 32) return four ? run(std::tuple<I64, W4, K256>{}) : run(std::tuple<I64, W2, K512>{});
-    return four ? run(std::tuple<I32, W4, K512>{}) : run(std::tuple<I32, W2, K512>{});
+    switch (ntok(M)) {
+      case 128: return run(std::tuple<I128, W2, K256>{});
+      case 96: return run(std::tuple<I96, W2, K256>{});
+      case 64: return four ? run(std::tuple<I64, W4, K256>{}) : run(std::tuple<I64, W2, K512>{});
+      case 48: return four ? run(std::tuple<I48, W4, K256>{}) : run(std::tuple<I48, W2, K512>{});
+      default: return four ? run(std::tuple<I32, W4, K512>{}) : run(std::tuple<I32, W2, K512>{});
+    }
   };
   using G128 = std::integral_constant<int, 128>;
   using GChannel = std::integral_constant<int, 0>;

@@ -164,11 +164,11 @@ def check_wide(x, rp, w):
 @pytest.mark.parametrize("G,sym,dtype", [(128, True, torch.bfloat16), (128, False, torch.float16),
                                          (-1, True, torch.float16), (-1, False, torch.bfloat16)])
 def test_wide_kernel_passes_and_remainder(G, sym, dtype):
-    """From 17 rows at group size 128 or per channel the op runs the wide (wgmma) kernel, 32, 64 or 128 tokens per
-    pass and up to 128 rows a pass, and a last pass of up to 16 rows on the streaming kernel: every row count lands
-    within one rounding of the reference, and close to the streaming kernel forced on the same input."""
+    """From 17 rows at group size 128 or per channel the op runs the wide (wgmma) kernel, 32, 48, 64, 96 or 128
+    tokens per pass and up to 128 rows a pass, and a last pass of up to 16 rows on the streaming kernel: every row
+    count lands within one rounding of the reference, and close to the streaming kernel forced on the same input."""
     rp, w = gpu_case(200, 1024, G, sym, seed=7)
-    for M in (17, 31, 32, 33, 64, 65, 80, 128, 129, 144, 145, 161, 255, 256, 300):
+    for M in (17, 31, 32, 33, 48, 49, 64, 65, 96, 97, 128, 129, 144, 145, 161, 255, 256, 300):
         check_wide(torch.randn(M, 1024, device="cuda").to(dtype), rp, w)
 
 
@@ -179,7 +179,7 @@ def test_wide_kernel_four_warpgroups_on_large_n():
     tokens half-chunk stages): within the bars, and close to the streaming kernel forced on the same input."""
     N = 256 * torch.cuda.get_device_properties(0).multi_processor_count - 100
     rp, w = gpu_case(N, 1024, 128, True, seed=3)
-    for M in (17, 32, 40, 64, 100):  # 40, 64: 64 tokens per pass; 100: 128 tokens, 2 warpgroups
+    for M in (17, 32, 40, 64, 100):  # 40: 48 tokens per pass, 64: 64; 100: 128 tokens, 2 warpgroups
         check_wide(torch.randn(M, 1024, device="cuda").to(torch.bfloat16), rp, w)
 
 
@@ -190,7 +190,7 @@ def test_wide_kernel_splits_k_on_small_grids(K, splits):
     >= 8 chunks of 512 K: here one CTA, K = 8192 -> 2 splits, 16384 -> 4. The sums stay within the bars (128
     tokens per pass: the splits' partial sums fill 64 KB of the ring's memory)."""
     rp, w = gpu_case(100, K, 128, True, seed=K)
-    for M in (20, 40, 64, 100, 128):
+    for M in (20, 40, 64, 90, 100, 128):
         check(torch.randn(M, K, device="cuda").to(torch.bfloat16), rp, w)
 
 
