@@ -182,11 +182,12 @@ struct Int4Policy {
 // tokens its consumer warps, not the weights, set the pace (ncu: latency-bound, DRAM 23% busy at M = 32). This
 // kernel feeds the same blob to wgmma: a packet's lane vectors are wgmma A fragments as they are (the 4 tiles of
 // a group are the 4 warps of a warpgroup, 64 rows), and x is the shared-memory B operand, N = NTOK tokens, so one
-// instruction covers 64 rows x NTOK (32, 64 or 128) tokens x 16 K and reads x from shared memory itself. A CTA has
-// WG (2 or 4) consumer warpgroups, one per tile group, sharing each staged x, and one producer warpgroup (one lane
-// issues the bulk copies, as in the streaming kernel; its registers go to the consumers). Per batch of 2 packets (128 K, 8 k-steps) the mma's accumulate from zero into `part`; the
-// scale group's fp32 scales then fold it into acc, as the streaming kernel does, so the weights are never rounded
-// (group size 128; per-channel scales multiply acc once at the end).
+// instruction covers 64 rows x NTOK (32 to 128) tokens x 16 K and reads x from shared memory itself. A CTA has WG
+// (2 or 4) consumer warpgroups, one per tile group, sharing each staged x, and one producer warpgroup (one lane
+// issues the bulk copies, as in the streaming kernel; its registers go to the consumers). Per batch of 2 packets
+// (128 K, 8 k-steps) the mma's accumulate from zero into `part`; the scale group's fp32 scales then fold it into
+// acc, as the streaming kernel does, so the weights are never rounded (group size 128; per-channel scales multiply
+// acc once at the end).
 //
 // x must reach wgmma in the packets' permuted k order (w4a16_gemm.cuh) and in core matrices (8 tokens x 8 K):
 // prep_x writes xp [stages of KS K][NTOK/8][KS/8 core matrices along K][8 tokens][8 K] (zero past M and K) into the
@@ -323,7 +324,8 @@ __global__ void __launch_bounds__(Regs<WG>::kThreads, 1) wide_gemm_kernel(const 
         for (int q = 0; q < ngroups; ++q) {
           unsigned char* dst = stage(s) + q * Lay::kGroupBytes;
           const unsigned char* src =
-              prm.w + (static_cast<int64_t>(group0 + q) * prm.blob_chunks + bc) * lowbit::kGroupTiles * Lay::kBlobTileBytes;
+              prm.w + (static_cast<int64_t>(group0 + q) * prm.blob_chunks + bc) * lowbit::kGroupTiles *
+                          Lay::kBlobTileBytes;
           if constexpr (Lay::kPerChunk == 1) {
             lowbit::bulk_g2s(dst, src, Lay::kGroupBytes, full + s, wpol);
           } else {
