@@ -33,6 +33,13 @@ def run(rank: int, world: int, init_method: str, jobs: list[tuple[str, str, str]
         y = forward(cfg, layer, x, x @ router(Path(ckpt)).t())
         if rank == 0:
             torch.save(y, out)
+    # Tear the groups down before exit: left to the interpreter's exit, gloo's threads were destroyed while still
+    # joinable now and then ("terminate called without an active exception", the rank's exit status -6).
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    torch.distributed.barrier()
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 if __name__ == "__main__":
