@@ -99,8 +99,9 @@ cudaError_t run_config(bool pdl, int S, const bf16* x, int M, int K, const void*
 
 cudaError_t run_variant(const Variant& v, int S, const bf16* x, int M, int K, const void* blob, bf16* out, int N,
                         void* ws, int sms, cudaStream_t st) {
-#define CUBLADE_VARIANT(NT, W, KS_)                                                                   \
-  if (v.ntok == NT && v.wg == W && v.ks == KS_) return run_config<NT, W, KS_>(v.pdl, S, x, M, K, blob, out, N, ws, sms, st);
+#define CUBLADE_VARIANT(NT, W, KS_)                      \
+  if (v.ntok == NT && v.wg == W && v.ks == KS_)          \
+    return run_config<NT, W, KS_>(v.pdl, S, x, M, K, blob, out, N, ws, sms, st);
   CUBLADE_VARIANT(32, 2, 512) CUBLADE_VARIANT(32, 4, 512) CUBLADE_VARIANT(48, 2, 512) CUBLADE_VARIANT(48, 4, 256)
   CUBLADE_VARIANT(64, 2, 512) CUBLADE_VARIANT(64, 4, 256) CUBLADE_VARIANT(96, 2, 256) CUBLADE_VARIANT(128, 2, 256)
 #undef CUBLADE_VARIANT
@@ -188,7 +189,7 @@ int main(int argc, char** argv) {
         }
       }
       {  // the x prep alone (part of every wide row), at the production pass size
-        const int nt = cublade::wide::ntok(std::min(M, 64));
+        const int nt = cublade::wide::ntok(std::min(M, cublade::wide::kMaxPassRows));
         const int64_t units = int64_t(chunks) * nt * 64;
         auto prep = [&] {
           cublade::wide::prep_x<bf16><<<int(std::min<int64_t>((units + 255) / 256, 8LL * sms)), 256, 0, st>>>(

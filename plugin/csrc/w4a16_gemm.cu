@@ -22,7 +22,6 @@ static_assert(cublade::kLowbitGroupRows == cublade::lowbit::kGroupTiles * cublad
               "w4a16_gemm.h and w4a16_gemm.cuh disagree on the blob geometry");
 
 #include <algorithm>
-#include <tuple>
 
 namespace cublade {
 namespace {
@@ -506,6 +505,12 @@ cudaError_t launch(const void* x, int64_t x_stride, int M, int K, const unsigned
 // 8192x28672 76.7 / 77.9 vs 78.9 / 79.8; the three smaller shapes lose (4096x14336 M = 64: 30.4+ vs 26.5).
 inline bool four_warpgroups(int N, int sms) { return 4 * ceil_div(ceil_div(N, 64), 4) >= 3LL * sms; }
 
+// A kernel configuration: tokens per pass (wgmma N), consumer warpgroups per CTA, K per ring stage.
+template <int NTOK, int WG, int KS>
+struct PassConfig {
+  static constexpr int kTokens = NTOK, kWarpgroups = WG, kStageK = KS;
+};
+
 // One pass of at most 128 rows (group size 128 or -1); the kernel is a programmatic dependent launch of its x prep.
 // Tokens per pass: ntok(M); 96 and 128 at 2 warpgroups with half-chunk stages (3 stages of 66 KB / 2 of 82 KB).
 // Measured (w4a16_wide.cu, 2026-11-22 seventh session, us with PDL): M = 128 on 8192x28672 / 4096x14336 /
@@ -518,28 +523,18 @@ cudaError_t launch_pass(int group_size, bool asym, const void* x, int64_t x_stri
   auto go = [&](auto gs_c, auto asym_c) {
     constexpr int GS = decltype(gs_c)::value;
     constexpr bool A = decltype(asym_c)::value;
-    auto run = [&](auto cfg) {  // cfg: (tokens per pass, warpgroups, K per stage)
+    auto run = [&](auto cfg) {
       using C = decltype(cfg);
-      return launch<T, std::tuple_element_t<0, C>::value, GS, A, std::tuple_element_t<1, C>::value,
-                    std::tuple_element_t<2, C>::value>(x, x_stride, M, K, w, out, out_stride, N, 0, 0, true,
-                                                       workspace, sms, stream);
+      return launch<T, C::kTokens, GS, A, C::kWarpgroups, C::kStageK>(x, x_stride, M, K, w, out, out_stride, N, 0,
+                                                                         0, true, workspace, sms, stream);
     };
-    using I32 = std::integral_constant<int, 32>;
-    using I48 = std::integral_constant<int, 48>;
-    using I64 = std::integral_constant<int, 64>;
-    using I96 = std::integral_constant<int, 96>;
-    using I128 = std::integral_constant<int, 128>;
-    using W2 = std::integral_constant<int, 2>;
-    using W4 = std::integral_constant<int, 4>;
-    using K512 = std::integral_constant<int, 512>;
-    using K256 = std::integral_constant<int, 256>;
     const bool four = four_warpgroups(N, sms);
     switch (ntok(M)) {
-      case 128: return run(std::tuple<I128, W2, K256>{});
-      case 96: return run(std::tuple<I96, W2, K256>{});
-      case 64: return four ? run(std::tuple<I64, W4, K256>{}) : run(std::tuple<I64, W2, K512>{});
-      case 48: return four ? run(std::tuple<I48, W4, K256>{}) : run(std::tuple<I48, W2, K512>{});
-      default: return four ? run(std::tuple<I32, W4, K512>{}) : run(std::tuple<I32, W2, K512>{});
+      case 128: return run(PassConfig<128, 2, 256>{});
+      case 96: return run(PassConfig<96, 2, 256>{});
+      case 64: return four ? run(PassConfig<64, 4, 256>{}) : run(PassConfig<64, 2, 512>{});
+      case 48: return four ? run(PassConfig<48, 4, 256>{}) : run(PassConfig<48, 2, 512>{});
+      default: return four ? run(PassConfig<32, 4, 512>{}) : run(PassConfig<32, 2, 512>{});
     }
   };
   using G128 = std::integral_constant<int, 128>;
