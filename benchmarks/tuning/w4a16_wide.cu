@@ -74,12 +74,16 @@ struct Variant {
   }
 };
 const Variant kVariants[] = {
+    {8, 2, 512, true},  {8, 4, 512, true},  {8, 4, 256, true},  {16, 2, 512, true},  {16, 4, 512, true},
+    {16, 4, 256, true},
     {32, 2, 512, true}, {32, 4, 512, true}, {48, 2, 512, true}, {48, 4, 256, true},  {64, 2, 512, true},
     {64, 4, 256, true}, {96, 2, 256, true}, {128, 2, 256, true}, {64, 2, 512, false}, {128, 2, 256, false},
 };
 // The variants a sweep row of M times: the production tier's token count, the next tier up (what a coarser rule
 // would run), and for M > 128 both multi-pass sizes.
 bool applies(const Variant& v, int M) {
+  if (M <= 16) return v.ntok == 16 || (M <= 8 && v.ntok == 8);  // the small-M tiers (the streaming kernel's range)
+  if (v.ntok < 32) return false;
   const int m = std::min(M, 128), nt = cublade::wide::ntok(m);
   return v.ntok == nt || (m > 32 && m <= 64 && v.ntok == 64) || (m > 64 && v.ntok == 128) || (M > 128 && v.ntok == 96);
 }
@@ -102,6 +106,8 @@ cudaError_t run_variant(const Variant& v, int S, const bf16* x, int M, int K, co
 #define CUBLADE_VARIANT(NT, W, KS_)                      \
   if (v.ntok == NT && v.wg == W && v.ks == KS_)          \
     return run_config<NT, W, KS_>(v.pdl, S, x, M, K, blob, out, N, ws, sms, st);
+  CUBLADE_VARIANT(8, 2, 512) CUBLADE_VARIANT(8, 4, 512) CUBLADE_VARIANT(8, 4, 256) CUBLADE_VARIANT(16, 2, 512)
+  CUBLADE_VARIANT(16, 4, 512) CUBLADE_VARIANT(16, 4, 256)
   CUBLADE_VARIANT(32, 2, 512) CUBLADE_VARIANT(32, 4, 512) CUBLADE_VARIANT(48, 2, 512) CUBLADE_VARIANT(48, 4, 256)
   CUBLADE_VARIANT(64, 2, 512) CUBLADE_VARIANT(64, 4, 256) CUBLADE_VARIANT(96, 2, 256) CUBLADE_VARIANT(128, 2, 256)
 #undef CUBLADE_VARIANT
@@ -140,7 +146,7 @@ int main(int argc, char** argv) {
       rows.push_back(i < 4 ? N - 1 - i : int(rng() % N));
       wrows.push_back(decode_row(hb, rows.back(), K, chunks, words));
     }
-    for (const int M : {17, 32, 40, 48, 64, 80, 96, 128, 192, 256}) {
+    for (const int M : {1, 4, 8, 12, 16, 17, 32, 40, 48, 64, 80, 96, 128, 192, 256}) {
       std::vector<double> want(rows.size() * M);
       double mean = 0;
       for (size_t r = 0; r < rows.size(); ++r)
@@ -172,7 +178,8 @@ int main(int argc, char** argv) {
         return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N,
                                           cublade::lowbit::pick_split((N + 63) / 64, chunks, sms), nullptr, sms, st);
       });
-      row("wide", "-", 0, [&] {  // the production choice (split_k = 0: the wide kernel from 17 rows)
+      // the production choice (split_k = 0: the wide kernel from 17 rows, from 9 on large weights)
+      if (cublade::wide::pass_rows(M, N, K) > 0) row("wide", "-", 0, [&] {
         return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N, 0, ws,
                                           sms, st);
       });

@@ -176,12 +176,12 @@ struct Int4Policy {
   }
 };
 
-// ---- The wide kernel (from 17 tokens): wgmma, tokens as the MMA's N -----------------------------------------
+// ---- The wide kernel (from 17 tokens; 9 on large weights): wgmma, tokens as the MMA's N ----------------------
 // The streaming kernel issues one mma.sync per 8 tokens and re-stages x for every 64 weight rows, so from ~24
 // tokens its consumer warps, not the weights, set the pace (ncu: latency-bound, DRAM 23% busy at M = 32). This
 // kernel feeds the same blob to wgmma: a packet's lane vectors are wgmma A fragments as they are (the 4 tiles of
 // a group are the 4 warps of a warpgroup, 64 rows), and x is the shared-memory B operand, N = NTOK tokens, so one
-// instruction covers 64 rows x NTOK (32 to 128) tokens x 16 K and reads x from shared memory itself. A CTA has WG
+// instruction covers 64 rows x NTOK (16 to 128) tokens x 16 K and reads x from shared memory itself. A CTA has WG
 // (2 or 4) consumer warpgroups, one per tile group, sharing each staged x, and one producer warpgroup (one lane
 // issues the bulk copies, as in the streaming kernel; its registers go to the consumers). Per batch of 2 packets
 // (128 K, 8 k-steps) the mma's accumulate from zero into `part`; the scale group's fp32 scales then fold it into
@@ -195,20 +195,37 @@ struct Int4Policy {
 //
 // Measured on the H200 (benchmarks/tuning/w4a16_wide.cu, 2026-11-22, us after do_bench's flush, prep included,
 // streaming kernel / wide): 8192x28672 M = 16 59.2 / 62.2, M = 24 80.4 / 66.5, M = 32 88.7 / 67.1, M = 64 168.2 /
-// 84.2; 8192x10240 M = 16 27.1 / 34.3, M = 24 42.4 / 36.8. So it takes M > 16. Keeping batch i+1's mma's in flight
+// 84.2; 8192x10240 M = 16 27.1 / 34.3, M = 24 42.4 / 36.8. So it takes M > 16, and 9-16 rows in 16-token passes
+// on large weights (kSmallPassMinWeights, eighth session). Keeping batch i+1's mma's in flight
 // while batch i is folded did not gain at 2 warpgroups (pairs of batches, M = 24-64: -0.8 to +2.5 us), and ptxas
 // serializes the fully pipelined form at group size 128 (C7514: it will not let acc be read while another batch's
 // mma's run).
 namespace wide {
 
 constexpr int kBlobChunkK = lowbit::kChunk * kPacketK;  // 512: K per chunk of the blob
-constexpr int kMinRows = 17;                            // fewer rows: the streaming kernel
+constexpr int kMinRows = 17;                            // from this many rows the wide kernel, on every shape
+constexpr int kMinSmallRows = 9;                        // from this many on large weights (kSmallPassMinWeights)
 constexpr int kMaxPassRows = 128;                       // tokens per pass at most (wgmma N); more rows: more passes
 
+// Passes of 9-16 rows (16 tokens) run the wide kernel when the weight has at least this many elements (64 MiB of
+// int4). Measured (w4a16_wide.cu, 2026-11-22 eighth session, M = 16, us, prep included, streaming kernel / wide):
+// 8192x28672 59.4 / 47.6, 28672x8192 53.6 / 50.5, but 8192x10240 26.8 / 29.5 and 4096x14336 20.2 / 21.4 (the wide
+// kernel's fixed costs, the x prep and the pipeline's fill, weigh more on a shorter call). At 1-8 rows the
+// streaming kernel was faster on all four (8192x28672 M = 8: 43.4 against 46.6 with 8 tokens per pass).
+constexpr int64_t kSmallPassMinWeights = int64_t(1) << 27;
+
+// Rows of the next wide pass when `left` rows remain (0: the streaming kernel takes them).
+constexpr int64_t pass_rows(int64_t left, int64_t N, int64_t K) {
+  return left >= kMinRows ? std::min<int64_t>(left, kMaxPassRows)
+         : left >= kMinSmallRows && N * K >= kSmallPassMinWeights ? left
+                                                                   : 0;
+}
+
 // Tokens per pass (wgmma N) for a pass of `rows` rows. A pass costs about its token count whatever the rows (padded
-// tokens are computed), hence the steps of 16 and 32: 8192x28672 at 32 / 64 / 128 tokens 52.7 / 77.9 / 125.8 us.
+// tokens are computed), hence the steps of 16 and 32: 8192x28672 at 16 / 32 / 64 / 128 tokens 47.6 / 52.7 / 77.9 /
+// 125.8 us.
 constexpr int ntok(int64_t rows) {
-  return rows <= 32 ? 32 : rows <= 48 ? 48 : rows <= 64 ? 64 : rows <= 96 ? 96 : 128;
+  return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 48 ? 48 : rows <= 64 ? 64 : rows <= 96 ? 96 : 128;
 }
 
 // xp's 16-byte unit i = ((c * NTOK/8 + tg) * KS/8 + kb) * 8 + r: token 8 tg + r, logical K 8 kb .. 8 kb + 7 of
@@ -534,7 +551,8 @@ cudaError_t launch_pass(int group_size, bool asym, const void* x, int64_t x_stri
       case 96: return run(PassConfig<96, 2, 256>{});
       case 64: return four ? run(PassConfig<64, 4, 256>{}) : run(PassConfig<64, 2, 512>{});
       case 48: return four ? run(PassConfig<48, 4, 256>{}) : run(PassConfig<48, 2, 512>{});
-      default: return four ? run(PassConfig<32, 4, 512>{}) : run(PassConfig<32, 2, 512>{});
+      case 32: return four ? run(PassConfig<32, 4, 512>{}) : run(PassConfig<32, 2, 512>{});
+      default: return four ? run(PassConfig<16, 4, 512>{}) : run(PassConfig<16, 2, 512>{});
     }
   };
   using G128 = std::integral_constant<int, 128>;
@@ -586,8 +604,8 @@ int w4a16_gemm_sbytes(int group_size, bool asym) {
 }
 
 // Workspace bytes launch_w4a16_gemm needs (0: none): the wide kernel's prepped x, one pass of up to 128 rows.
-size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int group_size, int split_k) {
-  if (split_k != 0 || M < wide::kMinRows || !w4a16_gemm_wide_takes(group_size)) return 0;
+size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k) {
+  if (split_k != 0 || wide::pass_rows(M, N, K) == 0 || !w4a16_gemm_wide_takes(group_size)) return 0;
   return static_cast<size_t>(ceil_div(K, wide::kBlobChunkK)) * wide::kBlobChunkK * 2 *
          wide::ntok(std::min<int64_t>(M, wide::kMaxPassRows));
 }
@@ -602,12 +620,13 @@ cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K
   if (M == 0 || N == 0) return cudaSuccess;
   if (dtype != InDtype::kBF16 && dtype != InDtype::kF16) return cudaErrorInvalidValue;
   const int esize = 2;
-  if (w4a16_gemm_workspace_bytes(M, K, group_size, split_k) > 0) {
-    // The wide kernel, up to 128 rows per pass; a last pass of at most 16 rows goes to the streaming kernel.
+  if (w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k) > 0) {
+    // The wide kernel, up to 128 rows per pass; a last pass of at most 16 rows goes to the streaming kernel unless
+    // wide::pass_rows gives it to the wide kernel too.
     if (workspace == nullptr) return cudaErrorInvalidValue;
     int64_t m0 = 0;  // rows done
-    while (M - m0 >= wide::kMinRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(M - m0, wide::kMaxPassRows));
+    while (const int64_t pass = wide::pass_rows(M - m0, N, K)) {
+      const int rows = static_cast<int>(pass);
       const auto* xr = static_cast<const unsigned char*>(x) + m0 * x_stride * esize;
       auto* outr = static_cast<unsigned char*>(out) + m0 * out_stride * esize;
       const auto* w = static_cast<const unsigned char*>(packed);

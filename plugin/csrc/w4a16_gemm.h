@@ -24,14 +24,15 @@ int w4a16_gemm_sbytes(int group_size, bool asym);
 // Group sizes the wide (wgmma) kernel takes: 128 and -1 (per channel).
 constexpr bool w4a16_gemm_wide_takes(int64_t group_size) { return group_size == 128 || group_size == -1; }
 
-// Device workspace bytes launch_w4a16_gemm needs for these arguments (0: none). From 17 rows, at group size 128
-// or per channel, the automatic choice (split_k = 0) runs the wide (wgmma) kernel, which reads x re-laid out.
-size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int group_size, int split_k);
+// Device workspace bytes launch_w4a16_gemm needs for these arguments (0: none). From 17 rows (9 on weights of
+// 2^27 elements or more), at group size 128 or per channel, the automatic choice (split_k = 0) runs the wide
+// (wgmma) kernel, which reads x re-laid out.
+size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k);
 
 // x: [M, K] (row stride x_stride elements, unit column stride, 16-byte aligned rows, K % 8 == 0); packed: the
 // int4 blob [ceil(N/64), ceil(K/512), 4, 1024 + sbytes/4]; out: [M, N] (row stride out_stride), x's dtype
 // (bf16 or fp16). split_k: K splits per cluster of the streaming kernel (>= 1 forces it), 0 = pick the kernel and
-// splits. workspace: w4a16_gemm_workspace_bytes(M, K, group_size, split_k) bytes, 16-byte aligned (null if 0).
+// splits. workspace: w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k) bytes, 16-byte aligned (null if 0).
 // sms: the device's multiprocessor count.
 cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t x_stride,
                               const void* packed, int group_size, bool asym, void* out, int64_t out_stride,

@@ -76,7 +76,8 @@ at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
     return out;
   }
   CUBLADE_CHECK_VALUE(M <= INT32_MAX, op, "x has ", num(M), " rows; at most 2^31 - 1");
-  const size_t ws_bytes = w4a16_gemm_workspace_bytes(M, K, static_cast<int>(group_size), static_cast<int>(split_k));
+  const size_t ws_bytes = w4a16_gemm_workspace_bytes(M, K, size_n, static_cast<int>(group_size),
+                                                     static_cast<int>(split_k));
   at::Tensor workspace;  // the wide kernel's re-laid-out x (the caching allocator makes this cheap)
   if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
   check_launch(op, launch_w4a16_gemm(x.data_ptr(), in_dtype_of(op, "x", x), M, K, x.stride(0), packed.data_ptr(),

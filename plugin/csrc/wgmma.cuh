@@ -44,6 +44,14 @@ __device__ __forceinline__ uint64_t desc(uint32_t smem_addr, uint32_t lbo, uint3
 }
 
 // d = A * B + (scale_d ? d : 0). One asm per N (its accumulator list), the operand type a string.
+#define CUBLADE_WGMMA_RS_N8(TY)                                                                                       \
+  asm volatile(                                                                                                       \
+      "{ .reg .pred p; setp.ne.b32 p, %9, 0; "                                                                        \
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32." TY "." TY " "                                                      \
+      "{%0, %1, %2, %3}, "                                                                                            \
+      "{%4, %5, %6, %7}, %8, p, 1, 1, 0; }"                                                                           \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                                \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d))
 #define CUBLADE_WGMMA_RS_N16(TY)                                                                                      \
   asm volatile(                                                                                                       \
       "{ .reg .pred p; setp.ne.b32 p, %13, 0; "                                                                       \
@@ -127,6 +135,7 @@ template <typename T, int N> struct MmaRS;
       else CUBLADE_WGMMA_RS_N##N("f16");                                                                              \
     }                                                                                                                 \
   };
+CUBLADE_WGMMA_RS_SPECIALIZE(8)
 CUBLADE_WGMMA_RS_SPECIALIZE(16)
 CUBLADE_WGMMA_RS_SPECIALIZE(32)
 CUBLADE_WGMMA_RS_SPECIALIZE(48)

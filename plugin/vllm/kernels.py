@@ -167,9 +167,9 @@ class VllmCutlassScaledMM(LinearKernel):
 class CubladeW4A16Gemm(LinearKernel):
     """cublade's W4A16 GEMM (cublade.ops.w4a16_gemm) on weights repacked once by `w4a16_repack` into the
     kernel's tile layout. The op runs decode batches on its streaming kernel (up to 16 tokens) and its wide
-    wgmma kernel (from 17, at group size 128 or per channel) and, from 320 tokens (128 at other group sizes),
-    dequantizes the weight and runs a dense cuBLAS GEMM (the prefill path; a transient N x K weight in x's dtype
-    per call).
+    wgmma kernel (from 17, at group size 128 or per channel; from 9 on weights of 2^27 elements or more) and, from
+    320 tokens (128 at other group sizes), dequantizes the weight and runs a dense cuBLAS GEMM (the prefill path;
+    a transient N x K weight in x's dtype per call).
     Sending large M to Machete instead would keep a second, Machete-layout copy of the weights (twice the
     memory W4A16 is there to save). Speeds against Machete/Marlin per M: benchmarks/RESULTS.md;
     `CUBLADE_DISABLED_KERNELS=cublade-w4a16-gemm` runs Machete/Marlin for every M instead."""

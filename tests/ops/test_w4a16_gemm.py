@@ -14,6 +14,7 @@ against the fp32 product (the weight's rounding to bf16 adds ~0.7e-3).
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -183,6 +184,36 @@ def test_wide_kernel_four_warpgroups_on_large_n():
         check_wide(torch.randn(M, 1024, device="cuda").to(torch.bfloat16), rp, w)
 
 
+def kernels_run(fn) -> list[str]:
+    """Names of the CUDA kernels fn() launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@GPU
+@pytest.mark.parametrize("G,dtype", [(128, torch.bfloat16), (-1, torch.float16)])
+def test_wide_kernel_takes_9_to_16_rows_on_large_weights(G, dtype):
+    """At 9-16 rows (a call's, or the last pass's of a larger call) the wide kernel runs 16 tokens a pass when the
+    weight has 2^27 elements or more (4096 x 32768 here), the streaming kernel below that (the same rows on
+    4096 x 16384) and at 1-8 rows: the kernels launched say which, and every output is within the bars."""
+    K = 4096
+    big, w_big = gpu_case(32768, K, G, True, seed=11)
+    small, w_small = gpu_case(16384, K, G, True, seed=12)
+    for rp, w, M, wide in [(big, w_big, 9, True), (big, w_big, 16, True), (big, w_big, 8, False),
+                           (big, w_big, 128 + 12, True), (small, w_small, 16, False)]:
+        x = torch.randn(M, K, device="cuda").to(dtype)
+        names = kernels_run(lambda: check_wide(x, rp, w))
+        gemm = [n for n in names if "cublade" in n and "gemm_kernel" in n]  # in launch order
+        assert gemm, f"no cublade GEMM kernel among {names}"
+        # check_wide also runs the streaming kernel forced (split_k=1): the automatic call's launches come first
+        assert ("wide_gemm_kernel" in gemm[0]) == wide, (M, rp.size_n, gemm)
+        if M > 128:  # the 12-row remainder: a second wide pass, 16 tokens
+            assert re.search(r"wide_gemm_kernel(<[^,]+, 16,|I\w+?Li16E)", gemm[1]), gemm  # demangled or not
+
+
 @GPU
 @pytest.mark.parametrize("K,splits", [(8192, 2), (16384, 4)])
 def test_wide_kernel_splits_k_on_small_grids(K, splits):
@@ -255,7 +286,7 @@ def test_automatic_splits(groups_per_sm, K, splits):
     of 512 K, else not: the automatic call equals that split_k bit for bit (and stays within the bars)."""
     N = 64 * groups_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
     rp, w = gpu_case(N, K, 128, True)
-    for M in (1, 16):
+    for M in (1, 8):  # at 9-16 rows the (2, 8192) weight, 2^27 elements, takes the wide kernel
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
         y = check(x, rp, w)
         torch.testing.assert_close(y, torch.ops.cublade.w4a16_gemm(x, rp.packed, 128, True, N, splits), rtol=0,
