@@ -1,11 +1,12 @@
 """Benchmark cublade's fp4_gemm (FP4 experts, bf16 math) in the same run as vLLM's Marlin FP4 GEMM (dense, per
 expert) and a bf16 matmul of the dequantized weight.
 
-    python benchmarks/bench_fp4_gemm.py [--fmt mxfp4,nvfp4] [--json FILE]
+    python benchmarks/bench_fp4_gemm.py [--fmt mxfp4,nvfp4] [--batches 1,4,16] [--json FILE]
 
 Dense rows: one expert's linear (Mixtral-8x7B sizes: w13 K=4096 N=28672, w2 K=14336 N=4096) at M = 1, 4, 16.
-Grouped rows: one call over E=8 experts for a decode batch of B tokens with top-2 routing (T = 2B rows sorted by
-expert, random experts), against a bf16 loop over the active experts (what a dequantize-then-matmul MoE does).
+Grouped rows: one call over E=8 experts for a batch of B tokens (--batches; 1, 4, 16: decode) with top-2 routing
+(T = 2B rows sorted by expert, random experts), against a bf16 loop over the active experts (what a
+dequantize-then-matmul MoE does).
 Times: median of triton.testing.do_bench (L2 cleared before each call). TB/s: FP4 + scale bytes of the experts
 that have rows, over the time. Accuracy: mean|C-ref|/mean|ref| at M=16 against the fp32 product with the
 dequantized weights. Without vLLM the Marlin column says so and the rest still runs.
@@ -58,6 +59,7 @@ def marlin_fp4(t: dict, fmt: str, N: int, K: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fmt", default="mxfp4,nvfp4")
+    ap.add_argument("--batches", default="1,4,16", help="grouped rows' token counts B (default 1,4,16)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -93,7 +95,7 @@ def main() -> None:
                 r["errors_m16"] = errs
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-            for B in (1, 4, 16):
+            for B in (int(b) for b in args.batches.split(",")):
                 g = torch.Generator(device="cpu").manual_seed(B)
                 ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(B)]).flatten()
                 counts = torch.bincount(ids, minlength=E)
