@@ -1,0 +1,54 @@
+"""Ablation builds of the W4A16 wide kernel, for the tuning sweep only (never production): rewrites a copy of
+plugin/csrc so the wide kernel skips part of its work, to see what bounds each configuration.
+
+    python benchmarks/tuning/experiments/wide_ablate.py MODE SRC_DIR OUT_DIR
+    nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I OUT_DIR benchmarks/tuning/w4a16_wide.cu ...
+
+MODE no-mma: the consumers dequantize every batch as production does but issue no wgmma (the dequantized words
+are XOR-ed into one accumulator so the work stays). MODE no-math: they only wait for each stage, read one word of
+it and release it (the copy pipeline alone: bulk copies, mbarriers, ring depth as production). MODE no-x: the
+producer copies no x (the consumers multiply whatever x the stage holds). Modes combine by running the script on
+its own output. The outputs are garbage ("FAIL" in the sweep's check column); only the times mean anything.
+Used in the eighth session (benchmarks/runs/2026-11-22-2345-*, -2355-*).
+"""
+import pathlib
+import shutil
+import sys
+
+BATCH_MMA = ("        wgmma::fence();\n#pragma unroll\n        for (int k = 0; k < 8; ++k) {\n"
+             "          // k-step 8b + k")
+BATCH_END = "          wgmma::fence_regs(acc);\n        }\n"
+LOOP = "#pragma unroll\n      for (int b = 0; b < KS / 128; ++b) {\n"
+
+
+def ablate(text: str, mode: str) -> str:
+    begin = text.index(BATCH_MMA)
+    end = text.index(BATCH_END, begin) + len(BATCH_END)
+    if mode == "no-mma":
+        return text[:begin] + (
+            "        uint32_t h = 0;  // ablation: the dequant stays, no mma\n"
+            "#pragma unroll\n"
+            "        for (int k = 0; k < 8; ++k) h ^= a[k][0] ^ a[k][1] ^ a[k][2] ^ a[k][3];\n"
+            "        acc[b % ND] += __uint_as_float(h & 1u);\n") + text[end:]
+    if mode == "no-math":
+        loop = text.rindex(LOOP, 0, begin)
+        ring = ("      for (int b = 0; b < KS / 128; ++b)  // ablation: the ring alone\n"
+                "        acc[b % ND] += __uint_as_float(lowbit::lds128(tb + 2 * b * 512 + lane * 16).x & 1u);\n"
+                "      if (false) {\n      for (int b = 0; b < 0; ++b) {\n")
+        # the dead loop keeps the old body and its own closing brace; one more closes the `if`
+        return text[:loop] + ring + text[loop + len(LOOP):end] + "      }\n" + text[end:]
+    if mode == "no-x":
+        tx = "      const uint32_t stage_tx = ngroups * Lay::kGroupBytes + Lay::kXBytes;\n"
+        act = "      auto activations = [&](int c, int s) {\n"
+        assert tx in text and act in text
+        text = text.replace(tx, "      const uint32_t stage_tx = ngroups * Lay::kGroupBytes;  // ablation: no x\n")
+        return text.replace(act, act + "        if (true) return;  // ablation: no x\n")
+    sys.exit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    mode, src, out = sys.argv[1], pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    path = out / "w4a16_gemm.cu"
+    path.write_text(ablate(path.read_text(), mode))
+    print(f"{mode}: {path}")
