@@ -7,9 +7,11 @@ plugin/csrc so the wide kernel skips part of its work, to see what bounds each c
 MODE no-mma: the consumers dequantize every batch as production does but issue no wgmma (the dequantized words
 are XOR-ed into one accumulator so the work stays). MODE no-math: they only wait for each stage, read one word of
 it and release it (the copy pipeline alone: bulk copies, mbarriers, ring depth as production). MODE no-x: the
-producer copies no x (the consumers multiply whatever x the stage holds). Modes combine by running the script on
-its own output. The outputs are garbage ("FAIL" in the sweep's check column); only the times mean anything.
-Used in the eighth session (benchmarks/runs/2026-11-22-2345-*, -2355-*).
+producer copies no x (the consumers multiply whatever x the stage holds). MODE no-copy: it copies nothing and
+arrives on each stage with no bytes (the consumers' math and the ring's handshakes alone). Modes combine by running
+the script on its own output. The outputs are garbage ("FAIL" in the sweep's check column); only the times mean
+anything.
+Used in the eighth session (benchmarks/runs/2026-11-22-2345-*, -2355-*, 2026-11-23-0001-*).
 """
 import pathlib
 import shutil
@@ -43,6 +45,16 @@ def ablate(text: str, mode: str) -> str:
         assert tx in text and act in text
         text = text.replace(tx, "      const uint32_t stage_tx = ngroups * Lay::kGroupBytes;  // ablation: no x\n")
         return text.replace(act, act + "        if (true) return;  // ablation: no x\n")
+    if mode == "no-copy":  # the producer arrives on each stage with no bytes: the consumers' math (and the
+        # ring's handshakes) on whatever the shared memory holds
+        tx = "      const uint32_t stage_tx = ngroups * Lay::kGroupBytes + Lay::kXBytes;\n"
+        assert tx in text
+        text = text.replace(tx, "      const uint32_t stage_tx = 0;  // ablation: no copies\n")
+        for lam in ("      auto weights = [&](int c, int s) {  // stage c's blocks of the CTA's tile groups\n",
+                    "      auto activations = [&](int c, int s) {\n"):
+            assert lam in text
+            text = text.replace(lam, lam + "        if (true) return;  // ablation: no copies\n")
+        return text
     sys.exit(f"unknown mode {mode!r}")
 
 
