@@ -8,8 +8,9 @@ MODE no-mma: the consumers dequantize every batch as production does but issue n
 are XOR-ed into one accumulator so the work stays). MODE no-math: they only wait for each stage, read one word of
 it and release it (the copy pipeline alone: bulk copies, mbarriers, ring depth as production). MODE no-x: the
 producer copies no x (the consumers multiply whatever x the stage holds). MODE no-copy: it copies nothing and
-arrives on each stage with no bytes (the consumers' math and the ring's handshakes alone). Modes combine by running
-the script on its own output. The outputs are garbage ("FAIL" in the sweep's check column); only the times mean
+arrives on each stage with no bytes (the consumers' math and the ring's handshakes alone). MODE no-dequant: A is
+a lane-dependent constant instead of the dequantized packets (the mma's, the fold and the ring). Modes combine by
+running the script on its own output. The outputs are garbage ("FAIL" in the sweep's check column); only the times mean
 anything.
 Used in the eighth session (benchmarks/runs/2026-11-22-2345-*, -2355-*, 2026-11-23-0001-*).
 """
@@ -55,6 +56,12 @@ def ablate(text: str, mode: str) -> str:
             assert lam in text
             text = text.replace(lam, lam + "        if (true) return;  // ablation: no copies\n")
         return text
+    if mode == "no-dequant":  # the consumers skip the packets' loads and dequant: A is a lane-dependent constant
+        deq = text.rindex("#pragma unroll\n        for (int pk = 0; pk < 2; ++pk) {\n", 0, begin)
+        return text[:deq] + (
+            "#pragma unroll\n        for (int k = 0; k < 8; ++k)  // ablation: no dequant\n"
+            "#pragma unroll\n          for (int j = 0; j < 4; ++j) a[k][j] = 0x3C003C00u ^ (lane << 3) ^ (4 * k + j);\n"
+        ) + text[begin:]
     sys.exit(f"unknown mode {mode!r}")
 
 
