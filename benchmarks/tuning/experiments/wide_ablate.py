@@ -9,7 +9,8 @@ are XOR-ed into one accumulator so the work stays). MODE no-math: they only wait
 it and release it (the copy pipeline alone: bulk copies, mbarriers, ring depth as production). MODE no-x: the
 producer copies no x (the consumers multiply whatever x the stage holds). MODE no-copy: it copies nothing and
 arrives on each stage with no bytes (the consumers' math and the ring's handshakes alone). MODE no-dequant: A is
-a lane-dependent constant instead of the dequantized packets (the mma's, the fold and the ring). Modes combine by
+a lane-dependent constant instead of the dequantized packets (the mma's, the fold and the ring). MODE no-fold
+(after no-dequant): the mma's sum into acc and are waited for once a stage (no fold). Modes combine by
 running the script on its own output. The outputs are garbage ("FAIL" in the sweep's check column); only the times mean
 anything.
 Used in the eighth session (benchmarks/runs/2026-11-22-2345-*, -2355-*, 2026-11-23-0001-*).
@@ -62,6 +63,19 @@ def ablate(text: str, mode: str) -> str:
             "#pragma unroll\n        for (int k = 0; k < 8; ++k)  // ablation: no dequant\n"
             "#pragma unroll\n          for (int j = 0; j < 4; ++j) a[k][j] = 0x3C003C00u ^ (lane << 3) ^ (4 * k + j);\n"
         ) + text[begin:]
+    if mode == "no-fold":  # with no-dequant only (A must not change under running mma's): the batches' mma's sum
+        # into acc and are not waited for until the stage ends (no part, no fold): the tensor cores' rate alone
+        assert "// ablation: no dequant" in text, "no-fold needs no-dequant first"
+        mma = "          else wgmma::MmaRS<T, NTOK>::run(part, a[k], desc, k);  // k = 0: part = A * B\n"
+        assert mma in text
+        text = text.replace(mma, "          else wgmma::MmaRS<T, NTOK>::run(acc, a[k], desc, 1);  // ablation\n")
+        begin = text.index("        wgmma::commit();\n        wgmma::wait<0>();\n")
+        end = text.index(BATCH_END, begin) + len(BATCH_END)
+        text = text[:begin] + "        wgmma::commit();  // ablation: no wait, no fold\n" + text[end:]
+        rel = "      __syncwarp();\n      if (lane == 0) lowbit::mbar_arrive(empty + s);\n"
+        assert rel in text
+        wait = "      wgmma::wait<0>();  // ablation: once a stage\n      wgmma::fence_regs(acc);\n"
+        return text.replace(rel, wait + rel, 1)
     sys.exit(f"unknown mode {mode!r}")
 
 
