@@ -40,21 +40,9 @@ def serve():
 @pytest.fixture(scope="module")
 def vllm_cuda():
     pytest.importorskip("vllm", reason="vLLM is not importable here: source .device-stage/env.sh first")
-    import socket
+    from test_moe_vllm import init_vllm_cuda
 
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
-
-    cfg = VllmConfig(device_config=DeviceConfig(device="cuda"))
-    with set_current_vllm_config(cfg):
-        if not model_parallel_is_initialized():
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "nccl")
-        ensure_model_parallel_initialized(1, 1)
-    return cfg
+    return init_vllm_cuda()
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,26 @@ class _OneSchemeConfig(QuantizationConfig):
         return CubladeFp4MoEMethod(self.scheme, layer.moe_config, prefix)
 
 
+def init_vllm_cuda():
+    """A VllmConfig on the CUDA device with vLLM's single-rank process groups set up (tests/moe/test_moe_gpu.py
+    and benchmarks/bench_fp4_moe.py build FusedMoE layers under it)."""
+    import socket
+
+    from vllm.config import DeviceConfig, VllmConfig
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    cfg = VllmConfig(device_config=DeviceConfig(device="cuda"))
+    with set_current_vllm_config(cfg):
+        if not model_parallel_is_initialized():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "nccl")
+        ensure_model_parallel_initialized(1, 1)
+    return cfg
+
+
 def softmax_topk(hidden_states, gating_output, topk, renormalize):
     """Mixtral's routing in plain PyTorch (vLLM's default router calls a CUDA op)."""
     w, ids = torch.topk(torch.softmax(gating_output.float(), dim=-1), topk, dim=-1)
