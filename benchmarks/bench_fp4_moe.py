@@ -11,7 +11,7 @@ for T tokens routed by a fixed random top-2; median of triton.testing.do_bench (
 The bf16 baseline: the experts dequantized once (cublade.ops.fp4_gemm.fp4_dequant_repacked, exact) to bf16, then
 per expert x[rows] @ w13^T, SiLU-and-mul, @ w2^T, weighted into the output (what a dequantize-then-matmul MoE does;
 host-side row selection). Marlin needs vLLM's `_moe_C` extension; where vLLM lacks it (the device machine's staged
-vLLM does) its column says so. --graph adds cublade's apply() replayed from a CUDA graph (do_bench_cudagraph:
+vLLM does) its column says so. --graph adds both kernels' apply() replayed from a CUDA graph (do_bench_cudagraph:
 launch gaps gone, inputs L2-resident), as vLLM runs decode batches; the bf16 loop syncs with the host and has none.
 Accuracy: mean|a - b|/mean|b| of cublade's output against the bf16 loop's.
 Needs vLLM (../shared/device/README.md) and a GPU.
@@ -94,7 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fmt", default="mxfp4,nvfp4")
     ap.add_argument("--tokens", default="1,16,64,256,1024,4096", help="batch sizes T (default 1,16,64,256,1024,4096)")
-    ap.add_argument("--graph", action="store_true", help="also time cublade's apply() from a CUDA graph")
+    ap.add_argument("--graph", action="store_true", help="also time the kernels' apply() from a CUDA graph")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     try:
@@ -131,15 +131,16 @@ def main() -> None:
                         functools.partial(run, x, w, ids)
                     outs[name, T] = fn().float()
                     times[name, T] = bench(fn)
-                    if args.graph and name == KERNELS[0]:
-                        times["graph", T] = bench(fn, graph=True)
+                    if args.graph and name != "bf16":
+                        times[name, "graph", T] = bench(fn, graph=True)
             del layer, moe, runs
             torch.cuda.empty_cache()
         for T in tokens:
             r = {"fmt": fmt, "E": E, "top_k": TOPK, "H": H, "I": I, "T": T,
                  "cublade_us": times[KERNELS[0], T], "marlin_us": times.get((KERNELS[1], T)),
                  "bf16_us": times["bf16", T], "rel_err_vs_bf16": rel_err(outs[KERNELS[0], T], outs["bf16", T]),
-                 "cublade_graph_us": times.get(("graph", T))}
+                 "cublade_graph_us": times.get((KERNELS[0], "graph", T)),
+                 "marlin_graph_us": times.get((KERNELS[1], "graph", T))}
             rows.append(r)
             print(json.dumps(r), flush=True)
     if args.json:
@@ -151,12 +152,12 @@ def main() -> None:
           "Marlin = vLLM's fused_marlin_moe (nan: not available); bf16 = the dequantized experts' loop; "
           "err = mean|cublade - bf16| / mean|bf16|")
     print(f"{'fmt':>5} {'T':>5} {'cublade':>9} {'Marlin':>9} {'Marlin/cublade':>14} {'bf16':>9} {'bf16/cublade':>12} "
-          f"{'err':>8} {'graph':>8}")
+          f"{'err':>8} {'cublade graph':>13} {'Marlin graph':>12}")
     for r in rows:
         m = r["marlin_us"] or float("nan")
         print(f"{r['fmt']:>5} {r['T']:>5} {r['cublade_us']:>9.1f} {m:>9.1f} {m / r['cublade_us']:>13.2f}x "
               f"{r['bf16_us']:>9.1f} {r['bf16_us'] / r['cublade_us']:>11.2f}x {r['rel_err_vs_bf16']:>8.1e} "
-              f"{r['cublade_graph_us'] or float('nan'):>8.1f}")
+              f"{r['cublade_graph_us'] or float('nan'):>13.1f} {r['marlin_graph_us'] or float('nan'):>12.1f}")
 
 
 if __name__ == "__main__":

@@ -338,9 +338,14 @@ class VllmMarlinMoE(MoEKernel):
             return False, f"activations are {layer.params_dtype}; Marlin takes bf16/fp16"
         try:
             from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import is_fp4_marlin_supported
-            import vllm._moe_C  # noqa: F401  (registers torch.ops._moe_C.moe_wna16_marlin_gemm)  # pyflakes: ignore
-        except ImportError as e:
-            return False, f"vLLM's MoE CUDA ops are not importable ({e})"
+            from vllm.platforms import current_platform
+
+            # vLLM's CUDA extensions register torch.ops._moe_C (0.26: the module vllm._moe_C_stable_libtorch;
+            # older releases: vllm._moe_C); the platform knows the names and loads them once.
+            current_platform.import_kernels()
+            torch.ops._moe_C.moe_wna16_marlin_gemm  # noqa: B018  (the op fused_marlin_moe calls)
+        except (ImportError, AttributeError, RuntimeError) as e:
+            return False, f"vLLM's Marlin MoE op is not available ({type(e).__name__}: {e})"
         if not is_fp4_marlin_supported():
             return False, "vLLM says this GPU has no FP4 Marlin support"
         E, I2, _ = w.shape
