@@ -323,3 +323,30 @@ def test_tensor_parallel_2(converted, moe_fixture, tmp_path):
     for f, c in ckpts.items():
         want = _reference(c, f, x, x @ router(c).t())
         torch.testing.assert_close(torch.load(tmp_path / f"{f}.pt"), want, rtol=1e-5, atol=1e-6)
+
+
+def test_marlin_moe_is_found_through_vllms_kernel_loader(monkeypatch):
+    """vLLM 0.26 ships its MoE ops as vllm._moe_C_stable_libtorch (namespace torch.ops._moe_C); the Marlin fallback
+    looks for the op after vLLM's platform loaded its kernels (it once imported vllm._moe_C, which 0.26 lacks, and
+    so never ran). On CPU: without the op the reason names it; with a stand-in op registered the check goes on to
+    vLLM's own FP4 Marlin support test (False without a GPU)."""
+    import types
+
+    from vllm.platforms import current_platform
+
+    from cublade.vllm.moe import VllmMarlinMoE
+
+    if hasattr(torch.ops._moe_C, "moe_wna16_marlin_gemm"):
+        pytest.skip("vLLM's MoE ops are loaded in this process (tests/moe/test_moe_gpu.py runs Marlin itself)")
+    loads = []
+    monkeypatch.setattr(current_platform, "import_kernels", lambda: loads.append(1))
+    layer = types.SimpleNamespace(w13_weight_packed=types.SimpleNamespace(is_cuda=True), params_dtype=torch.bfloat16)
+    ok, why = VllmMarlinMoE.can_implement(layer, FP4Scheme(format="mxfp4"))
+    assert not ok and "moe_wna16_marlin_gemm" in why and loads
+    lib = torch.library.Library("_moe_C", "FRAGMENT")
+    try:
+        lib.define("moe_wna16_marlin_gemm(Tensor x) -> Tensor")
+        ok, why = VllmMarlinMoE.can_implement(layer, FP4Scheme(format="mxfp4"))
+    finally:
+        lib._destroy()
+    assert (ok, why) == (False, "vLLM says this GPU has no FP4 Marlin support")
