@@ -122,13 +122,12 @@ def main() -> None:
             if built is None:
                 continue
             layer, moe = built
-            runs = {kernel: functools.partial(moe.quant_method.apply, moe)}
+            runs = {kernel: lambda x, w, ids, moe=moe: moe.quant_method.apply(moe, x, w, ids, None, None)}
             if kernel == KERNELS[0]:
                 runs["bf16"] = bf16_loop(moe, fmt)
             for name, run in runs.items():
                 for T, (x, w, ids) in inputs.items():
-                    fn = functools.partial(run, x, w, ids, None, None) if name != "bf16" else \
-                        functools.partial(run, x, w, ids)
+                    fn = functools.partial(run, x, w, ids)
                     outs[name, T] = fn().float()
                     times[name, T] = bench(fn)
                     if args.graph and name != "bf16":
