@@ -6,8 +6,8 @@ linear of a layer (all experts at once), or per dense FP4 linear.
 
 `fp4_gemm(x, packed, row_scale, fmt, size_n, expert_offsets=None, max_m=0, split_k=0) -> bf16 [T, size_n]`
   x               bf16 [T, K], K % 32 == 0; with experts, the rows sorted by expert: rows
-                  expert_offsets[e] .. expert_offsets[e+1]-1 go through expert e (an expert with no rows costs
-                  only empty CTAs)
+                  expert_offsets[e] .. expert_offsets[e+1]-1 go through expert e (the grid covers only the
+                  experts with rows, at most T of them)
   packed, row_scale   fp4_repack's output (row_scale None for MXFP4)
   fmt             "mxfp4" | "nvfp4"
   size_n          output features N (per expert)

@@ -171,6 +171,27 @@ def test_kernel_grouped_experts(fmt, split_k):
 
 
 @GPU
+@pytest.mark.parametrize("split_k", [0, 2])
+def test_kernel_grid_covers_only_the_experts_with_rows(split_k):
+    """The grid has one slice per expert that can have rows (at most T of the E); slice z finds the z-th expert
+    with rows, one ballot per 32 experts. 70 experts, rows in experts past 32 and 64, fewer rows than experts,
+    and more experts with rows than one ballot covers."""
+    E, N, K = 70, 64, 128
+    wp, ws, gs, W = experts(E, N, K, "mxfp4", seed=7)
+    rp = to_cuda(fp4_repack(wp, ws, "mxfp4", gs))
+    W = W.cuda()
+    g = torch.Generator().manual_seed(3)
+    layouts = [{33: 1}, {0: 2, 31: 1, 32: 1, 69: 3}, {64: 5}, {e: 1 + e % 3 for e in range(1, 70, 2)}]
+    for rows in layouts:
+        counts = [rows.get(e, 0) for e in range(E)]
+        offsets = torch.tensor([0] + counts).cumsum(0).to(torch.int32).cuda()
+        x = torch.randn(int(offsets[-1]), K, generator=g).to(torch.bfloat16).cuda()
+        y = torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, "mxfp4", N, offsets, 0, split_k)
+        err = rel_err(y, grouped_ref(x, offsets, W))
+        assert err <= BAR, f"experts with rows {sorted(rows)[:6]}... split_k={split_k}: {err:.2e}"
+
+
+@GPU
 def test_kernel_nan_scale_and_inputs():
     wp, ws, gs, W = experts(1, 32, 128, "mxfp4")
     ws = ws.clone()
