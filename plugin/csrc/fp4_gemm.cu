@@ -3,17 +3,22 @@
 //   expert_offsets [E+1]); dense = one expert. MXFP4: one E8M0 scale per 32 K; NVFP4: one E4M3 scale per
 //   16 K and one fp32 factor per output row (the global scale, expanded at repack: w13 has two).
 // Numerics: e2m1 * block scale is exact in bf16 (2 significant bits times a power of two, or times an e4m3
-// with 4), so the kernel feeds exactly the reference's weights (before the global scale) to the tensor
-// cores, sums in fp32 over all of K, multiplies by the row factor and rounds once to bf16.
+// with 4), so the kernel feeds the reference's weights (times a power of two the row factor undoes) to the
+// tensor cores, sums in fp32 over all of K, multiplies by the row factor and rounds once to bf16.
+// Dequant: a code's (e, m) bits are placed as the low exponent bits and first mantissa bit of a bf16, whose
+// value is then code * 2^-126 (e = 0: a bf16 subnormal, which bf16 arithmetic keeps); one HMUL2 by the block
+// scale times 2^126 gives the weight. Two shifts and a LOP3 per two codes (the PRMT table lookups this
+// replaced took ~1.45x the time: benchmarks/tuning/fp4_moe_sweep.cu).
 // Layout and the reasons: README.md, "fp4_gemm"; the repacked tensors: w4a16_gemm.cuh (geometry) and
 // plugin/ops/fp4_gemm.py (fp4_repack).
 //   packed  int32 [E, ceil(N/64), ceil(K/512), 4 tiles, 1024 + 128]: per tile block, 8 packets x 32 lanes x 4
-//           words, then 8 x 64 bytes of scale records. In word s of lane (g, t), nibble j (bits 4j) is:
-//           j=0 (row g, K0), 1 (g, K0+1), 2 (g+8, K0), 3 (g+8, K0+1), 4 (g, K0+2), 5 (g, K0+3), 6 (g+8, K0+2),
-//           7 (g+8, K0+3): byte b of the word is fragment register b (two K of one row).
-//   records per packet and g (8 bytes): MXFP4 bf16 [2 halves][2 rows] (the E8M0 power of two, exact in bf16);
-//           NVFP4 e4m3 [2 blocks (t / 2)][2 halves][2 rows].
-//   row_scale fp32 [E, ceil(N/64) * 64] (NVFP4: the global scale of each row; absent for MXFP4)
+//           words, then 8 x 64 bytes of scale records. Word s of lane (g, t) holds the A fragment of one k-step:
+//           register i (0..3) = rows g, g+8, g, g+8 at K0 + {0, 1} (i < 2) or K0 + {2, 3}; the code of its low
+//           (h = 0) / high (h = 1) bf16 has its magnitude (3 bits) at bits 16h + 3i and its sign at 16h + 12 + i.
+//   records per packet and g (8 bytes): MXFP4 bf16 [2 halves][2 rows], 2^(e-127) * 2^(126-k), a power of two;
+//           NVFP4 e4m3 [2 blocks (t / 2)][2 halves][2 rows] (the kernel multiplies by 2^117 = 2^(126-9)).
+//   row_scale fp32 [E, ceil(N/64) * 64]: NVFP4 the global scale of each row * 2^9; MXFP4 2^k per expert (k > 0
+//           only for experts with a block scale above 2), or absent.
 #define CUBLADE_KERNELS_ONLY  // the torch wrapper is fp4_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
 #include "w4a16_gemm.h"
@@ -28,32 +33,19 @@ using lowbit::kTileN;
 
 enum Fp4Format : int { kMXFP4 = 0, kNVFP4 = 1 };
 
-// E2M1 magnitude code c (0..7) -> bf16 bytes, as two 8-entry byte tables for PRMT: value bits = H[c] << 8 | L[c]
-// (0, 0.5, 1, 1.5, 2, 3, 4, 6 = 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0).
-constexpr uint32_t kLoTab0 = 0xC0800000u, kLoTab1 = 0xC0804000u;  // L[0..3], L[4..7]
-constexpr uint32_t kHiTab0 = 0x3F3F3F00u, kHiTab1 = 0x40404040u;  // H[0..3], H[4..7]
-
-// One word (8 codes) -> the k-step's A fragment, times the block scales (bf16 pairs for rows g and g+8).
-// Table lookups by PRMT (4 codes per instruction), then the sign: PRMT's sign-replicate mode copies bit 7 of a
-// byte into a whole byte, so one PRMT over (q << 4, q) spreads the two signs of fragment byte b to bits 15, 31.
+// One word (8 codes) -> the k-step's A fragment, times the block scales (bf16 pairs for rows g and g+8, each the
+// scale times 2^126). Register i: its two magnitudes shift from bits 3i / 16+3i to 6-8 / 22-24 (exponent bits 0-1
+// and mantissa bit 6 of each bf16) and its two signs from 12+i / 28+i to 15 / 31.
 __device__ __forceinline__ void dequant_fp4(uint32_t q, uint32_t s_lo, uint32_t s_hi, uint32_t (&a)[4]) {
-  using lowbit::prmt;
-  const uint32_t sel_lo = q & 0x7777u, sel_hi = (q >> 16) & 0x7777u;
-  const uint32_t l03 = prmt(kLoTab0, kLoTab1, sel_lo), h03 = prmt(kHiTab0, kHiTab1, sel_lo);
-  const uint32_t l47 = prmt(kLoTab0, kLoTab1, sel_hi), h47 = prmt(kHiTab0, kHiTab1, sel_hi);
-  const uint32_t qs = q << 4;  // byte b's bit 7 = the sign of its low code
-  uint32_t m[4];
-  m[0] = prmt(l03, h03, 0x5140u) | (prmt(qs, q, 0xC080u) & 0x80008000u);
-  m[1] = prmt(l03, h03, 0x7362u) | (prmt(qs, q, 0xD090u) & 0x80008000u);
-  m[2] = prmt(l47, h47, 0x5140u) | (prmt(qs, q, 0xE0A0u) & 0x80008000u);
-  m[3] = prmt(l47, h47, 0x7362u) | (prmt(qs, q, 0xF0B0u) & 0x80008000u);
   const uint32_t s[4] = {s_lo, s_hi, s_lo, s_hi};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&m[i]),
+  lowbit::static_for<4>([&](auto i_c) {
+    constexpr int i = decltype(i_c)::value, up = 6 - 3 * i;
+    const uint32_t mag = up >= 0 ? q << up : q >> -up;
+    const uint32_t m = lowbit::and_or(mag, 0x01C001C0u, (q << (3 - i)) & 0x80008000u);
+    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&m),
                                      *reinterpret_cast<const __nv_bfloat162*>(&s[i]));
     a[i] = *reinterpret_cast<const uint32_t*>(&r);
-  }
+  });
 }
 
 // Per-packet scale record of one lane and the bf16 pairs (s, s) of rows g and g+8 for half h.
@@ -74,8 +66,11 @@ template <> struct Fp4Rec<kNVFP4> {
   __device__ __forceinline__ static type load(const unsigned char* srec, int i, int lane) {
     return *reinterpret_cast<const uint32_t*>(srec + (i * 8 + (lane >> 2)) * 8 + ((lane & 3) >> 1) * 4);
   }
+  // s * 2^117: the codes' 2^126 less the 2^9 the row factor carries (448 * 2^126 would overflow bf16).
   __device__ __forceinline__ static void pairs(uint32_t r, int h, uint32_t& lo, uint32_t& hi) {
-    const float2 f = e4m3x2_to_f32x2(static_cast<uint16_t>(h == 0 ? r & 0xFFFFu : r >> 16));  // exact
+    float2 f = e4m3x2_to_f32x2(static_cast<uint16_t>(h == 0 ? r & 0xFFFFu : r >> 16));  // exact
+    f.x *= 0x1p117f;
+    f.y *= 0x1p117f;
     const __nv_bfloat162 l = __floats2bfloat162_rn(f.x, f.x), u = __floats2bfloat162_rn(f.y, f.y);  // exact
     lo = *reinterpret_cast<const uint32_t*>(&l);
     hi = *reinterpret_cast<const uint32_t*>(&u);

@@ -21,22 +21,29 @@ linear of a layer (all experts at once), or per dense FP4 linear.
   range (none when offsets[E] = T) are left unwritten. CUDA-graph safe: no host sync, no allocation but the
   output.
 Numerics: W = e2m1 * block scale (exact in bf16) [* global scale in fp32 per row, NVFP4], products summed in
-fp32 over all of K, rounded once to bf16. Reference: `fp4_gemm_ref` (the CPU path), equal to
-cublade.ops.linear.fp4_linear_ref per expert up to fp32 summation order (and, for NVFP4, the order of the
-two fp32 scale products: (v * s) * g here, v * (s * g) there; one rounding apart).
+fp32 over all of K, rounded once to bf16. The kernel carries powers of two that cancel exactly (its codes are
+worth code * 2^-126, its block scales * 2^126, less 2^k moved to the row factor): the same products and sums.
+Reference: `fp4_gemm_ref` (the CPU path), equal to cublade.ops.linear.fp4_linear_ref per expert up to fp32
+summation order (and, for NVFP4, the order of the two fp32 scale products: (v * s) * g here, v * (s * g) there;
+one rounding apart).
 
 Repacked layout (kernels never see the checkpoint layout): one int32 blob per weight
   packed [E, ceil(N/64), ceil(K/512), 4, 1024 + 128]
 with the tile geometry of w4a16_gemm (plugin/ops/w4a16_gemm.py: tile groups of 64 rows, chunks of 512 K, one
 contiguous tile block per (expert, group, chunk, tile)):
   words 0..1023   8 packets x 32 lanes x 4 words; lane (g, t), word s (one mma k-step) holds rows g, g+8 at
-                  K0 = 64*packet + 32*(s//2) + 8*t + 4*(s%2) .. +3; nibble j (bits 4j, an E2M1 code):
-                  j=0 (row g, K0), 1 (g, K0+1), 2 (g+8, K0), 3 (g+8, K0+1), 4 (g, K0+2), 5 (g, K0+3),
-                  6 (g+8, K0+2), 7 (g+8, K0+3).
-  words 1024..    8 packets x 8 g x 8 bytes of scale records: MXFP4 bf16 [half][row g, g+8] (the E8M0 power
-                  of two, exact in bf16; the NaN code stays NaN); NVFP4 e4m3 [block t//2][half][row g, g+8].
-  row_scale       NVFP4: fp32 [E, ceil(N/64)*64], the global scale of each output row (padded rows 0);
-                  None for MXFP4.
+                  K0 = 64*packet + 32*(s//2) + 8*t + 4*(s%2) .. +3 as 8 E2M1 codes j = 2i + h (fragment
+                  register i, its low h = 0 / high h = 1 bf16): j=0 (row g, K0), 1 (g, K0+1), 2 (g+8, K0),
+                  3 (g+8, K0+1), 4 (g, K0+2), 5 (g, K0+3), 6 (g+8, K0+2), 7 (g+8, K0+3). Code j's magnitude
+                  (3 bits) is at bits 16h + 3i, its sign at bit 16h + 12 + i, so that two shifts and one LOP3
+                  place register i's two codes as bf16 bit patterns (magnitude -> bits 6-8, sign -> 15).
+  words 1024..    8 packets x 8 g x 8 bytes of scale records: MXFP4 bf16 [half][row g, g+8] = 2^(e-127) *
+                  2^(126-k), a power of two (the NaN code stays NaN); NVFP4 e4m3 [block t//2][half][row g, g+8]
+                  (the kernel multiplies it by 2^117).
+  row_scale       fp32 [E, ceil(N/64)*64]: NVFP4 the global scale of each output row * 2^9 (padded rows 0);
+                  MXFP4 2^k, where k > 0 only for an expert with a block scale above 2 (E8M0 > 128), else None.
+                  (An MXFP4 expert whose nonzero blocks span more than 2^133 in scale would lose its smallest
+                  weights to bf16 underflow; real checkpoints span a few dozen binades at most.)
 """
 from __future__ import annotations
 
@@ -47,13 +54,40 @@ import torch
 from cublade.constants import MX_BLOCK, NVFP4_BLOCK
 from cublade.ops._dispatch import register_fake, use_kernel
 from cublade.ops.fp4 import FP4_FORMATS, e2m1_decode, unpack_fp4
+from cublade.ops.int4 import pack_nibbles, unpack_nibbles
 from cublade.ops.mx import e8m0_to_float
 from cublade.ops.w4a16_gemm import (CHUNK_K, CHUNK_PACKETS, GROUP_TILES, TILE_N, from_blob, pack_fragments, to_blob,
                                     unpack_fragments)
 
-# Nibble j of a word -> (row offset 0 = g / 8 = g+8, K offset from K0): byte b = fragment register b.
+# Code j of a word (j = 2i + h: fragment register i, its low (h = 0) or high bf16) -> (row offset 0 = g / 8 = g+8,
+# K offset from K0).
 _ROW_OF_J = (0, 0, 8, 8, 0, 0, 8, 8)
 _KOFF_OF_J = (0, 1, 0, 1, 2, 3, 2, 3)
+# Where code j's bits sit in the kernel's word: magnitude (3 bits) at 16h + 3i, sign at 16h + 12 + i. The kernel
+# shifts register i's two magnitudes to bits 6-8 / 22-24 and its signs to 15 / 31 at once (README.md, "fp4_gemm").
+_J = torch.arange(8)
+_MAG_AT = (16 * (_J % 2) + 3 * (_J // 2)).tolist()
+_SIGN_AT = (16 * (_J % 2) + 12 + _J // 2).tolist()
+# The kernel's codes are bf16 bit patterns worth code * 2^-126 (the e = 0 codes are bf16 subnormals); the block
+# scales carry the 2^126 back. NVFP4 keeps 9 of it in the row factor so that 448 * 2^117 fits in bf16.
+CODE_BIAS_LOG2 = 126
+NVFP4_ROW_LOG2 = 9
+_MX_MAX_E8M0 = 128  # 2^(128-127) * 2^126 = 2^127: the largest MXFP4 record without a row factor
+
+
+def _spread_codes(words: torch.Tensor) -> torch.Tensor:
+    """int32 words with code j in nibble j (pack_fragments) -> the kernel's bit layout (_MAG_AT, _SIGN_AT)."""
+    u = unpack_nibbles(words).to(torch.int64)  # [..., 8]
+    mag, sign = torch.tensor(_MAG_AT, device=u.device), torch.tensor(_SIGN_AT, device=u.device)
+    w = (((u & 7) << mag) | ((u >> 3) << sign)).sum(dim=-1)  # disjoint bits: the sum is an OR, < 2^32
+    return (w - ((w >= 2**31).to(torch.int64) << 32)).to(torch.int32)
+
+
+def _gather_codes(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of _spread_codes."""
+    w = (words.to(torch.int64) & 0xFFFFFFFF).unsqueeze(-1)
+    mag, sign = torch.tensor(_MAG_AT, device=w.device), torch.tensor(_SIGN_AT, device=w.device)
+    return pack_nibbles(((w >> mag) & 7) | (((w >> sign) & 1) << 3))
 
 
 class FP4Packed(NamedTuple):
@@ -99,6 +133,11 @@ def fp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: str
     if fmt == "nvfp4" and global_scale is None:
         raise ValueError(f"{op}: nvfp4 needs the global scale (weight_global_scale)")
     dev = weight_packed.device
+    if fmt == "mxfp4":
+        # Per expert, k = how far its largest scale exceeds what a bf16 record can hold times 2^126; the row
+        # factor 2^k puts it back in fp32. Exact unless an expert's nonzero blocks span over 2^133 in scale.
+        finite = torch.where(weight_scale == 255, torch.zeros_like(weight_scale), weight_scale)
+        mx_shift = (finite.reshape(E, -1).amax(dim=1).to(torch.int64) - _MX_MAX_E8M0).clamp(min=0).tolist()
     T = -(-N // (TILE_N * GROUP_TILES)) * GROUP_TILES
     C = -(-K // CHUNK_K)
     P = C * CHUNK_PACKETS
@@ -108,10 +147,12 @@ def fp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: str
     for e in range(E):
         nib = torch.zeros((Np, Kp), dtype=torch.uint8, device=dev)
         nib[:N, :K] = unpack_fp4(weight_packed[e])
-        words = pack_fragments(nib, _ROW_OF_J, _KOFF_OF_J)  # [T, P, 32, 4]
+        words = _spread_codes(pack_fragments(nib, _ROW_OF_J, _KOFF_OF_J))  # [T, P, 32, 4]
         if fmt == "mxfp4":
             s = torch.zeros((Np, Kp // MX_BLOCK), dtype=torch.bfloat16, device=dev)
-            s[:N, :K // MX_BLOCK] = e8m0_to_float(weight_scale[e]).to(torch.bfloat16)  # 2^e: exact in bf16
+            # 2^(e-127) * 2^(126 - k): a power of two, exact in bf16 (e = 255 stays NaN)
+            s[:N, :K // MX_BLOCK] = torch.ldexp(e8m0_to_float(weight_scale[e]),
+                                                torch.tensor(float(CODE_BIAS_LOG2 - mx_shift[e]), device=dev))
             rec = s.reshape(T, 2, 8, P, 2).permute(0, 3, 2, 4, 1)  # [T, P, g, half, row]
         else:
             s = torch.zeros((Np, Kp // NVFP4_BLOCK), dtype=torch.float8_e4m3fn, device=dev)
@@ -122,6 +163,8 @@ def fp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: str
     packed = torch.stack(blobs)
 
     row_scale = None
+    if fmt == "mxfp4" and any(mx_shift):
+        row_scale = torch.tensor([2.0 ** k for k in mx_shift], device=dev).unsqueeze(1).repeat(1, Np)
     if fmt == "nvfp4":
         gs = global_scale.float().to(dev)
         gs = gs.reshape(1, -1) if dense else gs.reshape(E, -1)
@@ -130,27 +173,30 @@ def fp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: str
             raise ValueError(f"{op}: global_scale must hold one value per expert, or [E, P] with P dividing "
                              f"N={N}; got shape {tuple(global_scale.shape)} for E={E}")
         row_scale = torch.zeros((E, Np), dtype=torch.float32, device=dev)
-        row_scale[:, :N] = gs.repeat_interleave(N // parts, dim=1)
+        row_scale[:, :N] = gs.repeat_interleave(N // parts, dim=1) * 2.0 ** NVFP4_ROW_LOG2  # exact
     return FP4Packed(packed, row_scale, N, K, fmt)
 
 
 def fp4_dequant_repacked(packed: torch.Tensor, row_scale: torch.Tensor | None, fmt: str, size_n: int,
                          size_k: int) -> torch.Tensor:
-    """The blob back to fp32 weights [E, N, K]: (e2m1 * block scale) [* row_scale]."""
+    """The blob back to fp32 weights [E, N, K]: e2m1 * (the kernel's block scale * 2^-126) [* row_scale]: MXFP4
+    (e2m1 * 2^(e-127-k)) * 2^k, NVFP4 (e2m1 * s * 2^-9) * (global * 2^9), each the checkpoint's value."""
     _check_fmt("fp4_dequant_repacked", fmt)
     words, recs = from_blob(packed, torch.uint8)  # [E, T, P, 32, 4], [E, T, C, 512 bytes]
     E, T, C = recs.shape[0], recs.shape[1], recs.shape[2]
     P = C * CHUNK_PACKETS
     w = []
     for e in range(E):
-        v = e2m1_decode(unpack_fragments(words[e], _ROW_OF_J, _KOFF_OF_J))  # [T*16, P*64]
+        v = e2m1_decode(unpack_fragments(_gather_codes(words[e]), _ROW_OF_J, _KOFF_OF_J))  # [T*16, P*64]
         if fmt == "mxfp4":
             s = recs[e].reshape(T, P, 8, 2, 2, 2).contiguous().view(torch.bfloat16).reshape(T, P, 8, 2, 2)
             s = s.permute(0, 4, 2, 1, 3).reshape(T * TILE_N, P * 2).float()  # [row, block of 32]
+            s = torch.ldexp(s, torch.tensor(-float(CODE_BIAS_LOG2)))  # exact (at worst an fp32 subnormal)
             block = MX_BLOCK
         else:
             s = recs[e].reshape(T, P, 8, 2, 2, 2).contiguous().view(torch.float8_e4m3fn)
             s = s.permute(0, 5, 2, 1, 4, 3).reshape(T * TILE_N, P * 4).float()  # [row, block of 16]
+            s = torch.ldexp(s, torch.tensor(-float(NVFP4_ROW_LOG2)))  # the kernel's s * 2^117 * 2^-126
             block = NVFP4_BLOCK
         we = (v.reshape(T * TILE_N, -1, block) * s.unsqueeze(-1)).reshape(T * TILE_N, -1)
         if row_scale is not None:

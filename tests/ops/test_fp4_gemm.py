@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cublade.ops.fp4 import fp4_dequant_weight, fp4_quant_weight, nvfp4_dequant_weight
+from cublade.ops.fp4_gemm import NVFP4_ROW_LOG2 as NV_ROW
 from cublade.ops.fp4_gemm import fp4_dequant_repacked, fp4_gemm, fp4_gemm_ref, fp4_repack
 from numerics import rel_err
 
@@ -63,10 +64,11 @@ def test_repack_round_trip(fmt, E, N, K):
         assert rp.row_scale is None
         torch.testing.assert_close(fp4_dequant_repacked(rp.packed, None, fmt, N, K), W, rtol=0, atol=0)
     else:
-        # e2m1 * block scale: exact; the global scale per row: exact copy
+        # e2m1 * block scale * 2^-9: exact; the global scale * 2^9 per row: exact
         unscaled = torch.stack([nvfp4_dequant_weight(wp[e], ws[e], torch.ones(1)) for e in range(E)])
-        torch.testing.assert_close(fp4_dequant_repacked(rp.packed, None, fmt, N, K), unscaled, rtol=0, atol=0)
-        torch.testing.assert_close(rp.row_scale[:, :N], gs.reshape(E, 1).expand(E, N), rtol=0, atol=0)
+        torch.testing.assert_close(fp4_dequant_repacked(rp.packed, None, fmt, N, K), unscaled * 2.0**-NV_ROW,
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(rp.row_scale[:, :N], gs.reshape(E, 1).expand(E, N) * 2.0**NV_ROW, rtol=0, atol=0)
         assert rp.row_scale.shape == (E, -(-N // 64) * 64) and (rp.row_scale[:, N:] == 0).all()
         torch.testing.assert_close(fp4_dequant_repacked(rp.packed, rp.row_scale, fmt, N, K), W,
                                    rtol=2**-23, atol=0)
@@ -76,10 +78,35 @@ def test_repack_w13_two_global_scales():
     wp, ws, gs, W = experts(3, 32, 128, "nvfp4", parts=2)
     assert gs.shape == (3, 2)
     rp = fp4_repack(wp, ws, "nvfp4", gs)
-    torch.testing.assert_close(rp.row_scale[:, :16], gs[:, :1].expand(3, 16), rtol=0, atol=0)
-    torch.testing.assert_close(rp.row_scale[:, 16:32], gs[:, 1:].expand(3, 16), rtol=0, atol=0)
+    torch.testing.assert_close(rp.row_scale[:, :16], gs[:, :1].expand(3, 16) * 2.0**NV_ROW, rtol=0, atol=0)
+    torch.testing.assert_close(rp.row_scale[:, 16:32], gs[:, 1:].expand(3, 16) * 2.0**NV_ROW, rtol=0, atol=0)
     torch.testing.assert_close(fp4_dequant_repacked(rp.packed, rp.row_scale, "nvfp4", 32, 128), W,
                                rtol=2**-23, atol=0)
+
+
+def mxfp4_with_scales(E: int, N: int, K: int, e8m0_hi: list[int], seed: int = 0):
+    """Random MXFP4 codes; expert e's block scales (E8M0) drawn from [e8m0_hi[e] - 12, e8m0_hi[e]], one block
+    each of the largest value and of 255 (NaN) in expert 0; and the fp32 dequantized weights."""
+    g = torch.Generator().manual_seed(seed)
+    wp = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
+    ws = torch.stack([torch.randint(h - 12, h + 1, (N, K // 32), generator=g) for h in e8m0_hi]).to(torch.uint8)
+    for e, h in enumerate(e8m0_hi):
+        ws[e, 0, 0] = h
+    ws[0, 1, 0] = 255
+    W = torch.stack([fp4_dequant_weight({"weight_packed": wp[e], "weight_scale": ws[e]}, "mxfp4") for e in range(E)])
+    return wp, ws, W
+
+
+def test_repack_mxfp4_scales_past_two_use_a_row_factor():
+    """A bf16 record holds the block scale times 2^126 (the codes are bf16 patterns worth code * 2^-126), so an
+    E8M0 above 128 (scale > 2) needs a per-expert row factor 2^k; the weights stay exact."""
+    wp, ws, W = mxfp4_with_scales(3, 24, 128, [120, 131, 128])
+    rp = fp4_repack(wp, ws, "mxfp4")
+    assert rp.row_scale is not None and rp.row_scale.shape == (3, 64)
+    assert rp.row_scale[:, 0].tolist() == [1.0, 8.0, 1.0]
+    torch.testing.assert_close(fp4_dequant_repacked(rp.packed, rp.row_scale, "mxfp4", 24, 128), W, rtol=0, atol=0,
+                               equal_nan=True)
+    assert fp4_repack(wp[[0, 2]], ws[[0, 2]], "mxfp4").row_scale is None  # scales <= 2: no row factor
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -189,6 +216,21 @@ def test_kernel_grid_covers_only_the_experts_with_rows(split_k):
         y = torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, "mxfp4", N, offsets, 0, split_k)
         err = rel_err(y, grouped_ref(x, offsets, W))
         assert err <= BAR, f"experts with rows {sorted(rows)[:6]}... split_k={split_k}: {err:.2e}"
+
+
+@GPU
+def test_kernel_mxfp4_scales_past_two_and_nan():
+    """Block scales up to 2^4 (a row factor 2^3 for expert 1), 2^-19 .. 2^1 elsewhere, one NaN block: the kernel's
+    weights are the reference's (NaN where the NaN block feeds, the bf16 GEMM error elsewhere)."""
+    wp, ws, W = mxfp4_with_scales(3, 24, 128, [120, 131, 128], seed=1)
+    rp = to_cuda(fp4_repack(wp, ws, "mxfp4"))
+    offsets = torch.tensor([0, 2, 5, 6], dtype=torch.int32, device="cuda")
+    x = torch.randn(6, 128, device="cuda").to(torch.bfloat16)
+    y = torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, "mxfp4", 24, offsets)
+    ref = grouped_ref(x, offsets, W.cuda())
+    assert torch.equal(y.isnan(), ref.isnan()) and ref.isnan().any()
+    ok = ~ref.isnan()
+    assert rel_err(y[ok], ref[ok]) <= BAR
 
 
 @GPU
