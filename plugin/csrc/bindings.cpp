@@ -25,6 +25,10 @@ TORCH_LIBRARY(cublade, m) {
   // int32; none = one expert) @ weights in fp4_repack's layout -> bf16 [T, size_n].
   m.def("fp4_gemm(Tensor x, Tensor packed, Tensor? row_scale, str format, int size_n, "
         "Tensor? expert_offsets=None, int max_m=0, int split_k=0) -> Tensor");
+  // MoE routing around fp4_gemm: topk_ids [T, k] + x [T, H] -> (xs [T*k, H] sorted by expert, expert_offsets
+  // [E+1] int32, pos [T*k] int32); then y [T*k, N] -> out [T, N] = sum_j topk_weights[t, j] * y[pos[t*k + j]].
+  m.def("moe_route(Tensor topk_ids, Tensor x, int num_experts) -> (Tensor, Tensor, Tensor)");
+  m.def("moe_finalize(Tensor y, Tensor pos, Tensor topk_weights) -> Tensor");
 }
 
 // `import cublade._C` loads this library; the TORCH_LIBRARY blocks above and in the .cu files register

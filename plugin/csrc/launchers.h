@@ -43,4 +43,15 @@ cudaError_t launch_fp8_kv_cache_write(const void* key, const void* value, InDtyp
                                       int64_t c_hs, int64_t c_ds, const int64_t* slots, const float* k_scale,
                                       const float* v_scale, cudaStream_t stream);
 
+// moe_glue.cu (the MoE routing around fp4_gemm). route: ids [n = T*k] (int32, or int64 with ids64), entries
+// outside [0, E) dropped; x [T, row_bytes] rows x_stride_bytes apart (both multiples of 16); writes xs [n,
+// row_bytes] (the routed rows sorted by expert), offsets [E+1], pos [n], and src [n] (scratch: the row of each
+// place). finalize: y [n, H] (y_stride elements apart, H and y_stride multiples of 8), pos [n], w [T, k]
+// contiguous -> out contiguous [T, H] of y's dtype.
+constexpr int kMoeMaxExperts = 1024;
+cudaError_t launch_moe_route(const void* ids, bool ids64, int64_t n, int E, int k, const void* x, int64_t row_bytes,
+                             int64_t x_stride_bytes, void* xs, int* offsets, int* pos, int* src, cudaStream_t stream);
+cudaError_t launch_moe_finalize(const void* y, InDtype y_dtype, int64_t y_stride, const int* pos, const void* w,
+                                InDtype w_dtype, int64_t T, int k, int64_t H, void* out, cudaStream_t stream);
+
 }  // namespace cublade

@@ -20,7 +20,8 @@ with the checkpoint tensor's name. Kernels repack these once (process_weights_af
 Kernel choice (one per layer, in process_weights_after_loading; first that can run the layer wins; logged
 once per distinct choice with the reason; CUBLADE_DISABLED_KERNELS=name,... takes kernels out):
   cublade-fp4-moe    cublade's FP4 dequant-GEMM op (cublade.ops.fp4_gemm), CUDA, bf16: one grouped call per
-                     projection, tokens sorted by expert on the device (CUDA-graph capturable)
+                     projection, between cublade.ops.moe_glue's moe_route (tokens sorted by expert on the
+                     device) and moe_finalize (the top-k weighted sum); CUDA-graph capturable
   vllm-marlin-moe    fallback: vLLM's fused Marlin MoE (FP4 weights, bf16/fp16 activations), CUDA; weights
                      repacked once into Marlin's layout. NVFP4 needs one global scale per expert for w1 and w3.
   reference          pure PyTorch: every expert linear is scheme.linear_ref on the stored FP4 tensors (the
@@ -266,7 +267,8 @@ class ReferenceMoE(MoEKernel):
 
 class CubladeFp4MoE(MoEKernel):
     """cublade's FP4 GEMM (cublade.ops.fp4_gemm), grouped over experts: one call for w13 and one for w2 per
-    layer, tokens sorted by expert on the device (no host sync: CUDA-graph capturable)."""
+    layer, tokens sorted by expert and the outputs combined by cublade.ops.moe_glue's two ops (no host sync:
+    CUDA-graph capturable)."""
     name = "cublade-fp4-moe"
 
     @classmethod
@@ -303,25 +305,19 @@ class CubladeFp4MoE(MoEKernel):
 
     def apply(self, layer, x, topk_weights, topk_ids):
         from cublade.ops.fp4_gemm import fp4_gemm
+        from cublade.ops.moe_glue import moe_finalize, moe_route
 
         T, k = topk_ids.shape
-        E, I, H = self.num_experts, self.I, self.H
+        I, H = self.I, self.H
         fmt = self.scheme.format
-        ids = local_topk_ids(layer, topk_ids).reshape(-1).long()
-        ids = torch.where((ids >= 0) & (ids < E), ids, E)  # experts of other ranks: sorted last, in no range
-        order = torch.argsort(ids, stable=True)
-        counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-        offsets = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
-        offsets[1:] = torch.cumsum(counts[:E], dim=0)
-        xs = x[order // k]
+        # Rows sorted by expert (ids of other ranks' experts dropped), then the two grouped GEMMs, then the top-k
+        # weighted sum: cublade.ops.moe_glue's two ops around the GEMMs (a reference path off the GPU).
+        xs, offsets, pos = moe_route(local_topk_ids(layer, topk_ids), x, self.num_experts)
         # Top-k picks distinct experts per token, so no expert has more than T rows: max_m = T.
         h = fp4_gemm(xs, layer.w13_fp4_packed, getattr(layer, "w13_fp4_row_scale", None), fmt, 2 * I, offsets, T)
         a = F.silu(h[:, :I]) * h[:, I:]
         y = fp4_gemm(a, layer.w2_fp4_packed, getattr(layer, "w2_fp4_row_scale", None), fmt, H, offsets, T)
-        y = torch.where((ids[order] < E)[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
-        unsorted = torch.empty_like(y).index_copy_(0, order, y)
-        return (unsorted.view(T, k, H).float() * topk_weights.view(T, k, 1).float()).sum(dim=1).to(x.dtype)
+        return moe_finalize(y, pos, topk_weights).to(x.dtype)
 
 
 class VllmMarlinMoE(MoEKernel):

@@ -1,0 +1,156 @@
+// The routing glue around the grouped FP4 expert GEMMs (plugin/vllm/moe.py, CubladeFp4MoE.apply):
+//   moe_route:    top-k expert ids [T, k] + x [T, H] -> rows sorted by expert (xs [T*k, H], a row per routed
+//                 (token, slot)), expert_offsets [E+1], and pos [T*k]: where row i = t*k + j went (-1: dropped)
+//   moe_finalize: y [T*k, N] (the expert outputs in xs's order) -> out[t] = sum_j w[t, j] * y[pos[t*k + j]]
+// They replace ~20 small torch kernels (argsort, scatter_add, cumsum, gathers, where, index_copy, casts, the
+// weighted sum), ~50 us of launch-bound work per MoE layer at decode under a CUDA graph (ninth session).
+// Numerics: moe_route copies rows bit for bit; moe_finalize forms each product w * y in fp32 and adds them in
+// j order from 0 (no FMA), as the reference's (y.float() * w.float()).sum(dim=1) does, and rounds once.
+// The order of rows inside an expert's range comes from shared-memory atomics, so it may differ between runs;
+// each row's GEMM result does not depend on its place, so the layer's output does not either.
+#define CUBLADE_KERNELS_ONLY  // the torch wrapper is moe_glue_torch.cpp
+#include "common.cuh"
+#include "launchers.h"
+
+namespace cublade {
+namespace {
+
+constexpr int kRouteThreads = 1024;  // = kMoeMaxExperts: the scan gives each thread one expert
+static_assert(kRouteThreads == kMoeMaxExperts, "moe_route scans one expert per thread");
+
+// One CTA: rows per expert (shared atomics), their exclusive sum (the offsets), then each row's place:
+// pos[i] = offsets[e] + its arrival among the rows of e; src[p] = i.
+template <typename Id>
+__global__ void __launch_bounds__(kRouteThreads)
+moe_route_kernel(const Id* __restrict__ ids, int64_t n, int E, int* __restrict__ offsets, int* __restrict__ pos,
+                 int* __restrict__ src) {
+  __shared__ int count[kRouteThreads];  // rows per expert, then the next free place of each expert
+  __shared__ int scan[kRouteThreads];
+  const int e = threadIdx.x;
+  count[e] = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += kRouteThreads) {
+    const int64_t x = ids[i];
+    if (x >= 0 && x < E) atomicAdd(&count[x], 1);
+  }
+  __syncthreads();
+  const int c = count[e];
+  scan[e] = c;
+  __syncthreads();
+  for (int d = 1; d < kRouteThreads; d <<= 1) {  // inclusive scan (Hillis-Steele)
+    const int v = e >= d ? scan[e - d] : 0;
+    __syncthreads();
+    scan[e] += v;
+    __syncthreads();
+  }
+  if (e < E) {
+    offsets[e] = scan[e] - c;
+    count[e] = scan[e] - c;
+  }
+  if (e == E - 1) offsets[E] = scan[e];
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += kRouteThreads) {
+    const int64_t x = ids[i];
+    int p = -1;
+    if (x >= 0 && x < E) {
+      p = atomicAdd(&count[x], 1);
+      src[p] = static_cast<int>(i);
+    }
+    pos[i] = p;
+  }
+}
+
+// xs[p] = x[src[p] / k] for the routed rows (p < offsets[E]); the others stay unwritten (no expert reads them).
+__global__ void moe_gather_kernel(const uint4* __restrict__ x, int64_t x_stride16, const int* __restrict__ src,
+                                  const int* __restrict__ offsets, int E, int k, int64_t row16,
+                                  uint4* __restrict__ xs) {
+  const int64_t p = blockIdx.x;
+  if (p >= offsets[E]) return;
+  const uint4* in = x + static_cast<int64_t>(src[p] / k) * x_stride16;
+  uint4* out = xs + p * row16;
+  for (int64_t c = threadIdx.x; c < row16; c += blockDim.x) out[c] = in[c];
+}
+
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32(float v) { return v; }
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+
+// out[t, c..c+7] (one 16-byte vector per thread): sum over j of w[t, j] * y[pos[t*k + j], c..] in fp32, from 0, in
+// j order; a dropped row adds w * 0 (the reference zeroes its row).
+template <typename T, typename W>
+__global__ void moe_finalize_kernel(const T* __restrict__ y, int64_t y_stride, const int* __restrict__ pos,
+                                    const W* __restrict__ w, int k, int64_t H, T* __restrict__ out) {
+  const int64_t t = blockIdx.x;
+  const int64_t c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 8;
+  if (c >= H) return;
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    const int p = pos[t * k + j];
+    const float wj = to_f32(w[t * k + j]);
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (p >= 0) v = *reinterpret_cast<const uint4*>(y + p * y_stride + c);
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(to_f32(e[i]), wj));
+  }
+  uint4 o;
+  T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) oe[i] = from_f32<T>(acc[i]);
+  *reinterpret_cast<uint4*>(out + t * H + c) = o;
+}
+
+template <typename T, typename W>
+cudaError_t finalize_as(const void* y, int64_t y_stride, const int* pos, const void* w, int64_t T_, int k, int64_t H,
+                        void* out, cudaStream_t stream) {
+  constexpr int kThreads = 128;
+  const dim3 grid(static_cast<unsigned>(T_), static_cast<unsigned>(ceil_div(H / 8, kThreads)));
+  moe_finalize_kernel<T, W><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(y), y_stride, pos,
+                                                           static_cast<const W*>(w), k, H, static_cast<T*>(out));
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t finalize_w(const void* y, int64_t y_stride, const int* pos, const void* w, InDtype w_dtype, int64_t T_,
+                       int k, int64_t H, void* out, cudaStream_t stream) {
+  switch (w_dtype) {
+    case InDtype::kF32: return finalize_as<T, float>(y, y_stride, pos, w, T_, k, H, out, stream);
+    case InDtype::kBF16: return finalize_as<T, __nv_bfloat16>(y, y_stride, pos, w, T_, k, H, out, stream);
+    case InDtype::kF16: return finalize_as<T, __half>(y, y_stride, pos, w, T_, k, H, out, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t launch_moe_route(const void* ids, bool ids64, int64_t n, int E, int k, const void* x, int64_t row_bytes,
+                             int64_t x_stride_bytes, void* xs, int* offsets, int* pos, int* src,
+                             cudaStream_t stream) {
+  if (E < 1 || E > kMoeMaxExperts || k < 1 || row_bytes % 16 || x_stride_bytes % 16) return cudaErrorInvalidValue;
+  if (ids64)
+    moe_route_kernel<int64_t><<<1, kRouteThreads, 0, stream>>>(static_cast<const int64_t*>(ids), n, E, offsets, pos,
+                                                               src);
+  else
+    moe_route_kernel<int32_t><<<1, kRouteThreads, 0, stream>>>(static_cast<const int32_t*>(ids), n, E, offsets, pos,
+                                                               src);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || n == 0) return err;
+  moe_gather_kernel<<<static_cast<unsigned>(n), 128, 0, stream>>>(
+      static_cast<const uint4*>(x), x_stride_bytes / 16, src, offsets, E, k, row_bytes / 16, static_cast<uint4*>(xs));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_moe_finalize(const void* y, InDtype y_dtype, int64_t y_stride, const int* pos, const void* w,
+                                InDtype w_dtype, int64_t T, int k, int64_t H, void* out, cudaStream_t stream) {
+  if (H % 8 || y_stride % 8 || k < 1) return cudaErrorInvalidValue;
+  if (T == 0 || H == 0) return cudaSuccess;
+  if (y_dtype == InDtype::kBF16) return finalize_w<__nv_bfloat16>(y, y_stride, pos, w, w_dtype, T, k, H, out, stream);
+  if (y_dtype == InDtype::kF16) return finalize_w<__half>(y, y_stride, pos, w, w_dtype, T, k, H, out, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace cublade
