@@ -108,6 +108,16 @@ def test_finalize_kernel_bit_exact(ydt, wdt, T, k, N, drop):
 
 
 @GPU
+def test_no_tokens():
+    ids = torch.zeros(0, 2, device="cuda", dtype=torch.int64)
+    x = torch.zeros(0, 64, device="cuda", dtype=torch.bfloat16)
+    xs, offsets, pos = torch.ops.cublade.moe_route(ids, x, 8)
+    assert xs.shape == (0, 64) and offsets.tolist() == [0] * 9 and pos.shape == (0,)
+    out = torch.ops.cublade.moe_finalize(xs, pos, torch.zeros(0, 2, device="cuda"))
+    assert out.shape == (0, 64)
+
+
+@GPU
 def test_refusals_name_the_op():
     x = torch.zeros(2, 16, device="cuda", dtype=torch.bfloat16)
     ids = torch.zeros(2, 2, device="cuda", dtype=torch.int32)
