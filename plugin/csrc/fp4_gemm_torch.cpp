@@ -13,8 +13,6 @@
 namespace cublade {
 namespace {
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 at::Tensor fp4_gemm(const at::Tensor& x_in, const at::Tensor& packed, const std::optional<at::Tensor>& row_scale,
@@ -70,9 +68,7 @@ at::Tensor fp4_gemm(const at::Tensor& x_in, const at::Tensor& packed, const std:
   }
 
   const c10::cuda::CUDAGuard guard(x_in.device());
-  at::Tensor x = x_in;
-  if (x.stride(1) != 1 || x.stride(0) % 8 != 0 || !aligned16(x.data_ptr())) x = x.contiguous();
-  if (!aligned16(x.data_ptr())) x = x.clone();
+  const at::Tensor x = with_16byte_rows(x_in);
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, size_n}, x_in.options());
   if (M == 0) return out;

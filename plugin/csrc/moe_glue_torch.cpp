@@ -10,8 +10,6 @@
 namespace cublade {
 namespace {
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& topk_ids, const at::Tensor& x_in,
                                                          int64_t num_experts) {
   constexpr const char* op = "moe_route";
@@ -33,9 +31,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& topk_
   CUBLADE_CHECK_VALUE(n < INT32_MAX, op, "topk_ids has ", num(n), " entries; at most 2^31 - 2");
   check_arch(op, x_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  at::Tensor x = x_in;
-  if (x.stride(1) != 1 || x.stride(0) % 8 != 0 || !aligned16(x.data_ptr())) x = x.contiguous();
-  if (!aligned16(x.data_ptr())) x = x.clone();
+  const at::Tensor x = with_16byte_rows(x_in);
   const at::Tensor ids = topk_ids.contiguous();
   const auto i32 = x.options().dtype(at::kInt);
   at::Tensor xs = at::empty({n, x.size(1)}, x.options());
@@ -67,9 +63,7 @@ at::Tensor moe_finalize(const at::Tensor& y_in, const at::Tensor& pos, const at:
                       dev(pos.device()), " and ", dev(topk_weights.device()));
   check_arch(op, y_in);
   const c10::cuda::CUDAGuard guard(y_in.device());
-  at::Tensor y = y_in;
-  if (y.stride(1) != 1 || y.stride(0) % 8 != 0 || !aligned16(y.data_ptr())) y = y.contiguous();
-  if (!aligned16(y.data_ptr())) y = y.clone();
+  const at::Tensor y = with_16byte_rows(y_in);
   const at::Tensor p = pos.contiguous(), w = topk_weights.contiguous();
   at::Tensor out = at::empty({T, y.size(1)}, y.options());
   check_launch(op, launch_moe_finalize(y.data_ptr(), y.scalar_type() == at::kBFloat16 ? InDtype::kBF16 : InDtype::kF16,

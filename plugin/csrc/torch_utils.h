@@ -30,6 +30,18 @@ inline std::string shape(c10::IntArrayRef s) {
 inline std::string dev(const c10::Device& d) { return d.str(); }
 inline const char* dt(c10::ScalarType t) { return c10::toString(t); }
 
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// A 2-D tensor whose rows the kernels can read in 16-byte vectors or bulk copies: unit column stride, rows 16 bytes
+// apart and 16-byte aligned. `x` itself when it already is; else a contiguous copy (cloned again if the copy's
+// storage is misaligned).
+inline at::Tensor with_16byte_rows(const at::Tensor& x) {
+  at::Tensor r = x;
+  if (r.stride(1) != 1 || r.stride(0) * r.element_size() % 16 != 0 || !aligned16(r.data_ptr())) r = r.contiguous();
+  if (!aligned16(r.data_ptr())) r = r.clone();
+  return r;
+}
+
 inline int device_attr(cudaDeviceAttr attr, int device) {
   int v = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, device));

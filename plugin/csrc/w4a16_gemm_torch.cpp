@@ -10,8 +10,6 @@
 namespace cublade {
 namespace {
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The blob w4a16_repack makes for (N, K, group_size, symmetric): int32 [ceil(N/64), ceil(K/512), 4, 1024 + records].
@@ -60,10 +58,7 @@ at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   check_packed(op, packed, size_n, K, group_size, symmetric);
 
   const c10::cuda::CUDAGuard guard(x_in.device());
-  at::Tensor x = x_in.reshape({-1, K});
-  // The bulk copies read 16-byte aligned rows along K: unit column stride, 16-byte aligned rows.
-  if (x.stride(1) != 1 || x.stride(0) % 8 != 0 || !aligned16(x.data_ptr())) x = x.contiguous();
-  if (!aligned16(x.data_ptr())) x = x.clone();
+  const at::Tensor x = with_16byte_rows(x_in.reshape({-1, K}));  // the bulk copies read 16-byte rows along K
   const int64_t M = x.size(0);
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = size_n;
