@@ -35,6 +35,17 @@ def random_fp4(E: int, N: int, K: int, fmt: str, dev) -> dict:
     return t
 
 
+def random_routing(E: int, tokens: int, k: int, seed: int) -> torch.Tensor:
+    """Expert ids [tokens * k]: each token's k distinct experts, drawn with a CPU generator seeded by `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).flatten()
+
+
+def expert_offsets(counts: torch.Tensor, dev) -> torch.Tensor:
+    """Rows per expert -> fp4_gemm's expert_offsets, int32 [E+1] on dev."""
+    return torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32).to(dev)
+
+
 def marlin_fp4(t: dict, fmt: str, N: int, K: int):
     """vLLM's Marlin FP4 linear for expert 0 (prepare_fp4_layer_for_marlin + apply_fp4_marlin_linear)."""
     try:
@@ -96,10 +107,8 @@ def main() -> None:
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             for B in (int(b) for b in args.batches.split(",")):
-                g = torch.Generator(device="cpu").manual_seed(B)
-                ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(B)]).flatten()
-                counts = torch.bincount(ids, minlength=E)
-                offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32).to(dev)
+                counts = torch.bincount(random_routing(E, B, 2, seed=B), minlength=E)
+                offsets = expert_offsets(counts, dev)
                 T = 2 * B
                 x = torch.randn(T, K, device=dev).to(torch.bfloat16)
                 active = [e for e in range(E) if counts[e] > 0]

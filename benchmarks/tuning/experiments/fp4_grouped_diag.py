@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench_fp4_gemm import random_fp4  # noqa: E402
+from bench_fp4_gemm import expert_offsets, random_fp4, random_routing  # noqa: E402
 from common import bench_us, rel_err, require_op  # noqa: E402
 
 
@@ -53,16 +53,10 @@ def main() -> None:
             line.append(f"S={S} {us:6.1f} ({ebytes / us / 1e6:4.2f})")
         print(f"{K}x{N} dense M=1: " + "  ".join(line), flush=True)
         for T, experts in [(2, [3, 6]), (8, None), (32, None)]:
-            if experts is None:
-                g = torch.Generator().manual_seed(T)
-                ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T // 2)]).flatten()
-            else:
-                ids = torch.tensor(experts)
+            ids = random_routing(E, T // 2, 2, seed=T) if experts is None else torch.tensor(experts)
             counts = torch.bincount(ids, minlength=E)
             act = [e for e in range(E) if counts[e] > 0]
-            offs8 = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32).to(dev)
-            ca = counts[act]
-            offsa = torch.cat([torch.zeros(1, dtype=torch.int64), ca.cumsum(0)]).to(torch.int32).to(dev)
+            offs8, offsa = expert_offsets(counts, dev), expert_offsets(counts[act], dev)
             pa = rp.packed[act].contiguous()
             ra = None if rp.row_scale is None else rp.row_scale[act].contiguous()
             x = torch.randn(T, K, device=dev).to(torch.bfloat16)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench_fp4_gemm import random_fp4  # noqa: E402
+from bench_fp4_gemm import expert_offsets, random_fp4, random_routing  # noqa: E402
 from common import bench_us, rel_err, require_op  # noqa: E402
 
 
@@ -36,10 +36,8 @@ def one_shape(op, K: int, N: int) -> None:
     rp = fp4_repack(t["weight_packed"], t["weight_scale"], fmt, t.get("weight_global_scale"))
     w32 = fp4_dequant_repacked(rp.packed, rp.row_scale, fmt, N, K)
     for T in (4, 8, 16, 32, 64):
-        g = torch.Generator().manual_seed(T)
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).flatten()
-        counts = torch.bincount(ids, minlength=E)
-        offs = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32).to(dev)
+        counts = torch.bincount(random_routing(E, T, k, seed=T), minlength=E)
+        offs = expert_offsets(counts, dev)
         x = torch.randn(T * k, K, device=dev).to(torch.bfloat16)
         o = offs.tolist()
         ref = torch.cat([x[o[e]:o[e + 1]].float() @ w32[e].t() for e in range(E)])
