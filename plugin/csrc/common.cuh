@@ -71,16 +71,19 @@ template <> struct Elem<InDtype::kBF16> {
   using type = __nv_bfloat16;
   static constexpr int kPerVec = 8;  // elements per 16-byte vector
   __device__ __forceinline__ static float to_float(type v) { return __bfloat162float(v); }
+  __device__ __forceinline__ static type from_float(float v) { return __float2bfloat16_rn(v); }
 };
 template <> struct Elem<InDtype::kF16> {
   using type = __half;
   static constexpr int kPerVec = 8;
   __device__ __forceinline__ static float to_float(type v) { return __half2float(v); }
+  __device__ __forceinline__ static type from_float(float v) { return __float2half_rn(v); }
 };
 template <> struct Elem<InDtype::kF32> {
   using type = float;
   static constexpr int kPerVec = 4;
   __device__ __forceinline__ static float to_float(type v) { return v; }
+  __device__ __forceinline__ static type from_float(float v) { return v; }
 };
 
 // Widen the elements of one 16-byte vector to fp32 (exact for all three types).

@@ -71,18 +71,14 @@ __global__ void moe_gather_kernel(const uint4* __restrict__ x, int64_t x_stride1
   for (int64_t c = threadIdx.x; c < row16; c += blockDim.x) out[c] = in[c];
 }
 
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f32(float v) { return v; }
-template <typename T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
-
 // out[t, c..c+7] (one 16-byte vector per thread): sum over j of w[t, j] * y[pos[t*k + j], c..] in fp32, from 0, in
 // j order; a dropped row adds w * 0 (the reference zeroes its row).
-template <typename T, typename W>
-__global__ void moe_finalize_kernel(const T* __restrict__ y, int64_t y_stride, const int* __restrict__ pos,
-                                    const W* __restrict__ w, int k, int64_t H, T* __restrict__ out) {
+template <InDtype YT, InDtype WT>
+__global__ void moe_finalize_kernel(const typename Elem<YT>::type* __restrict__ y, int64_t y_stride,
+                                    const int* __restrict__ pos, const typename Elem<WT>::type* __restrict__ w, int k,
+                                    int64_t H, typename Elem<YT>::type* __restrict__ out) {
+  using T = typename Elem<YT>::type;
+  static_assert(Elem<YT>::kPerVec == 8, "y is a 16-bit type: 8 columns per vector");
   const int64_t t = blockIdx.x;
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 8;
   if (c >= H) return;
@@ -91,37 +87,40 @@ __global__ void moe_finalize_kernel(const T* __restrict__ y, int64_t y_stride, c
   for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
   for (int j = 0; j < k; ++j) {
     const int p = pos[t * k + j];
-    const float wj = to_f32(w[t * k + j]);
+    const float wj = Elem<WT>::to_float(w[t * k + j]);
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (p >= 0) v = *reinterpret_cast<const uint4*>(y + p * y_stride + c);
-    const T* e = reinterpret_cast<const T*>(&v);
+    float e[8];
+    vec_to_float<YT>(v, e);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(to_f32(e[i]), wj));
+    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(e[i], wj));
   }
   uint4 o;
   T* oe = reinterpret_cast<T*>(&o);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) oe[i] = from_f32<T>(acc[i]);
+  for (int i = 0; i < 8; ++i) oe[i] = Elem<YT>::from_float(acc[i]);
   *reinterpret_cast<uint4*>(out + t * H + c) = o;
 }
 
-template <typename T, typename W>
+template <InDtype YT, InDtype WT>
 cudaError_t finalize_as(const void* y, int64_t y_stride, const int* pos, const void* w, int64_t T_, int k, int64_t H,
                         void* out, cudaStream_t stream) {
+  using T = typename Elem<YT>::type;
   constexpr int kThreads = 128;
   const dim3 grid(static_cast<unsigned>(T_), static_cast<unsigned>(ceil_div(H / 8, kThreads)));
-  moe_finalize_kernel<T, W><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(y), y_stride, pos,
-                                                           static_cast<const W*>(w), k, H, static_cast<T*>(out));
+  moe_finalize_kernel<YT, WT><<<grid, kThreads, 0, stream>>>(
+      static_cast<const T*>(y), y_stride, pos, static_cast<const typename Elem<WT>::type*>(w), k, H,
+      static_cast<T*>(out));
   return cudaGetLastError();
 }
 
-template <typename T>
+template <InDtype YT>
 cudaError_t finalize_w(const void* y, int64_t y_stride, const int* pos, const void* w, InDtype w_dtype, int64_t T_,
                        int k, int64_t H, void* out, cudaStream_t stream) {
   switch (w_dtype) {
-    case InDtype::kF32: return finalize_as<T, float>(y, y_stride, pos, w, T_, k, H, out, stream);
-    case InDtype::kBF16: return finalize_as<T, __nv_bfloat16>(y, y_stride, pos, w, T_, k, H, out, stream);
-    case InDtype::kF16: return finalize_as<T, __half>(y, y_stride, pos, w, T_, k, H, out, stream);
+    case InDtype::kF32: return finalize_as<YT, InDtype::kF32>(y, y_stride, pos, w, T_, k, H, out, stream);
+    case InDtype::kBF16: return finalize_as<YT, InDtype::kBF16>(y, y_stride, pos, w, T_, k, H, out, stream);
+    case InDtype::kF16: return finalize_as<YT, InDtype::kF16>(y, y_stride, pos, w, T_, k, H, out, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -148,8 +147,8 @@ cudaError_t launch_moe_finalize(const void* y, InDtype y_dtype, int64_t y_stride
                                 InDtype w_dtype, int64_t T, int k, int64_t H, void* out, cudaStream_t stream) {
   if (H % 8 || y_stride % 8 || k < 1) return cudaErrorInvalidValue;
   if (T == 0 || H == 0) return cudaSuccess;
-  if (y_dtype == InDtype::kBF16) return finalize_w<__nv_bfloat16>(y, y_stride, pos, w, w_dtype, T, k, H, out, stream);
-  if (y_dtype == InDtype::kF16) return finalize_w<__half>(y, y_stride, pos, w, w_dtype, T, k, H, out, stream);
+  if (y_dtype == InDtype::kBF16) return finalize_w<InDtype::kBF16>(y, y_stride, pos, w, w_dtype, T, k, H, out, stream);
+  if (y_dtype == InDtype::kF16) return finalize_w<InDtype::kF16>(y, y_stride, pos, w, w_dtype, T, k, H, out, stream);
   return cudaErrorInvalidValue;
 }
 
