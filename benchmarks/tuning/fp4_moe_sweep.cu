@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
 
     auto production = [&] {
       return cublade::launch_fp4_gemm(x, M, c.K, c.K, o, c.E, max_m, blob, nullptr, cublade::kMXFP4, out, c.N, c.N, 0,
-                                      sms, st);
+                                      nullptr, sms, st);  // decode sizes: the streaming kernel, no workspace
     };
     CK(production());
     CK(cudaMemcpyAsync(ref, out, size_t(M) * c.N * sizeof(bf16), cudaMemcpyDeviceToDevice, st));

@@ -200,7 +200,7 @@ int main(int argc, char** argv) {
         const int64_t units = int64_t(chunks) * nt * 64;
         auto prep = [&] {
           cublade::wide::prep_x<bf16><<<int(std::min<int64_t>((units + 255) / 256, 8LL * sms)), 256, 0, st>>>(
-              x, K, std::min(M, nt), K, nt, 512, chunks, static_cast<uint4*>(ws));
+              x, K, std::min(M, nt), K, nt / 8, 512, chunks, static_cast<uint4*>(ws));
           return cudaGetLastError();
         };
         std::printf("%5dx%-5d %3d %-8s %-14s %2s %9.2f\n", K, N, M, "prep", "-", "-",

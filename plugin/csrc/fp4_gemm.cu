@@ -21,9 +21,11 @@
 //           only for experts with a block scale above 2), or absent.
 #define CUBLADE_KERNELS_ONLY  // the torch wrapper is fp4_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
+#include "wide_gemm.cuh"
 #include "w4a16_gemm.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace cublade {
 namespace {
@@ -114,6 +116,91 @@ struct Fp4Policy {
   }
 };
 
+// FP4 batches for the wide kernel (wide_gemm.cuh, prefill sizes): the same dequant; the A fragments are the exact
+// weights times 2^126 (NVFP4: 2^117), so the mma's sum all of K into acc and the row factor multiplies at the store.
+template <int FMT>
+struct Fp4Batch {
+  using T = __nv_bfloat16;
+  static constexpr int kBlobRecBytes = kFp4RecordBytes;
+  static constexpr wide::Scaling kScaling = wide::Scaling::kNone;
+  static constexpr bool kRowScale = true;
+  __device__ static void batch(const unsigned char* packets, const unsigned char* recs, int b, int lane,
+                               uint32_t (&a)[8][4], float&, float&) {
+#pragma unroll
+    for (int pk = 0; pk < 2; ++pk) {
+      const int j = 2 * b + pk;  // packet of the stage
+      const uint4 q = lowbit::lds128(packets + j * 512 + lane * 16);
+      const typename Fp4Rec<FMT>::type r = Fp4Rec<FMT>::load(recs, j, lane);
+      uint32_t s0_lo, s0_hi, s1_lo, s1_hi;
+      Fp4Rec<FMT>::pairs(r, 0, s0_lo, s0_hi);
+      Fp4Rec<FMT>::pairs(r, 1, s1_lo, s1_hi);
+      dequant_fp4(q.x, s0_lo, s0_hi, a[4 * pk + 0]);
+      dequant_fp4(q.y, s0_lo, s0_hi, a[4 * pk + 1]);
+      dequant_fp4(q.z, s1_lo, s1_hi, a[4 * pk + 2]);
+      dequant_fp4(q.w, s1_lo, s1_hi, a[4 * pk + 3]);
+    }
+  }
+};
+
+// The wide kernel from this many rows per expert (the mean over the experts that can have rows). Measured
+// (benchmarks/tuning/fp4_wide_sweep.cu, tenth session, Mixtral w13 / w2, 8 experts, random top-2 routing, us): at a
+// mean of 16 rows (64 tokens) the wide kernel at 32 tokens a pass took 220.8 / 106.6 against the streaming kernel's
+// 274.7 / 138.1; at 8 rows (32 tokens) it lost, 218.3 / 105.1 against 175.7 / 97.5.
+constexpr int64_t kWideMinRows = 16;
+
+// Tokens per wide pass (0: the streaming kernel), from r, the mean rows per expert (grouped) or the rows (dense).
+// Each candidate costs (passes an expert needs) x (time of a pass relative to 64 tokens); an expert needs r tokens,
+// plus up to 7 (its window starts on a multiple of 8) plus the spread of the counts around r (about sqrt(r) for
+// random routing), taken as 7 + 1.5 sqrt(r). The relative times are single-pass calls of the sweep (8 experts of 8
+// rows): w13 218.3 / 273.3 / 299.0 / 403.7 / 469.5 us and w2 105.1 / 130.9 / 145.1 / 188.8 / 221.8 at 32 (4
+// warpgroups) / 48 / 64 / 96 / 128 tokens. On the sweep's routings (64-4096 tokens) the rule picks the fastest
+// configuration on both shapes except at 512 tokens: 96 tokens a pass, where 64 ran 7% (w13) / 9% (w2) faster.
+int wide_tokens(int64_t M, int64_t active, bool grouped, int split_k) {
+  if (split_k > 0) return 0;
+  const int64_t r = ceil_div(M, active);
+  if (r < kWideMinRows) return 0;
+  const double need = grouped ? r + 7 + 1.5 * std::sqrt(static_cast<double>(r)) : static_cast<double>(r);
+  constexpr int kTokens[] = {32, 48, 64, 96, 128};
+  constexpr double kPassCost[] = {0.72, 0.90, 1.0, 1.33, 1.55};
+  int best = 0;
+  double best_cost = 0.0;
+  for (int i = 0; i < 5; ++i) {
+    const double cost = std::ceil(need / kTokens[i]) * kPassCost[i];
+    if (best == 0 || cost < best_cost) best = kTokens[i], best_cost = cost;
+  }
+  return best;
+}
+
+// The FP4 configurations (sweep above): four warpgroups only at 32 tokens a pass (and only when their CTAs fill 3/4
+// of the SMs); from 48 tokens two, with whole-chunk stages at 48 / 64 (w13 at a mean of 32 rows: 275.9 us at 48
+// tokens on 2 warpgroups, 327.0 on 4).
+template <int FMT>
+cudaError_t launch_wide(lowbit::GemmParams sp, const float* row_scale, int E, int ntok, int64_t active,
+                        void* workspace, cudaStream_t stream) {
+  wide::Params prm = {};
+  prm.w = sp.w;
+  prm.offsets = sp.offsets;
+  prm.experts = E;
+  prm.row_scale = row_scale;
+  prm.M = sp.M; prm.N = sp.N;
+  prm.out = sp.out; prm.out_stride = sp.out_stride;
+  auto run = [&](auto cfg) {
+    using C = decltype(cfg);
+    return wide::launch_kernel<Fp4Batch<FMT>, C::kTokens, C::kWarpgroups, C::kStageK, true>(
+        prm, sp.x, sp.x_stride, sp.K, 0, 0, true, workspace, sp.sms, stream);
+  };
+  switch (ntok) {
+    case 32:
+      return wide::four_warpgroups(ceil_div(sp.groups, 4) * active, sp.sms) ? run(wide::PassConfig<32, 4, 512>{})
+                                                                             : run(wide::PassConfig<32, 2, 512>{});
+    case 48: return run(wide::PassConfig<48, 2, 512>{});
+    case 64: return run(wide::PassConfig<64, 2, 512>{});
+    case 96: return run(wide::PassConfig<96, 2, 256>{});
+    case 128: return run(wide::PassConfig<128, 2, 256>{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 template <int FMT>
 cudaError_t launch_fmt(lowbit::GemmParams prm, int E, int max_m, int S, cudaStream_t stream) {
   const int nt = lowbit::token_tiles(max_m);
@@ -124,16 +211,26 @@ cudaError_t launch_fmt(lowbit::GemmParams prm, int E, int max_m, int S, cudaStre
   return lowbit::launch_tpw<Fp4Policy<4, FMT>>(prm, E, S, stream);
 }
 
+int64_t active_experts(int64_t M, int64_t E, bool grouped) { return grouped ? std::min<int64_t>(E, M) : 1; }
+
 }  // namespace
+
+size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, int split_k) {
+  const int nt = M > 0 ? wide_tokens(M, active_experts(M, E, grouped), grouped, split_k) : 0;
+  return nt > 0 ? static_cast<size_t>(wide::workspace_bytes(M, K, nt, true)) : 0;
+}
 
 // x: bf16 [M, K] (row stride x_stride, unit column stride, 16-byte aligned rows, K % 32 == 0); offsets: int32
 // [E+1] on the device (null: one expert over all M rows); packed: the blob above; row_scale: [E, groups*64] or
 // null; out: bf16 [M, N] (row stride out_stride). max_m: an upper bound on any expert's row count (picks the
-// tokens per pass; a wrong bound costs speed, not correctness). fmt: 0 = MXFP4, 1 = NVFP4.
+// streaming kernel's tokens per pass; a wrong bound costs speed, not correctness). fmt: 0 = MXFP4, 1 = NVFP4.
+// From kWideMinRows rows per expert (split_k = 0) the wide kernel runs, with fp4_gemm_workspace_bytes of workspace.
 cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const int* offsets, int64_t E,
                             int64_t max_m, const void* packed, const float* row_scale, int fmt, void* out,
-                            int64_t out_stride, int64_t N, int split_k, int sms, cudaStream_t stream) {
+                            int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
+                            cudaStream_t stream) {
   if (M == 0 || N == 0 || E == 0) return cudaSuccess;
+  if (fmt != kMXFP4 && fmt != kNVFP4) return cudaErrorInvalidValue;
   lowbit::GemmParams prm = {};
   prm.x = x; prm.x_stride = x_stride; prm.M = static_cast<int>(M); prm.K = static_cast<int>(K);
   prm.offsets = offsets;
@@ -144,13 +241,17 @@ cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_strid
   prm.row_scale = row_scale;
   prm.out = out; prm.out_stride = out_stride; prm.N = static_cast<int>(N);
   prm.sms = sms;
-  const int64_t active = offsets ? std::min<int64_t>(E, M) : 1;  // experts that can have rows
+  const int64_t active = active_experts(M, E, offsets != nullptr);  // experts that can have rows
+  if (const int nt = wide_tokens(M, active, offsets != nullptr, split_k); nt > 0) {
+    if (workspace == nullptr) return cudaErrorInvalidValue;
+    const int e = static_cast<int>(E);
+    return fmt == kMXFP4 ? launch_wide<kMXFP4>(prm, row_scale, e, nt, active, workspace, stream)
+                         : launch_wide<kNVFP4>(prm, row_scale, e, nt, active, workspace, stream);
+  }
   const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups * active, prm.chunks, sms);
   const int mm = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_m, M)));
   if (fmt == kMXFP4) return launch_fmt<kMXFP4>(prm, static_cast<int>(E), mm, S, stream);
-  if (fmt == kNVFP4) return launch_fmt<kNVFP4>(prm, static_cast<int>(E), mm, S, stream);
-  return cudaErrorInvalidValue;
+  return launch_fmt<kNVFP4>(prm, static_cast<int>(E), mm, S, stream);
 }
 
 }  // namespace cublade
-

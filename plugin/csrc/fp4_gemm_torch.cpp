@@ -73,9 +73,13 @@ at::Tensor fp4_gemm(const at::Tensor& x_in, const at::Tensor& packed, const std:
   at::Tensor out = at::empty({M, size_n}, x_in.options());
   if (M == 0) return out;
   CUBLADE_CHECK_VALUE(M <= INT32_MAX, op, "x has ", num(M), " rows; at most 2^31 - 1");
+  const size_t ws_bytes = fp4_gemm_workspace_bytes(M, K, E, offs != nullptr, static_cast<int>(split_k));
+  at::Tensor workspace;  // the wide kernel's re-laid-out x (the caching allocator makes this cheap)
+  if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
   check_launch(op, launch_fp4_gemm(x.data_ptr(), M, K, x.stride(0), offs, E, max_m > 0 ? max_m : M,
                                    packed.data_ptr(), rs, fmt, out.data_ptr(), size_n, size_n,
-                                   static_cast<int>(split_k), sm_count(x_in), current_stream()));
+                                   static_cast<int>(split_k), ws_bytes > 0 ? workspace.data_ptr() : nullptr,
+                                   sm_count(x_in), current_stream()));
   return out;
 }
 

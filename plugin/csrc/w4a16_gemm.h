@@ -46,12 +46,19 @@ cudaError_t launch_w4a16_dequant(const void* packed, int group_size, bool asym, 
 // Scale-record bytes per FP4 tile block (64 per packet, both formats).
 constexpr int kFp4RecordBytes = 8 * 64;
 
+// Device workspace bytes launch_fp4_gemm needs (0: none): from 17 rows per expert (the mean over the experts that
+// can have rows) the automatic choice (split_k = 0) runs the wide (wgmma) kernel, which reads x re-laid out.
+size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, int split_k);
+
 // x: bf16 [M, K] (as above, K % 32 == 0); offsets: int32 [E+1] on the device (null: one expert over all M
 // rows); packed: the FP4 blob [E, ceil(N/64), ceil(K/512), 4, 1152]; row_scale: [E, ceil(N/64)*64] or null;
-// out: bf16 [M, N]. max_m: an upper bound on any expert's rows (tokens per pass; a wrong bound costs passes,
-// not correctness). fmt: 0 = MXFP4, 1 = NVFP4.
+// out: bf16 [M, N]. max_m: an upper bound on any expert's rows (the streaming kernel's tokens per pass; a wrong
+// bound costs passes, not correctness). fmt: 0 = MXFP4, 1 = NVFP4. split_k: K splits of the streaming kernel (>= 1
+// forces it), 0 = pick the kernel. workspace: fp4_gemm_workspace_bytes(M, K, E, offsets != null, split_k) bytes,
+// 16-byte aligned (null if 0).
 cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const int* offsets, int64_t E,
                             int64_t max_m, const void* packed, const float* row_scale, int fmt, void* out,
-                            int64_t out_stride, int64_t N, int split_k, int sms, cudaStream_t stream);
+                            int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
+                            cudaStream_t stream);
 
 }  // namespace cublade

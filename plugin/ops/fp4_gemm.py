@@ -13,13 +13,16 @@ linear of a layer (all experts at once), or per dense FP4 linear.
   size_n          output features N (per expert)
   expert_offsets  int32 [E+1] on x's device, offsets[0] = 0, offsets[E] = T; None when packed holds one expert
                   (int64 is accepted and converted)
-  max_m           an upper bound on the rows of any one expert (0: T). It picks the kernel's tokens per pass
-                  (8 / 16 / 32); a bound below the truth only costs extra passes, never correctness; a tight one
-                  is fastest. Decode: the batch size.
-  split_k         K splits per thread-block cluster (1..8, 0 = automatic), for tuning and tests.
+  max_m           an upper bound on the rows of any one expert (0: T). It picks the streaming kernel's tokens per
+                  pass (8 / 16 / 32); a bound below the truth only costs extra passes, never correctness; a tight
+                  one is fastest. Decode: the batch size.
+  split_k         K splits per thread-block cluster of the streaming kernel (1..8; any of them forces that kernel),
+                  0 = automatic: the streaming kernel below 17 rows per expert (T over min(E, T) experts), the
+                  wgmma ("wide") kernel from there (prefill).
   Row m of the result is x[m] @ W_e^T for the e with offsets[e] <= m < offsets[e+1]; rows outside every
   range (none when offsets[E] = T) are left unwritten. CUDA-graph safe: no host sync, no allocation but the
-  output.
+  output and, for the wide kernel, a workspace of x re-laid out (~(T + 128) x K x 2 bytes, from the caching
+  allocator).
 Numerics: W = e2m1 * block scale (exact in bf16) [* global scale in fp32 per row, NVFP4], products summed in
 fp32 over all of K, rounded once to bf16. The kernel carries powers of two that cancel exactly (its codes are
 worth code * 2^-126, its block scales * 2^126, less 2^k moved to the row factor): the same products and sums.

@@ -16,6 +16,7 @@ from cublade.ops.fp4 import fp4_dequant_weight, fp4_quant_weight, nvfp4_dequant_
 from cublade.ops.fp4_gemm import NVFP4_ROW_LOG2 as NV_ROW
 from cublade.ops.fp4_gemm import fp4_dequant_repacked, fp4_gemm, fp4_gemm_ref, fp4_repack
 from numerics import rel_err
+from profiling import kernels_run
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 BAR = 2e-3
@@ -195,6 +196,68 @@ def test_kernel_grouped_experts(fmt, split_k):
             y = torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, fmt, N, offsets, max_m, split_k)
             err = rel_err(y, grouped_ref(x, offsets, W))
             assert err <= BAR, f"{fmt} counts={counts} max_m={max_m} split_k={split_k}: {err:.2e}"
+
+
+def assert_kernel(fn, name: str) -> None:
+    names = kernels_run(fn)
+    assert any(name in n for n in names), f"expected {name} among {sorted(names)}"
+
+
+@GPU
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernel_wide_grouped(fmt):
+    """From 17 rows per expert (the mean over min(E, M) experts) the wgmma kernel runs. Token windows start on a
+    multiple of 8 inside the previous expert's rows; experts with more rows than a pass take several, experts without
+    rows none. N = 200 (a partial tile group), K = 544 (a partial chunk), w13-style two global scales (NVFP4)."""
+    E, N, K = 4, 200, 544
+    wp, ws, gs, W = experts(E, N, K, fmt, seed=11, parts=2)
+    rp = to_cuda(fp4_repack(wp, ws, fmt, gs))
+    W = W.cuda()
+    g = torch.Generator().manual_seed(5)
+    # mean rows 63 (96 tokens a pass; 150 rows: 2 passes), 19 (32; 70 rows: 3), 17, 108 (128; 300 rows: 3)
+    for counts in ([0, 23, 150, 77], [70, 0, 0, 3], [17, 17, 17, 17], [1, 129, 2, 300]):
+        offsets = torch.tensor([0] + counts).cumsum(0).to(torch.int32).cuda()
+        x = torch.randn(int(offsets[-1]), K, generator=g).to(torch.bfloat16).cuda()
+        y = torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, fmt, N, offsets)
+        err = rel_err(y, grouped_ref(x, offsets, W))
+        assert err <= BAR, f"{fmt} counts={counts}: {err:.2e}"
+    assert_kernel(lambda: torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, fmt, N, offsets), "wide_gemm_kernel")
+    forced = kernels_run(lambda: torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, fmt, N, offsets, 0, 1))
+    assert not any("wide_gemm_kernel" in n for n in forced), "split_k >= 1 forces the streaming kernel"
+
+
+@GPU
+def test_kernel_wide_split_k_and_passes():
+    """Few CTAs on a long K: the wide kernel splits K over a cluster (here 4 splits of 8 chunks) and the splits add
+    up their partial sums once per pass (2 experts, 150 and 60 rows: 2 + 1 passes of 128 tokens)."""
+    E, N, K = 2, 64, 16384
+    wp, ws, gs, W = experts(E, N, K, "nvfp4", seed=2)
+    rp = to_cuda(fp4_repack(wp, ws, "nvfp4", gs))
+    offsets = torch.tensor([0, 150, 210], dtype=torch.int32, device="cuda")
+    x = torch.randn(210, K, device="cuda").to(torch.bfloat16)
+    y = torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, "nvfp4", N, offsets)
+    assert rel_err(y, grouped_ref(x, offsets, W.cuda())) <= BAR
+    assert_kernel(lambda: torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, "nvfp4", N, offsets),
+                  "wide_gemm_kernel")
+
+
+@GPU
+def test_kernel_wide_four_warpgroups_many_experts():
+    """32 experts with ~20 rows each fill the SMs: four consumer warpgroups per CTA (256 rows of N, here 200 and a
+    partial group), 32 tokens a pass; some experts have no rows, one has 90 (3 passes)."""
+    E, N, K = 32, 200, 128
+    wp, ws, gs, W = experts(E, N, K, "mxfp4", seed=4)
+    rp = to_cuda(fp4_repack(wp, ws, "mxfp4", gs))
+    g = torch.Generator().manual_seed(9)
+    counts = torch.randint(0, 40, (E,), generator=g)
+    counts[[3, 17]] = 0
+    counts[20] = 90
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
+    x = torch.randn(int(offsets[-1]), K, generator=g).to(torch.bfloat16).cuda()
+    y = torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, "mxfp4", N, offsets)
+    assert rel_err(y, grouped_ref(x, offsets, W.cuda())) <= BAR
+    assert_kernel(lambda: torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, "mxfp4", N, offsets),
+                  "wide_gemm_kernel")
 
 
 @GPU

@@ -1,0 +1,392 @@
+// The wide (wgmma) kernel shared by w4a16_gemm.cu (int4 weights, from 17 tokens) and fp4_gemm.cu (FP4 experts at
+// prefill sizes): y[M, N] = x[M, K] @ W[N, K]^T over the blob of w4a16_gemm.cuh, tokens as the MMA's N.
+//
+// The streaming kernel (w4a16_gemm.cuh) issues one mma.sync per 8 tokens and re-stages x for every 64 weight rows,
+// so from ~24 tokens its consumer warps, not the weights, set the pace (ncu: latency-bound, DRAM 23% busy at M =
+// 32). This kernel feeds the same blob to wgmma: a packet's lane vectors are wgmma A fragments as they are (the 4
+// tiles of a group are the 4 warps of a warpgroup, 64 rows), and x is the shared-memory B operand, N = NTOK tokens,
+// so one instruction covers 64 rows x NTOK (16 to 128) tokens x 16 K and reads x from shared memory itself. A CTA
+// has WG (2 or 4) consumer warpgroups, one per tile group, sharing each staged x, and one producer warpgroup (one
+// lane issues the bulk copies, as in the streaming kernel; its registers go to the consumers). A policy P turns a
+// batch of 2 packets (128 K, 8 k-steps) into A fragments and says how scales apply (Scaling):
+//   kFoldPerBatch  the batch's mma's accumulate from zero into `part`, then acc += part * the batch's fp32 scales
+//                  (int4, group size 128: the weights are never rounded);
+//   kPerChannel    the mma's accumulate into acc; the outputs are multiplied by the batch's (every batch's) scales
+//                  (int4, one scale per output channel);
+//   kNone          the A fragments are the exact weights (FP4: e2m1 times its block scale is exact in bf16); the mma's
+//                  accumulate into acc over all of K.
+// Every policy's outputs are then multiplied by Params::row_scale when set (FP4's per-row factor).
+//
+// Experts (FP4 MoE): with Params::offsets the rows of x are sorted by expert, expert e's rows [offsets[e],
+// offsets[e+1]); grid slice blockIdx.z runs the z-th expert with rows, in passes of NTOK tokens. A pass's tokens
+// are a window of x starting on a multiple of 8 (the core-matrix height): [8 tg, 8 tg + NTOK) from tg = offsets[e]
+// / 8; the window's rows of other experts are computed and not stored. Without offsets: one expert, rows [0, M).
+//
+// x must reach wgmma in the packets' permuted k order (w4a16_gemm.cuh) and in core matrices (8 tokens x 8 K):
+// prep_x writes xp [stages of KS K][x_groups token groups][KS/8 core matrices along K][8 tokens][8 K] (zero past M
+// and K) into the caller's workspace, so each stage's window is one contiguous bulk copy. The kernel is a
+// programmatic dependent launch of the prep: its producer fetches the first stages' weights while the prep runs.
+#pragma once
+
+#include "w4a16_gemm.cuh"
+#include "wgmma.cuh"
+
+#include <algorithm>
+
+namespace cublade {
+namespace wide {
+
+constexpr int kBlobChunkK = lowbit::kChunk * lowbit::kPacketK;  // 512: K per chunk of the blob
+constexpr int kMaxPassRows = 128;                                // tokens per pass at most (wgmma N)
+
+// Tokens per pass (wgmma N) for a pass of `rows` rows. A pass costs about its token count whatever the rows (padded
+// tokens are computed), hence the steps of 16 and 32: int4 8192x28672 at 32 / 64 / 128 tokens 52.7 / 77.9 / 125.8
+// us (seventh session), 47.6 at 16 (eighth).
+constexpr int ntok(int64_t rows) {
+  return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 48 ? 48 : rows <= 64 ? 64 : rows <= 96 ? 96 : 128;
+}
+
+// Token groups of 8 that xp holds per stage: one window at token 0 (no offsets, M <= NTOK), else a window may start
+// at any token group of x.
+constexpr int64_t x_groups(int64_t M, int ntok, bool grouped) {
+  return !grouped && M <= ntok ? ntok / 8 : (M - 1) / 8 + ntok / 8;
+}
+// Workspace bytes of the prepped x for K (every stage size: K rounded up to the blob's chunks).
+constexpr int64_t workspace_bytes(int64_t M, int64_t K, int ntok, bool grouped) {
+  return (K + kBlobChunkK - 1) / kBlobChunkK * kBlobChunkK * 2 * 8 * x_groups(M, ntok, grouped);
+}
+
+// xp's 16-byte unit i = ((c * xg + tg) * KS/8 + kb) * 8 + r: token 8 tg + r, logical K 8 kb .. 8 kb + 7 of stage c
+// (KS K per stage; xg = x_groups), i.e. logical k kl = c KS + 8 kb of packet P = kl / 64, k-step s = (kl % 64) / 16
+// and half h = (kl % 16) / 8; logical pair t (k 2t, 2t+1, + 8h) is actual K0(s, t) + 2h (w4a16_gemm.cuh: K0 = 64 P +
+// 32 (s / 2) + 8 t + 4 (s % 2)). Lets the kernel launched after it (PDL) start at once: it waits for xp itself.
+template <typename T>
+__global__ void prep_x(const T* __restrict__ x, int64_t x_stride, int M, int K, int xg, int ks, int stages_k,
+                       uint4* __restrict__ xp) {
+  lowbit::pdl_launch_dependents();
+  const int kbs = ks / 8;
+  const int64_t total = static_cast<int64_t>(stages_k) * xg * kbs * 8;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int r = static_cast<int>(i % 8), kb = static_cast<int>((i / 8) % kbs);
+    const int64_t rest = i / (8 * kbs);
+    const int tok = static_cast<int>(rest % xg) * 8 + r, c = static_cast<int>(rest / xg);
+    const int kl = c * ks + 8 * kb, s = (kl % 64) / 16, h = (kl % 16) / 8;
+    const int k0 = kl / 64 * 64 + 32 * (s / 2) + 4 * (s % 2) + 2 * h;
+    uint32_t v[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int k = k0 + 8 * t;
+      v[t] = tok < M && k < K ? *reinterpret_cast<const uint32_t*>(x + tok * x_stride + k) : 0u;
+    }
+    xp[i] = make_uint4(v[0], v[1], v[2], v[3]);
+  }
+}
+
+enum class Scaling { kFoldPerBatch, kPerChannel, kNone };
+
+struct Params {
+  const unsigned char* xp;  // prepped x
+  int x_groups;             // its token groups per stage
+  const unsigned char* w;   // the blob ([experts] x groups x blob_chunks x 4 tile blocks)
+  const int* offsets;       // int32 [experts + 1] (rows sorted by expert), or null: one expert, rows [0, M)
+  int experts;
+  const float* row_scale;   // [experts, groups * 64] factor per output row, or null
+  int M, N, groups;
+  int blob_chunks;          // the blob's chunks of 512 K
+  int chunks;               // ring stages of KS K over the whole K
+  int chunks_per_cta, stages;
+  void* out;
+  int64_t out_stride;
+};
+
+// Shared memory: 128-byte barrier header, then stages x [WG tile groups' KS-K blocks (4 tiles: KS/64 packets, then
+// their scale records) | x: NTOK tokens x KS K]. KS = 512 stages a whole chunk of the blob (one copy per tile
+// group); KS = 256 half of one (two copies per tile), which leaves room for 4 warpgroups at 64 tokens or 128
+// tokens at 2. Per-channel records are the same in every chunk: a half-chunk stage copies them whole.
+template <class P, int NTOK, int WG, int KS>
+struct Layout {
+  static_assert(KS == 512 || KS == 256, "a stage is a chunk of the blob or half of one");
+  static constexpr int kPerChunk = kBlobChunkK / KS;  // stages per chunk of the blob
+  static constexpr bool kRecWhole = P::kScaling == Scaling::kPerChannel;
+  static constexpr int kBlobTileBytes = lowbit::kChunk * 512 + P::kBlobRecBytes;
+  static constexpr int kPacketBytes = KS / lowbit::kPacketK * 512;  // a tile's packets in a stage
+  static constexpr int kRecBytes = kRecWhole ? P::kBlobRecBytes : P::kBlobRecBytes / kPerChunk;  // and records
+  static constexpr int kTileBytes = kPacketBytes + kRecBytes;
+  static constexpr int kGroupBytes = lowbit::kGroupTiles * kTileBytes;
+  static constexpr int kXBytes = NTOK * KS * 2;
+  static constexpr int kStageBytes = WG * kGroupBytes + kXBytes;
+  static constexpr int kRedBytes = NTOK / 2 * WG * 128 * 4;  // the K splits' partial sums, in the ring's memory
+  static constexpr int kMaxStages = 4 * kPerChunk;
+  static constexpr int bytes(int stages) { return 128 + stages * kStageBytes; }
+};
+
+// A CTA is WG consumer warpgroups and one producer warpgroup (one lane of it issues the copies). The producer gives
+// its registers to the consumers (setmaxnreg): 4 warpgroups at 64 tokens need ~100 registers a thread, and the launch
+// bound of 640 threads caps every thread at 96. The CTA's registers are a fixed pool (threads x the launch count):
+// setmaxnreg.inc waits for registers the CTA's own decs returned, so asking for more than the pool holds hangs. With
+// token windows (kWindows) the producer keeps its pass state and spilled at 24 registers (ptxas -v: 76 bytes, FP4 at
+// 4 warpgroups); its 40 leave those consumers 104.
+template <int WG, bool kWindows>
+struct Regs {
+  static constexpr int kThreads = (WG + 1) * 128;
+  static constexpr int kLaunch = 65536 / kThreads / 8 * 8;  // ptxas's count under __launch_bounds__(kThreads, 1)
+  static constexpr int kProducer = kWindows ? 40 : 24;
+  static constexpr int kConsumer = std::min(240, (kThreads * kLaunch - 128 * kProducer) / (WG * 128) / 8 * 8);
+  static_assert(128 * kProducer + WG * 128 * kConsumer <= kThreads * kLaunch, "setmaxnreg beyond the CTA's pool");
+};
+
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+
+// P provides: using T (x and out); kBlobRecBytes (record bytes per blob tile block); kScaling; kRowScale (whether
+// Params::row_scale may be set); and
+//   __device__ static void batch(const unsigned char* packets, const unsigned char* recs, int b, int lane,
+//                                uint32_t (&a)[8][4], float& s_lo, float& s_hi)
+// the A fragments of k-steps 8b .. 8b+7 of the stage's packets of one tile (recs: that tile's records in the
+// stage) and the batch's scales of rows g and g+8 (kFoldPerBatch, kPerChannel).
+// kWindows: experts (Params::offsets) or more rows than NTOK, in passes over token windows; without it the kernel
+// makes one pass over rows [0, M), M <= NTOK, and keeps no pass state in registers (the int4 op's 48-64 token
+// configurations are at their register limit).
+template <class P, int NTOK, int WG, int KS, bool kWindows>
+__global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
+    wide_gemm_kernel(const __grid_constant__ Params prm) {
+  using T = typename P::T;
+  using Lay = Layout<P, NTOK, WG, KS>;
+  constexpr int ND = NTOK / 2;  // accumulators per thread
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int split = blockIdx.y, nsplit = gridDim.y;
+  const int cb = split * prm.chunks_per_cta;
+  const int nchunks = max(min(cb + prm.chunks_per_cta, prm.chunks) - cb, 0);
+  const int group0 = blockIdx.x * WG, ngroups = min(WG, prm.groups - group0);
+  const int nst = prm.stages;
+  // The expert and its rows (the offsets were written before the x prep ran, so they are visible before pdl_wait).
+  int e = 0, r0 = 0, r1 = prm.M;
+  if (kWindows && prm.offsets != nullptr) {
+    e = lowbit::nth_expert_with_rows(prm.offsets, prm.experts, blockIdx.z);
+    if (e < 0) return;  // the whole CTA: every warp got the same answer
+    r0 = prm.offsets[e];
+    r1 = prm.offsets[e + 1];
+  }
+  const int64_t expert_bytes = static_cast<int64_t>(prm.groups) * prm.blob_chunks * lowbit::kGroupTiles *
+                               Lay::kBlobTileBytes;
+  const unsigned char* wexp = prm.w + e * expert_bytes;
+  const int npass = kWindows ? (r1 - r0 / 8 * 8 + NTOK - 1) / NTOK : 1;  // windows of NTOK tokens from 8 (r0 / 8)
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + lowbit::kMaxStages;
+  auto stage = [&](int s) { return smem + 128 + s * Lay::kStageBytes; };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < nst; ++s) {
+      lowbit::mbar_init(full + s, 1);
+      lowbit::mbar_init(empty + s, ngroups * 4);  // the consumer warps with a tile group (the last CTA may have fewer)
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int wg = warp / 4, wq = warp % 4;
+  if (wg == WG) {  // ---- producer warpgroup: one lane issues the stage's copies ----
+    setmaxnreg_dec<Regs<WG, kWindows>::kProducer>();
+    const bool issuer = warp == WG * 4 && lane == 0;
+    const uint64_t wpol = lowbit::CUBLADE_WEIGHT_POLICY(), xpol = lowbit::policy_evict_last();
+    auto weights = [&](int c, int s) {  // stage c's blocks of the CTA's tile groups
+      const int bc = (cb + c) / Lay::kPerChunk, half = (cb + c) % Lay::kPerChunk;
+      for (int q = 0; q < ngroups; ++q) {
+        unsigned char* dst = stage(s) + q * Lay::kGroupBytes;
+        const int64_t block = static_cast<int64_t>(group0 + q) * prm.blob_chunks + bc;  // of 4 tile blocks
+        const unsigned char* src = wexp + block * lowbit::kGroupTiles * Lay::kBlobTileBytes;
+        if constexpr (Lay::kPerChunk == 1) {
+          lowbit::bulk_g2s(dst, src, Lay::kGroupBytes, full + s, wpol);
+        } else {
+          for (int tile = 0; tile < lowbit::kGroupTiles; ++tile, dst += Lay::kTileBytes, src += Lay::kBlobTileBytes) {
+            lowbit::bulk_g2s(dst, src + half * Lay::kPacketBytes, Lay::kPacketBytes, full + s, wpol);
+            const int rec = lowbit::kChunk * 512 + (Lay::kRecWhole ? 0 : half * Lay::kRecBytes);
+            lowbit::bulk_g2s(dst + Lay::kPacketBytes, src + rec, Lay::kRecBytes, full + s, wpol);
+          }
+        }
+      }
+    };
+    auto activations = [&](int c, int s, int tg) {  // stage c's x window of NTOK tokens from token group tg
+      lowbit::bulk_g2s(stage(s) + WG * Lay::kGroupBytes,
+                       prm.xp + (static_cast<int64_t>(cb + c) * prm.x_groups + tg) * (KS * 16), Lay::kXBytes, full + s,
+                       xpol);
+    };
+    const uint32_t stage_tx = ngroups * Lay::kGroupBytes + Lay::kXBytes;
+    for (int p = 0; p < npass; ++p) {
+      const int tg = r0 / 8 + p * (NTOK / 8), it = p * nchunks;  // the window; stages streamed before it
+      if (issuer) {
+        // The first pass's first stages' weights go out before xp is ready (the x prep may still run).
+        const int first = it == 0 ? min(nst, nchunks) : 0;
+        for (int c = 0; c < first; ++c) {
+          lowbit::mbar_expect_tx(full + c, stage_tx);
+          weights(c, c);
+        }
+        if (it == 0) lowbit::pdl_wait();
+        for (int c = 0; c < first; ++c) activations(c, c, tg);
+        for (int c = first; c < nchunks; ++c) {
+          const int s = (it + c) % nst;
+          if (it + c >= nst) lowbit::mbar_wait(empty + s, ((it + c) / nst - 1) & 1);
+          lowbit::mbar_expect_tx(full + s, stage_tx);
+          weights(c, s);
+          activations(c, s, tg);
+        }
+      }
+      if (nsplit > 1) {  // the consumers' barriers below; the next pass's copies wait for them
+        __syncthreads();
+        lowbit::cluster_sync();
+        lowbit::cluster_sync();
+      }
+    }
+    return;
+  }
+
+  // ---- consumer warpgroup wg: tile group group0 + wg, warp wq its tile wq ----
+  setmaxnreg_inc<Regs<WG, kWindows>::kConsumer>();
+  const bool consumer = wg < ngroups;
+  for (int p = 0; p < npass; ++p) {
+    const int tg = r0 / 8 + p * (NTOK / 8), it = p * nchunks;
+    float acc[ND];
+#pragma unroll
+    for (int i = 0; i < ND; ++i) acc[i] = 0.0f;
+    float s_lo = 1.0f, s_hi = 1.0f;  // the last batch's scales (kPerChannel: the same in every batch)
+    if (consumer) {
+      [[maybe_unused]] float part[ND];
+      for (int c = 0; c < nchunks; ++c) {
+        const int s = (it + c) % nst;
+        lowbit::mbar_wait(full + s, ((it + c) / nst) & 1);
+        const unsigned char* tb = stage(s) + wg * Lay::kGroupBytes + wq * Lay::kTileBytes;
+        const uint32_t xs = lowbit::smem_u32(stage(s) + WG * Lay::kGroupBytes);
+#pragma unroll
+        for (int b = 0; b < KS / 128; ++b) {
+          uint32_t a[8][4];  // the batch's 8 k-steps
+          P::batch(tb, tb + Lay::kPacketBytes, b, lane, a, s_lo, s_hi);
+          wgmma::fence();
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            // k-step 8b + k: its two core matrices of every 8 tokens (128 B apart), token groups KS * 16 B apart
+            const uint64_t desc = wgmma::desc(xs + (8 * b + k) * 256, 128, KS * 16);
+            if constexpr (P::kScaling == Scaling::kFoldPerBatch) wgmma::MmaRS<T, NTOK>::run(part, a[k], desc, k);
+            else wgmma::MmaRS<T, NTOK>::run(acc, a[k], desc, 1);
+          }
+          // The next batch rewrites a (these mma's read it as they run); the stage's last batch frees the stage.
+          wgmma::commit();
+          wgmma::wait<0>();
+          if constexpr (P::kScaling == Scaling::kFoldPerBatch) {
+            wgmma::fence_regs(part);
+#pragma unroll
+            for (int i = 0; i < ND; ++i) acc[i] = fmaf(part[i], (i & 2) ? s_hi : s_lo, acc[i]);
+          } else {
+            wgmma::fence_regs(acc);
+          }
+        }
+        __syncwarp();
+        if (lane == 0) lowbit::mbar_arrive(empty + s);
+      }
+    }
+
+    // ---- the splits of the cluster (the producer warpgroup meets these barriers on its own path), then the outputs
+    const int tid = threadIdx.x;  // < WG * 128
+    if (nsplit > 1) {
+      __syncthreads();  // every stage consumed: the ring's memory holds the partial sums now
+      float* red = reinterpret_cast<float*>(smem + 128);
+      if (consumer)
+#pragma unroll
+        for (int i = 0; i < ND; ++i) red[i * WG * 128 + tid] = acc[i];
+      lowbit::cluster_sync();
+      if (split == 0 && consumer)
+        for (int q = 1; q < nsplit; ++q)
+#pragma unroll
+          for (int i = 0; i < ND; ++i) acc[i] += lowbit::ld_dsmem(red + i * WG * 128 + tid, q);
+      lowbit::cluster_sync();  // the other CTAs keep their shared memory until rank 0 has read it
+    }
+    if (split == 0 && consumer) {
+      const int row0 = (group0 + wg) * 64 + wq * lowbit::kTileN + g;  // this thread's rows: row0, row0 + 8
+      float o_lo = P::kScaling == Scaling::kPerChannel ? s_lo : 1.0f;
+      float o_hi = P::kScaling == Scaling::kPerChannel ? s_hi : 1.0f;
+      if (P::kRowScale && prm.row_scale != nullptr) {
+        const float* rs = prm.row_scale + static_cast<int64_t>(e) * prm.groups * 64;
+        o_lo *= rs[row0];
+        o_hi *= rs[row0 + 8];
+      }
+      T* out = static_cast<T*>(prm.out);
+#pragma unroll
+      for (int i = 0; i < ND; ++i) {
+        const int row = row0 + 8 * ((i >> 1) & 1), tok = 8 * tg + 8 * (i >> 2) + 2 * t + (i & 1);
+        if (row < prm.N && tok >= r0 && tok < r1)
+          out[static_cast<int64_t>(tok) * prm.out_stride + row] =
+              lowbit::from_float<T>(acc[i] * ((i & 2) ? o_hi : o_lo));
+      }
+    }
+  }
+}
+
+// K splits: the CTAs (WG tile groups each) fill at most one wave at one CTA per SM, so split K while that leaves
+// every SM at most one CTA and each split at least 8 chunks of the blob. Measured (int4, w4a16_wide.cu, M = 32):
+// 28672x8192 (64 CTAs) 104.3 us on 1 split, 60.2 on 2; 8192x10240 (80 CTAs) 37.7 on 1, 41.7 on 2; 4096x14336 (112)
+// 24.1 on 1, 29.7 on 2.
+inline int pick_split(int64_t ctas, int blob_chunks, int sms) {
+  int S = 1;
+  while (S < lowbit::kMaxSplit && 2 * ctas * S <= sms && blob_chunks >= 16 * S) S *= 2;
+  return S;
+}
+
+// The x prep, then the kernel (S splits, 0: pick_split; stages = 0: as deep as fits). prm: w, offsets, experts,
+// row_scale, M, N, out, out_stride set; x [M, K] (row stride x_stride); workspace: workspace_bytes(M, K, NTOK,
+// offsets != null) bytes. pdl: the kernel is a programmatic dependent launch of the prep (it fetches its first weight
+// stages while the prep runs).
+template <class P, int NTOK, int WG, int KS, bool kWindows>
+cudaError_t launch_kernel(Params prm, const void* x, int64_t x_stride, int K, int S, int stages, bool pdl,
+                          void* workspace, int sms, cudaStream_t stream) {
+  using Lay = Layout<P, NTOK, WG, KS>;
+  const bool grouped = prm.offsets != nullptr;
+  prm.xp = static_cast<const unsigned char*>(workspace);
+  prm.x_groups = static_cast<int>(x_groups(prm.M, NTOK, grouped));
+  prm.groups = static_cast<int>(ceil_div(prm.N, 64));
+  prm.blob_chunks = static_cast<int>(ceil_div(K, kBlobChunkK));
+  prm.chunks = static_cast<int>(ceil_div(K, KS));
+  const int slices = grouped ? std::min(prm.experts, prm.M) : 1;  // experts that can have rows
+  if (S <= 0) S = pick_split(ceil_div(prm.groups, WG) * slices, prm.blob_chunks, sms);
+  if (S > lowbit::kMaxSplit) return cudaErrorInvalidValue;
+  prm.chunks_per_cta = (prm.chunks + S - 1) / S;
+  prm.stages = stages;
+  if (prm.stages <= 0) {
+    prm.stages = Lay::kMaxStages;
+    while (prm.stages > 2 && Lay::bytes(prm.stages) > lowbit::kMaxSmemKB * 1024) --prm.stages;
+  }
+  const int smem = Lay::bytes(prm.stages);
+  if (prm.stages > lowbit::kMaxStages || smem > lowbit::kMaxSmemKB * 1024 ||
+      (S > 1 && Lay::kRedBytes > prm.stages * Lay::kStageBytes))
+    return cudaErrorInvalidValue;
+
+  if (!kWindows && (grouped || prm.M > NTOK)) return cudaErrorInvalidValue;
+  constexpr auto kernel = wide_gemm_kernel<P, NTOK, WG, KS, kWindows>;
+  if (const cudaError_t e = lowbit::allow_max_smem<kernel>(); e != cudaSuccess) return e;
+
+  using T = typename P::T;
+  const int64_t units = static_cast<int64_t>(prm.chunks) * prm.x_groups * KS;  // 16-byte units: xg * 8 * KS / 8
+  const int prep_blocks = static_cast<int>(std::min<int64_t>(ceil_div(units, 256), 8LL * sms));
+  prep_x<T><<<prep_blocks, 256, 0, stream>>>(static_cast<const T*>(x), x_stride, prm.M, K, prm.x_groups, KS,
+                                             prm.chunks, static_cast<uint4*>(workspace));
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return lowbit::launch_split_k(kernel, dim3(static_cast<unsigned>(ceil_div(prm.groups, WG)), S, slices),
+                                Regs<WG, kWindows>::kThreads, smem, S, stream, prm, pdl);
+}
+
+// Four warpgroups per CTA (256 rows sharing each staged x) when their grid (ctas_of_4 CTAs) still fills 3/4 of the
+// SMs; else two. Measured (int4, w4a16_wide.cu, 2026-11-22, us, best splits, prep included; sixth session, M = 17 /
+// 24 / 32): 8192x28672 (112 CTAs of 4) 51.6 / 52.0 / 52.0 vs 59.3 / 59.4 / 59.9 with 2; 4096x14336 (56 CTAs of 4)
+// 24.1 (2 splits) vs 22.1; 28672x8192 (32) 82.9 vs 53.4. At 64 tokens (half-chunk stages, seventh session, M = 48 /
+// 64, PDL): 8192x28672 76.7 / 77.9 vs 78.9 / 79.8; the three smaller shapes lose (4096x14336 M = 64: 30.4+ vs 26.5).
+inline bool four_warpgroups(int64_t ctas_of_4, int sms) { return 4 * ctas_of_4 >= 3LL * sms; }
+
+// A kernel configuration: tokens per pass (wgmma N), consumer warpgroups per CTA, K per ring stage.
+template <int NTOK, int WG, int KS>
+struct PassConfig {
+  static constexpr int kTokens = NTOK, kWarpgroups = WG, kStageK = KS;
+};
+
+}  // namespace wide
+}  // namespace cublade
