@@ -29,16 +29,19 @@ namespace wd = cublade::wide;
 using Batch = cublade::Fp4Batch<cublade::kMXFP4>;
 
 struct Config { int ntok, wg, ks; };
-constexpr Config kConfigs[] = {{32, 2, 512}, {32, 4, 512}, {48, 2, 512}, {48, 4, 256}, {64, 2, 512},
-                               {64, 4, 256}, {96, 2, 256}, {128, 2, 256}};
+constexpr Config kConfigs[] = {{32, 2, 512}, {32, 3, 512}, {32, 4, 512}, {48, 2, 512}, {48, 3, 512},
+                               {48, 4, 256}, {64, 2, 512}, {64, 3, 256}, {64, 4, 256}, {96, 2, 256},
+                               {96, 3, 256}, {128, 2, 256}, {128, 3, 256}};
 
 cudaError_t launch_config(Config c, const wd::Params& prm, const void* x, int K, void* ws, int sms,
                           cudaStream_t st) {
 #define CUBLADE_CONFIG(NT, W, KS_) \
   if (c.ntok == NT && c.wg == W && c.ks == KS_) \
     return wd::launch_kernel<Batch, NT, W, KS_, true>(prm, x, K, K, 0, 0, true, ws, sms, st);
-  CUBLADE_CONFIG(32, 2, 512) CUBLADE_CONFIG(32, 4, 512) CUBLADE_CONFIG(48, 2, 512) CUBLADE_CONFIG(48, 4, 256)
-  CUBLADE_CONFIG(64, 2, 512) CUBLADE_CONFIG(64, 4, 256) CUBLADE_CONFIG(96, 2, 256) CUBLADE_CONFIG(128, 2, 256)
+  CUBLADE_CONFIG(32, 2, 512) CUBLADE_CONFIG(32, 3, 512) CUBLADE_CONFIG(32, 4, 512) CUBLADE_CONFIG(48, 2, 512)
+  CUBLADE_CONFIG(48, 3, 512) CUBLADE_CONFIG(48, 4, 256) CUBLADE_CONFIG(64, 2, 512) CUBLADE_CONFIG(64, 3, 256)
+  CUBLADE_CONFIG(64, 4, 256) CUBLADE_CONFIG(96, 2, 256) CUBLADE_CONFIG(96, 3, 256) CUBLADE_CONFIG(128, 2, 256)
+  CUBLADE_CONFIG(128, 3, 256)
 #undef CUBLADE_CONFIG
   return cudaErrorInvalidValue;
 }
