@@ -79,6 +79,21 @@ template <> struct Fp4Rec<kNVFP4> {
   }
 };
 
+// Packet j's 4 k-steps (its lane vector q) -> A fragments, block scales applied (srec: the tile's records of the
+// packets' K slice or stage).
+template <int FMT>
+__device__ __forceinline__ void dequant_packet(const uint4 q, const unsigned char* srec, int j, int lane,
+                                               uint32_t (&a)[4][4]) {
+  const typename Fp4Rec<FMT>::type r = Fp4Rec<FMT>::load(srec, j, lane);
+  uint32_t s0_lo, s0_hi, s1_lo, s1_hi;
+  Fp4Rec<FMT>::pairs(r, 0, s0_lo, s0_hi);
+  Fp4Rec<FMT>::pairs(r, 1, s1_lo, s1_hi);
+  dequant_fp4(q.x, s0_lo, s0_hi, a[0]);
+  dequant_fp4(q.y, s0_lo, s0_hi, a[1]);
+  dequant_fp4(q.z, s1_lo, s1_hi, a[2]);
+  dequant_fp4(q.w, s1_lo, s1_hi, a[3]);
+}
+
 // FP4 packets for the streaming kernel (w4a16_gemm.cuh): the block scale is applied to the weights in bf16
 // (exact), the mma's sum all of K in fp32, the row factor (NVFP4 global scale) multiplies at the end.
 template <int NT_, int FMT>
@@ -97,15 +112,8 @@ struct Fp4Policy {
   template <int j, int kSliceK>
   __device__ static void packet(State&, const uint4 q, const unsigned char* srec, const uint4 (&xc)[2][NT],
                                 float (&acc)[NT][4], int lane) {
-    const typename Fp4Rec<FMT>::type r = Fp4Rec<FMT>::load(srec, j, lane);
-    uint32_t s0_lo, s0_hi, s1_lo, s1_hi;
-    Fp4Rec<FMT>::pairs(r, 0, s0_lo, s0_hi);
-    Fp4Rec<FMT>::pairs(r, 1, s1_lo, s1_hi);
     uint32_t a[4][4];
-    dequant_fp4(q.x, s0_lo, s0_hi, a[0]);
-    dequant_fp4(q.y, s0_lo, s0_hi, a[1]);
-    dequant_fp4(q.z, s1_lo, s1_hi, a[2]);
-    dequant_fp4(q.w, s1_lo, s1_hi, a[3]);
+    dequant_packet<FMT>(q, srec, j, lane, a);
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       lowbit::mma_16816<T>(acc[n], a[0], xc[0][n].x, xc[0][n].y);
@@ -129,15 +137,8 @@ struct Fp4Batch {
 #pragma unroll
     for (int pk = 0; pk < 2; ++pk) {
       const int j = 2 * b + pk;  // packet of the stage
-      const uint4 q = lowbit::lds128(packets + j * 512 + lane * 16);
-      const typename Fp4Rec<FMT>::type r = Fp4Rec<FMT>::load(recs, j, lane);
-      uint32_t s0_lo, s0_hi, s1_lo, s1_hi;
-      Fp4Rec<FMT>::pairs(r, 0, s0_lo, s0_hi);
-      Fp4Rec<FMT>::pairs(r, 1, s1_lo, s1_hi);
-      dequant_fp4(q.x, s0_lo, s0_hi, a[4 * pk + 0]);
-      dequant_fp4(q.y, s0_lo, s0_hi, a[4 * pk + 1]);
-      dequant_fp4(q.z, s1_lo, s1_hi, a[4 * pk + 2]);
-      dequant_fp4(q.w, s1_lo, s1_hi, a[4 * pk + 3]);
+      dequant_packet<FMT>(lowbit::lds128(packets + j * 512 + lane * 16), recs, j, lane,
+                          *reinterpret_cast<uint32_t(*)[4][4]>(a[4 * pk]));
     }
   }
 };

@@ -314,11 +314,12 @@ class CubladeFp4MoE(MoEKernel):
         # weighted sum: cublade.ops.moe_glue's two ops around the GEMMs (a reference path off the GPU).
         E = self.num_experts
         xs, offsets, pos = moe_route(local_topk_ids(layer, topk_ids), x, E)
-        # max_m bounds an expert's rows and picks the GEMM's tokens per pass (8 / 16 / 32). T is a true bound (top-k
-        # picks distinct experts) but runs 16- or 32-token passes where a balanced routing gives an expert ~T k / E
-        # rows; twice that mean is the bound used (an expert with more rows takes one more pass, still correct).
-        # Mixtral-size w13 + w2 at 16 / 32 tokens: 275 / 399 us with max_m = T, 241 / 278 with twice the mean
-        # (ninth session, benchmarks/tuning/experiments/fp4_moe_maxm.py).
+        # max_m bounds an expert's rows and picks the streaming (decode) kernel's tokens per pass (8 / 16 / 32). T is a
+        # true bound (top-k picks distinct experts) but runs 16- or 32-token passes where a balanced routing gives an
+        # expert ~T k / E rows; twice that mean is the bound used (an expert with more rows takes one more pass,
+        # still correct). Mixtral-size w13 + w2 at 16 / 32 tokens: 275 / 399 us with max_m = T, 241 / 278 with twice
+        # the mean (ninth session, benchmarks/tuning/experiments/fp4_moe_maxm.py). From 16 rows per expert (T k / E)
+        # fp4_gemm runs its wgmma kernel instead, which picks its own tokens per pass (tenth session).
         max_m = min(T, -(-2 * T * k // E))
         h = fp4_gemm(xs, layer.w13_fp4_packed, getattr(layer, "w13_fp4_row_scale", None), fmt, 2 * I, offsets, max_m)
         a = F.silu(h[:, :I]) * h[:, I:]
