@@ -282,18 +282,22 @@ def test_kernel_grid_covers_only_the_experts_with_rows(split_k):
 
 
 @GPU
-def test_kernel_mxfp4_scales_past_two_and_nan():
+@pytest.mark.parametrize("counts", [[2, 3, 1], [20, 37, 9]])  # the streaming kernel; the wgmma one (22 rows a mean)
+def test_kernel_mxfp4_scales_past_two_and_nan(counts):
     """Block scales up to 2^4 (a row factor 2^3 for expert 1), 2^-19 .. 2^1 elsewhere, one NaN block: the kernel's
     weights are the reference's (NaN where the NaN block feeds, the bf16 GEMM error elsewhere)."""
     wp, ws, W = mxfp4_with_scales(3, 24, 128, [120, 131, 128], seed=1)
     rp = to_cuda(fp4_repack(wp, ws, "mxfp4"))
-    offsets = torch.tensor([0, 2, 5, 6], dtype=torch.int32, device="cuda")
-    x = torch.randn(6, 128, device="cuda").to(torch.bfloat16)
+    offsets = torch.tensor([0] + counts).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(sum(counts), 128, device="cuda").to(torch.bfloat16)
     y = torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, "mxfp4", 24, offsets)
     ref = grouped_ref(x, offsets, W.cuda())
     assert torch.equal(y.isnan(), ref.isnan()) and ref.isnan().any()
     ok = ~ref.isnan()
     assert rel_err(y[ok], ref[ok]) <= BAR
+    wide = any("wide_gemm_kernel" in n for n in kernels_run(
+        lambda: torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, "mxfp4", 24, offsets)))
+    assert wide == (sum(counts) >= 16 * 3)
 
 
 @GPU
