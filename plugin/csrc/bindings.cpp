@@ -29,6 +29,8 @@ TORCH_LIBRARY(cublade, m) {
   // [E+1] int32, pos [T*k] int32); then y [T*k, N] -> out [T, N] = sum_j topk_weights[t, j] * y[pos[t*k + j]].
   m.def("moe_route(Tensor topk_ids, Tensor x, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def("moe_finalize(Tensor y, Tensor pos, Tensor topk_weights) -> Tensor");
+  // silu(h[:, :I]) * h[:, I:] for h [M, 2I] (w13's output) -> [M, I], rounded as the two torch ops round.
+  m.def("silu_mul(Tensor h) -> Tensor");
 }
 
 // `import cublade._C` loads this library; the TORCH_LIBRARY blocks above and in the .cu files register

@@ -53,5 +53,9 @@ cudaError_t launch_moe_route(const void* ids, bool ids64, int64_t n, int E, int 
                              int64_t x_stride_bytes, void* xs, int* offsets, int* pos, int* src, cudaStream_t stream);
 cudaError_t launch_moe_finalize(const void* y, InDtype y_dtype, int64_t y_stride, const int* pos, const void* w,
                                 InDtype w_dtype, int64_t T, int k, int64_t H, void* out, cudaStream_t stream);
+// silu_mul: h [M, 2I] (rows h_stride elements apart; I and h_stride multiples of 8) -> out contiguous [M, I] of h's
+// dtype (bf16 or fp16), out = silu(h[:, :I]) * h[:, I:] rounded as the two torch ops round.
+cudaError_t launch_silu_mul(const void* h, InDtype dtype, int64_t h_stride, int64_t M, int64_t I, void* out,
+                            cudaStream_t stream);
 
 }  // namespace cublade

@@ -2,10 +2,13 @@
 //   moe_route:    top-k expert ids [T, k] + x [T, H] -> rows sorted by expert (xs [T*k, H], a row per routed
 //                 (token, slot)), expert_offsets [E+1], and pos [T*k]: where row i = t*k + j went (-1: dropped)
 //   moe_finalize: y [T*k, N] (the expert outputs in xs's order) -> out[t] = sum_j w[t, j] * y[pos[t*k + j]]
+//   silu_mul:     h [M, 2I] (w13's output: gate | up) -> a [M, I] = silu(h[:, :I]) * h[:, I:], the input of w2
 // They replace ~20 small torch kernels (argsort, scatter_add, cumsum, gathers, where, index_copy, casts, the
 // weighted sum), ~50 us of launch-bound work per MoE layer at decode under a CUDA graph (ninth session).
 // Numerics: moe_route copies rows bit for bit; moe_finalize forms each product w * y in fp32 and adds them in
 // j order from 0 (no FMA), as the reference's (y.float() * w.float()).sum(dim=1) does, and rounds once.
+// silu_mul rounds like the reference's two torch ops: silu in fp32 (x / (1 + expf(-x))) rounded to the input type,
+// then the product in fp32 rounded again; one kernel instead of two, reading h once.
 // The order of rows inside an expert's range comes from shared-memory atomics, so it may differ between runs;
 // each row's GEMM result does not depend on its place, so the layer's output does not either.
 #define CUBLADE_KERNELS_ONLY  // the torch wrapper is moe_glue_torch.cpp
@@ -125,7 +128,47 @@ cudaError_t finalize_w(const void* y, int64_t y_stride, const int* pos, const vo
   return cudaErrorInvalidValue;
 }
 
+// 8 outputs per thread: one 16-byte load of the gate half, one of the up half, one 16-byte store.
+template <InDtype DT>
+__global__ void silu_mul_kernel(const typename Elem<DT>::type* __restrict__ h, int64_t h_stride, int64_t I,
+                                typename Elem<DT>::type* __restrict__ out) {
+  using T = typename Elem<DT>::type;
+  const int64_t m = blockIdx.x, c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 8;
+  if (c >= I) return;
+  const T* row = h + m * h_stride;
+  const uint4 g = *reinterpret_cast<const uint4*>(row + c), u = *reinterpret_cast<const uint4*>(row + I + c);
+  const T* ge = reinterpret_cast<const T*>(&g);
+  const T* ue = reinterpret_cast<const T*>(&u);
+  uint4 o;
+  T* oe = reinterpret_cast<T*>(&o);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float x = Elem<DT>::to_float(ge[i]);
+    const T s = Elem<DT>::from_float(x / (1.0f + expf(-x)));
+    oe[i] = Elem<DT>::from_float(Elem<DT>::to_float(s) * Elem<DT>::to_float(ue[i]));
+  }
+  *reinterpret_cast<uint4*>(out + m * I + c) = o;
+}
+
+template <InDtype DT>
+cudaError_t silu_mul_as(const void* h, int64_t h_stride, int64_t M, int64_t I, void* out, cudaStream_t stream) {
+  using T = typename Elem<DT>::type;
+  constexpr int kThreads = 128;
+  const dim3 grid(static_cast<unsigned>(M), static_cast<unsigned>(ceil_div(I / 8, kThreads)));
+  silu_mul_kernel<DT><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(h), h_stride, I, static_cast<T*>(out));
+  return cudaGetLastError();
+}
+
 }  // namespace
+
+cudaError_t launch_silu_mul(const void* h, InDtype dtype, int64_t h_stride, int64_t M, int64_t I, void* out,
+                            cudaStream_t stream) {
+  if (I % 8 || h_stride % 8) return cudaErrorInvalidValue;
+  if (M == 0 || I == 0) return cudaSuccess;
+  if (dtype == InDtype::kBF16) return silu_mul_as<InDtype::kBF16>(h, h_stride, M, I, out, stream);
+  if (dtype == InDtype::kF16) return silu_mul_as<InDtype::kF16>(h, h_stride, M, I, out, stream);
+  return cudaErrorInvalidValue;
+}
 
 cudaError_t launch_moe_route(const void* ids, bool ids64, int64_t n, int E, int k, const void* x, int64_t row_bytes,
                              int64_t x_stride_bytes, void* xs, int* offsets, int* pos, int* src,

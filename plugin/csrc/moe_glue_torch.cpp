@@ -72,11 +72,30 @@ at::Tensor moe_finalize(const at::Tensor& y_in, const at::Tensor& pos, const at:
   return out;
 }
 
+at::Tensor silu_mul(const at::Tensor& h_in) {
+  constexpr const char* op = "silu_mul";
+  CUBLADE_CHECK_NOT_IMPLEMENTED(h_in.scalar_type() == at::kBFloat16 || h_in.scalar_type() == at::kHalf, op,
+                                "h must be bfloat16 or float16, got ", dt(h_in.scalar_type()));
+  CUBLADE_CHECK_VALUE(h_in.dim() == 2 && h_in.size(1) % 2 == 0, op,
+                      "h must be 2-D [rows, 2 * I] (gate | up), got shape ", shape(h_in.sizes()));
+  const int64_t I = h_in.size(1) / 2;
+  CUBLADE_CHECK_NOT_IMPLEMENTED(I % 8 == 0, op, "I=", num(I), " must be a multiple of 8 (16-byte halves)");
+  CUBLADE_CHECK_VALUE(h_in.is_cuda(), op, "h must be on a CUDA device, got ", dev(h_in.device()));
+  check_arch(op, h_in);
+  const c10::cuda::CUDAGuard guard(h_in.device());
+  const at::Tensor h = with_16byte_rows(h_in);
+  at::Tensor out = at::empty({h.size(0), I}, h.options());
+  check_launch(op, launch_silu_mul(h.data_ptr(), h.scalar_type() == at::kBFloat16 ? InDtype::kBF16 : InDtype::kF16,
+                                   h.stride(0), h.size(0), I, out.data_ptr(), current_stream()));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(cublade, CUDA, m) {
   m.impl("moe_route", &moe_route);
   m.impl("moe_finalize", &moe_finalize);
+  m.impl("silu_mul", &silu_mul);
 }
 
 }  // namespace cublade

@@ -1,7 +1,9 @@
-"""The routing around the grouped FP4 expert GEMMs (cublade.ops.fp4_gemm) of an MoE layer, as two ops:
+"""The glue around the grouped FP4 expert GEMMs (cublade.ops.fp4_gemm) of an MoE layer, as three ops:
 
     xs, offsets, pos = moe_route(topk_ids, x, num_experts)
-    y = <the experts over xs, grouped by offsets>          # [T*k, N], row p of xs -> row p of y
+    h = <w13 over xs, grouped by offsets>                  # [T*k, 2I]: gate | up
+    a = silu_mul(h)                                        # [T*k, I]
+    y = <w2 over a, grouped by offsets>                    # [T*k, N], row p of xs -> row p of y
     out = moe_finalize(y, pos, topk_weights)
 
 `moe_route(topk_ids [T, k] int32/int64, x [T, H] bf16/fp16, num_experts E) -> (xs [T*k, H], offsets int32 [E+1],
@@ -15,11 +17,15 @@ per-row computation over xs gives the same result row by row.
 of w[t, j] * y[pos[t*k + j]], each product in fp32, summed from 0 in j order (a dropped row adds w * 0), rounded
 once. Bit-exact to the reference (its `(rows.float() * w.float()).sum(dim=1)`).
 
-CUDA-graph safe (no host sync, no allocation but the outputs). E <= 1024; H and N multiples of 8.
+`silu_mul(h [M, 2I] bf16/fp16) -> [M, I]`: F.silu(h[:, :I]) * h[:, I:] in one kernel, bit-exact to those two torch
+ops (silu in fp32 as x / (1 + exp(-x)), rounded to h's dtype, then the product in fp32, rounded again).
+
+CUDA-graph safe (no host sync, no allocation but the outputs). E <= 1024; H, N and I multiples of 8.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from cublade.ops._dispatch import register_fake, use_kernel
 
@@ -48,6 +54,11 @@ def moe_finalize_ref(y: torch.Tensor, pos: torch.Tensor, topk_weights: torch.Ten
     return (rows.view(T, k, -1).float() * topk_weights.view(T, k, 1).float()).sum(dim=1).to(y.dtype)
 
 
+def silu_mul_ref(h: torch.Tensor) -> torch.Tensor:
+    i = h.shape[-1] // 2
+    return F.silu(h[..., :i]) * h[..., i:]
+
+
 def moe_route(topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int):
     if use_kernel(x, "moe_route") and num_experts <= MAX_EXPERTS and x.shape[-1] % 8 == 0:
         return torch.ops.cublade.moe_route(topk_ids, x, num_experts)
@@ -60,6 +71,13 @@ def moe_finalize(y: torch.Tensor, pos: torch.Tensor, topk_weights: torch.Tensor)
     return moe_finalize_ref(y, pos, topk_weights)
 
 
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    if (use_kernel(h, "silu_mul") and h.dim() == 2 and h.shape[-1] % 16 == 0
+            and h.dtype in (torch.bfloat16, torch.float16)):
+        return torch.ops.cublade.silu_mul(h)
+    return silu_mul_ref(h)
+
+
 @register_fake("cublade::moe_route")
 def _moe_route_fake(topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int):
     n = topk_ids.numel()
@@ -70,3 +88,8 @@ def _moe_route_fake(topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int):
 @register_fake("cublade::moe_finalize")
 def _moe_finalize_fake(y: torch.Tensor, pos: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     return y.new_empty((topk_weights.shape[0], y.shape[-1]))
+
+
+@register_fake("cublade::silu_mul")
+def _silu_mul_fake(h: torch.Tensor) -> torch.Tensor:
+    return h.new_empty((h.shape[0], h.shape[1] // 2))

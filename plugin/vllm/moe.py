@@ -305,7 +305,7 @@ class CubladeFp4MoE(MoEKernel):
 
     def apply(self, layer, x, topk_weights, topk_ids):
         from cublade.ops.fp4_gemm import fp4_gemm
-        from cublade.ops.moe_glue import moe_finalize, moe_route
+        from cublade.ops.moe_glue import moe_finalize, moe_route, silu_mul
 
         T, k = topk_ids.shape
         I, H = self.I, self.H
@@ -322,7 +322,7 @@ class CubladeFp4MoE(MoEKernel):
         # fp4_gemm runs its wgmma kernel instead, which picks its own tokens per pass (tenth session).
         max_m = min(T, -(-2 * T * k // E))
         h = fp4_gemm(xs, layer.w13_fp4_packed, getattr(layer, "w13_fp4_row_scale", None), fmt, 2 * I, offsets, max_m)
-        a = F.silu(h[:, :I]) * h[:, I:]
+        a = silu_mul(h)
         y = fp4_gemm(a, layer.w2_fp4_packed, getattr(layer, "w2_fp4_row_scale", None), fmt, H, offsets, max_m)
         return moe_finalize(y, pos, topk_weights).to(x.dtype)
 

@@ -1,12 +1,12 @@
-"""moe_route / moe_finalize (the routing around the grouped FP4 experts): the references on CPU, the kernels on the
-GPU against them (bit-exact rows and sums; the place of a row inside its expert's range is free, so route is checked
-by what it means: ranges, a permutation, each placed row equal to its token's)."""
+"""moe_route / moe_finalize / silu_mul (the glue around the grouped FP4 experts): the references on CPU, the kernels
+on the GPU against them (bit-exact rows, sums and activations; the place of a row inside its expert's range is free,
+so route is checked by what it means: ranges, a permutation, each placed row equal to its token's)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cublade.ops.moe_glue import moe_finalize, moe_finalize_ref, moe_route, moe_route_ref
+from cublade.ops.moe_glue import moe_finalize, moe_finalize_ref, moe_route, moe_route_ref, silu_mul, silu_mul_ref
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 
@@ -107,6 +107,32 @@ def test_finalize_kernel_bit_exact(ydt, wdt, T, k, N, drop):
     assert torch.equal(moe_finalize(y, pos, w), out)  # the entry takes the kernel
 
 
+def test_silu_mul_reference_is_the_two_torch_ops():
+    h = torch.randn(5, 32).to(torch.bfloat16)
+    assert torch.equal(silu_mul(h), torch.nn.functional.silu(h[:, :16]) * h[:, 16:])
+
+
+@GPU
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,I", [(1, 14336), (7, 8), (300, 1024), (4096, 136)])
+def test_silu_mul_kernel_bit_exact(dt, M, I):
+    g = torch.Generator(device="cuda").manual_seed(M + I)
+    h = (torch.randn(M, 2 * I, device="cuda", generator=g) * 4).to(dt)
+    specials = torch.tensor([0.0, -0.0, 1e4, -1e4, 80.0, -80.0, 100.0, -100.0, float("inf"), float("-inf"),
+                             float("nan"), 1e-30], device="cuda").to(dt)
+    h.view(-1)[: specials.numel()] = specials  # gate values of row 0 (and up values when I < 12)
+    y = torch.ops.cublade.silu_mul(h)
+    assert y.shape == (M, I) and y.dtype == dt and y.is_contiguous()
+    torch.testing.assert_close(y, silu_mul_ref(h), rtol=0, atol=0, equal_nan=True)
+
+
+@GPU
+def test_silu_mul_kernel_strided_rows():
+    big = torch.randn(9, 3 * 64, device="cuda").to(torch.bfloat16)
+    h = big[:, 16:16 + 2 * 64]  # rows 384 bytes apart, starting 32 bytes in
+    torch.testing.assert_close(torch.ops.cublade.silu_mul(h), silu_mul_ref(h), rtol=0, atol=0)
+
+
 @GPU
 def test_no_tokens():
     ids = torch.zeros(0, 2, device="cuda", dtype=torch.int64)
@@ -134,6 +160,9 @@ def test_refusals_name_the_op():
         (ValueError, "moe_finalize: pos must be int32",
          lambda: torch.ops.cublade.moe_finalize(torch.cat([x, x]), ids.reshape(-1).long(),
                                                 torch.ones(2, 2, device="cuda"))),
+        (NotImplementedError, "silu_mul: h must be bfloat16 or float16", lambda: torch.ops.cublade.silu_mul(x.float())),
+        (ValueError, r"silu_mul: h must be 2-D \[rows, 2 \* I\]", lambda: torch.ops.cublade.silu_mul(x[:, :15])),
+        (NotImplementedError, "silu_mul: I=6 must be a multiple of 8", lambda: torch.ops.cublade.silu_mul(x[:, :12])),
     ]
     for exc, msg, call in cases:
         with pytest.raises(exc, match=msg):
@@ -148,3 +177,4 @@ def test_opcheck():
     _, _, pos = torch.ops.cublade.moe_route(ids, x, 8)
     y = torch.randn(4, 64, device="cuda").to(torch.bfloat16)
     torch.library.opcheck(torch.ops.cublade.moe_finalize.default, (y, pos, torch.rand(2, 2, device="cuda")))
+    torch.library.opcheck(torch.ops.cublade.silu_mul.default, (y,))
