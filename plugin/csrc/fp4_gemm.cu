@@ -176,13 +176,13 @@ int wide_tokens(int64_t M, int64_t active, bool grouped, int split_k) {
 // of the SMs); from 48 tokens two, with whole-chunk stages at 48 / 64 (w13 at a mean of 32 rows: 275.9 us at 48
 // tokens on 2 warpgroups, 327.0 on 4).
 template <int FMT>
-cudaError_t launch_wide(lowbit::GemmParams sp, const float* row_scale, int E, int ntok, int64_t active,
-                        void* workspace, cudaStream_t stream) {
+cudaError_t launch_wide(lowbit::GemmParams sp, int E, int ntok, int64_t active, void* workspace,
+                        cudaStream_t stream) {
   wide::Params prm = {};
   prm.w = sp.w;
   prm.offsets = sp.offsets;
   prm.experts = E;
-  prm.row_scale = row_scale;
+  prm.row_scale = sp.row_scale;
   prm.M = sp.M; prm.N = sp.N;
   prm.out = sp.out; prm.out_stride = sp.out_stride;
   auto run = [&](auto cfg) {
@@ -212,12 +212,10 @@ cudaError_t launch_fmt(lowbit::GemmParams prm, int E, int max_m, int S, cudaStre
   return lowbit::launch_tpw<Fp4Policy<4, FMT>>(prm, E, S, stream);
 }
 
-int64_t active_experts(int64_t M, int64_t E, bool grouped) { return grouped ? std::min<int64_t>(E, M) : 1; }
-
 }  // namespace
 
 size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, int split_k) {
-  const int nt = M > 0 ? wide_tokens(M, active_experts(M, E, grouped), grouped, split_k) : 0;
+  const int nt = M > 0 ? wide_tokens(M, lowbit::expert_slices(grouped, E, M), grouped, split_k) : 0;
   return nt > 0 ? static_cast<size_t>(wide::workspace_bytes(M, K, nt, true)) : 0;
 }
 
@@ -242,12 +240,12 @@ cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_strid
   prm.row_scale = row_scale;
   prm.out = out; prm.out_stride = out_stride; prm.N = static_cast<int>(N);
   prm.sms = sms;
-  const int64_t active = active_experts(M, E, offsets != nullptr);  // experts that can have rows
+  const int64_t active = lowbit::expert_slices(offsets != nullptr, E, M);  // experts that can have rows
   if (const int nt = wide_tokens(M, active, offsets != nullptr, split_k); nt > 0) {
     if (workspace == nullptr) return cudaErrorInvalidValue;
     const int e = static_cast<int>(E);
-    return fmt == kMXFP4 ? launch_wide<kMXFP4>(prm, row_scale, e, nt, active, workspace, stream)
-                         : launch_wide<kNVFP4>(prm, row_scale, e, nt, active, workspace, stream);
+    return fmt == kMXFP4 ? launch_wide<kMXFP4>(prm, e, nt, active, workspace, stream)
+                         : launch_wide<kNVFP4>(prm, e, nt, active, workspace, stream);
   }
   const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups * active, prm.chunks, sms);
   const int mm = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_m, M)));

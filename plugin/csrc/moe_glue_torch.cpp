@@ -66,9 +66,9 @@ at::Tensor moe_finalize(const at::Tensor& y_in, const at::Tensor& pos, const at:
   const at::Tensor y = with_16byte_rows(y_in);
   const at::Tensor p = pos.contiguous(), w = topk_weights.contiguous();
   at::Tensor out = at::empty({T, y.size(1)}, y.options());
-  check_launch(op, launch_moe_finalize(y.data_ptr(), y.scalar_type() == at::kBFloat16 ? InDtype::kBF16 : InDtype::kF16,
-                                       y.stride(0), p.data_ptr<int>(), w.data_ptr(), w_dt, T, static_cast<int>(k),
-                                       y.size(1), out.data_ptr(), current_stream()));
+  check_launch(op, launch_moe_finalize(y.data_ptr(), in_dtype_of(op, "y", y), y.stride(0), p.data_ptr<int>(),
+                                       w.data_ptr(), w_dt, T, static_cast<int>(k), y.size(1), out.data_ptr(),
+                                       current_stream()));
   return out;
 }
 
@@ -85,8 +85,8 @@ at::Tensor silu_mul(const at::Tensor& h_in) {
   const c10::cuda::CUDAGuard guard(h_in.device());
   const at::Tensor h = with_16byte_rows(h_in);
   at::Tensor out = at::empty({h.size(0), I}, h.options());
-  check_launch(op, launch_silu_mul(h.data_ptr(), h.scalar_type() == at::kBFloat16 ? InDtype::kBF16 : InDtype::kF16,
-                                   h.stride(0), h.size(0), I, out.data_ptr(), current_stream()));
+  check_launch(op, launch_silu_mul(h.data_ptr(), in_dtype_of(op, "h", h), h.stride(0), h.size(0), I, out.data_ptr(),
+                                   current_stream()));
   return out;
 }
 

@@ -535,6 +535,11 @@ cudaError_t launch_split_k(void (*kernel)(Arg), dim3 grid, int threads, int smem
   return cudaLaunchKernelEx(&cfg, kernel, arg);
 }
 
+// Grid slices (blockIdx.z) of a launch over E experts and M rows: one per expert that can have rows, at most M of
+// the E (grouped: rows sorted by expert, `offsets` set); the kernels map slice z to the z-th expert with rows. Both
+// kernels (this one and wide_gemm.cuh's) and fp4_gemm's choices (its split and tokens-per-pass rules) use it.
+constexpr int64_t expert_slices(bool grouped, int64_t E, int64_t M) { return grouped ? std::min(E, M) : 1; }
+
 // Launch one instantiation: S splits of K per cluster, E experts (prm.offsets set when E > 1); xrows and sbytes
 // set in prm; prm.stages = 0 picks the ring depth (a tuning harness may set it).
 template <class P, int TPW, int KSL = TPW>
@@ -548,7 +553,7 @@ cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
   // Grouped launches: one grid slice (blockIdx.z) per expert that can have rows, at most M of the E; the kernel
   // maps slice z to the z-th expert with rows. (A slice per expert left the CTAs of the experts with rows packed
   // onto fewer SMs among the early exits: 14336x4096, 2 of 8 experts, 50.0 us against 36.9 for a blob of the two.)
-  const int slices = prm.offsets ? std::min(E, prm.M) : 1;
+  const int slices = static_cast<int>(expert_slices(prm.offsets != nullptr, E, prm.M));
   const int64_t ctas = static_cast<int64_t>(prm.groups) * S * slices;
   if (prm.stages <= 0) prm.stages = pick_stages<P, TPW, KSL>(L, ctas, prm.sms);
   L.stages = prm.stages;

@@ -347,7 +347,7 @@ cudaError_t launch_kernel(Params prm, const void* x, int64_t x_stride, int K, in
   prm.groups = static_cast<int>(ceil_div(prm.N, 64));
   prm.blob_chunks = static_cast<int>(ceil_div(K, kBlobChunkK));
   prm.chunks = static_cast<int>(ceil_div(K, KS));
-  const int slices = grouped ? std::min(prm.experts, prm.M) : 1;  // experts that can have rows
+  const int slices = static_cast<int>(lowbit::expert_slices(grouped, prm.experts, prm.M));
   if (S <= 0) S = pick_split(ceil_div(prm.groups, WG) * slices, prm.blob_chunks, sms);
   if (S > lowbit::kMaxSplit) return cudaErrorInvalidValue;
   prm.chunks_per_cta = (prm.chunks + S - 1) / S;
