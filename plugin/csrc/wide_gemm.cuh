@@ -136,6 +136,21 @@ struct Regs {
   static_assert(128 * kProducer + WG * 128 * kConsumer <= kThreads * kLaunch, "setmaxnreg beyond the CTA's pool");
 };
 
+// Issue order (CUTLASS's "ping-pong"): with two consumer warpgroups at 96 or 128 tokens, warpgroup w waits on named
+// barrier 1 + w before it issues a batch's 8 mma's and lets the other go once they are issued, so the tensor cores run
+// whole batches in turn, one warpgroup's while the other dequantizes (and folds). Left free, both tend to issue
+// together and then dequantize together while the tensor cores idle. benchmarks/tuning/wgmma_rate.cu (no memory
+// traffic, eleventh session), share of the tensor peak, free -> ordered: int4 g128 at 128 tokens 72.4% -> 84.4%, at 96
+// 67.5% -> 79.3%; FP4's loop (no fold) 85.3% -> 99.1% and 75.0% -> 85.4%. At 64 tokens on 2 warpgroups it gained less
+// (59% -> 65%), and on 4 warpgroups (32-64 tokens) ordering lost (e.g. 63.6% -> 54.8% at 48), so only these take it.
+// The int4 op (experiments/int4_ab.cu, same machine, alternated): 8192x28672 M = 96 / 128 / 256 105.7 / 128.5 / 254.6
+// -> 102.0 / 119.9 / 237.3 us, the other three shapes 2-7% at 96-256 rows. FP4 experts: no change beyond noise (the
+// FP4 kernel's time goes elsewhere; NOTES.md, eleventh session).
+template <int NTOK, int WG>
+constexpr bool kOrderedIssue = WG == 2 && NTOK >= 96;
+__device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
 template <int N>
@@ -246,6 +261,9 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
   // ---- consumer warpgroup wg: tile group group0 + wg, warp wq its tile wq ----
   setmaxnreg_inc<Regs<WG, kWindows>::kConsumer>();
   const bool consumer = wg < ngroups;
+  // Ordered issue between the two warpgroups when both have a tile group: warpgroup 0 goes first; the last batch of
+  // warpgroup 1 lets nobody go, so no arrival is left pending.
+  const bool ordered = kOrderedIssue<NTOK, WG> && ngroups == 2;
   for (int p = 0; p < npass; ++p) {
     const int tg = r0 / 8 + p * (NTOK / 8), it = p * nchunks;
     float acc[ND];
@@ -263,6 +281,8 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
         for (int b = 0; b < KS / 128; ++b) {
           uint32_t a[8][4];  // the batch's 8 k-steps
           P::batch(tb, tb + Lay::kPacketBytes, b, lane, a, s_lo, s_hi);
+          const bool first = p == 0 && c == 0 && b == 0, last = p == npass - 1 && c == nchunks - 1 && b == KS / 128 - 1;
+          if (ordered && !(first && wg == 0)) bar_sync(1 + wg);
           wgmma::fence();
 #pragma unroll
           for (int k = 0; k < 8; ++k) {
@@ -273,6 +293,7 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
           }
           // The next batch rewrites a (these mma's read it as they run); the stage's last batch frees the stage.
           wgmma::commit();
+          if (ordered && !(last && wg == 1)) bar_arrive(2 - wg);
           wgmma::wait<0>();
           if constexpr (P::kScaling == Scaling::kFoldPerBatch) {
             wgmma::fence_regs(part);

@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
   const harness::Device device;
   const harness::Flushes flush(device);
   cudaStream_t st = device.stream;
-  for (const auto& sh : std::vector<std::pair<int, int>>{{8192, 28672}, {4096, 14336}}) {
+  const std::vector<std::pair<int, int>> shapes = {{8192, 28672}, {4096, 14336}, {28672, 8192}, {8192, 10240}};
+  for (const auto& sh : shapes) {
     const int K = sh.first, N = sh.second;
     const int sb = cublade::w4a16_gemm_sbytes(128, false);
     const size_t words = size_t((N + 63) / 64) * ((K + 511) / 512) * 4 * (1024 + sb / 4);
