@@ -16,10 +16,17 @@
 // (CUTLASS's ping-pong order; production since this session at 96-128 tokens on 2 warpgroups); "free": no order.
 // B is either production's layout (core matrices of 8 tokens x 16 bytes, no swizzle) or the 128-byte swizzle
 // (token rows of 64 K). The rate is ideal cycles (an m64nNk16 is N/2 cycles of the SM's tensor cores: 1024 bf16
-// FLOP a cycle each, 4 an SM) over the slowest CTA's clock64 cycles. On the H200:
+// FLOP a cycle each, 4 an SM) over the slowest CTA's clock64 cycles. The last rows add a copy warp that writes shared
+// memory as the production ring does (CP below). On the H200:
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc -I benchmarks/tuning \
 //        benchmarks/tuning/wgmma_rate.cu -o /tmp/wgmma_rate && /tmp/wgmma_rate
+//
+// Found (raw benchmarks/runs/2026-11-23-0453-*, -0523-*): the register-A loop reaches the peak in cycles with either B
+// layout; two warpgroups that each wait for their batch keep it there only with nothing between the waits; with the
+// int4 dequant and fold 72% (ordered 84%), with the dequant alone 85% (ordered 99%). Shared-memory writes beside the
+// mma's cost few cycles (ordered dequant-wait 99.1% -> 95.7% at 22 bytes a cycle) but lower the clock: the stream loop
+// took 13-18% longer in wall time at 40 bytes a cycle with the same cycle count.
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
 
@@ -76,12 +83,34 @@ __device__ __forceinline__ void mma(float (&d)[NTOK / 2], const uint32_t (&a)[4]
 using cublade::wide::bar_arrive;
 using cublade::wide::bar_sync;
 
-template <int NTOK, int WG, int PAT, bool SWZ, bool ORD = false>
-__global__ void __launch_bounds__(WG * 128, 1) rate(int iters, float* sink, long long* cycles) {
+// CP: one more warp whose lane 0 streams bulk copies of kCopyBytes from an L2-resident buffer into shared memory
+// (two in flight), paced to `copy_rate` bytes a cycle, until the consumers finish: shared-memory writes like the
+// production ring's (x and weights: ~40 bytes a cycle at 128 tokens when the tensor cores run at peak), to see whether
+// they slow the wgmma's reads of B. `copies` gets each CTA's bytes a cycle achieved.
+constexpr int kCopyBytes = 16384;
+constexpr int kCopySrcBlocks = 64;  // the source: 1 MB
+
+template <int WG, bool CP>
+__host__ __device__ constexpr int smem_bytes(int ntok, int pat) {
+  return ntok * kK * 2 + WG * (pat == kSS ? kSSABytes : 4 * kTileBytes) + (CP ? 2 * kCopyBytes + 64 : 0);
+}
+
+template <int NTOK, int WG, int PAT, bool SWZ, bool ORD = false, bool CP = false>
+__global__ void __launch_bounds__(WG * 128 + (CP ? 32 : 0), 1)
+    rate(int iters, float* sink, long long* cycles, const unsigned char* copy_src, float copy_rate, float* copies) {
   constexpr int ND = NTOK / 2;
   constexpr int kXBytes = NTOK * kK * 2;
   extern __shared__ __align__(1024) unsigned char smem[];
   const int words = (kXBytes + WG * (PAT == kSS ? kSSABytes : 4 * kTileBytes)) / 4;
+  unsigned char* scratch = smem + smem_bytes<WG, false>(NTOK, PAT);
+  uint64_t* cbar = reinterpret_cast<uint64_t*>(scratch + 2 * kCopyBytes);
+  volatile int* finished = reinterpret_cast<volatile int*>(cbar + 2);
+  if (CP && threadIdx.x == 0) {
+    lb::mbar_init(cbar, 1);
+    lb::mbar_init(cbar + 1, 1);
+    *finished = 0;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
   for (int i = threadIdx.x; i < words; i += blockDim.x) {  // random bf16 pairs; records 1.0 (scales and zeros)
     const int byte = 4 * i - kXBytes;
     const bool rec = PAT != kSS && byte >= 0 && byte % kTileBytes >= kPacketBytes;
@@ -104,6 +133,25 @@ __global__ void __launch_bounds__(WG * 128, 1) rate(int iters, float* sink, long
   float s_lo = 1.0f, s_hi = 1.0f;
   if constexpr (PAT == kDequantPipe) Batch::batch(tb, tb + kPacketBytes, 0, lane, a[0], s_lo, s_hi);
   __syncthreads();
+  if (CP && wgi == WG) {  // the copy warp
+    if (lane == 0) {
+      const uint64_t pol = lb::policy_evict_last();
+      const long long c0 = clock64();
+      long long next = c0;
+      int n = 0;
+      for (; *finished < WG * 4; ++n) {
+        const int s = n & 1;
+        if (n >= 2) lb::mbar_wait(cbar + s, ((n - 2) >> 1) & 1);
+        while (clock64() < next) {}
+        next += static_cast<long long>(kCopyBytes / copy_rate);
+        lb::mbar_expect_tx(cbar + s, kCopyBytes);
+        lb::bulk_g2s(scratch + s * kCopyBytes, copy_src + (n % kCopySrcBlocks) * kCopyBytes, kCopyBytes, cbar + s, pol);
+      }
+      for (int m = n < 2 ? 0 : n - 2; m < n; ++m) lb::mbar_wait(cbar + (m & 1), (m >> 1) & 1);
+      copies[blockIdx.x] = static_cast<float>(n) * kCopyBytes / static_cast<float>(clock64() - c0);
+    }
+    return;
+  }
   const long long t0 = clock64();
   for (int it = 0; it < iters; ++it) {
 #pragma unroll
@@ -142,25 +190,35 @@ __global__ void __launch_bounds__(WG * 128, 1) rate(int iters, float* sink, long
   wg::wait<0>();
   wg::fence_regs(acc);
   const long long t1 = clock64();
+  if (CP && lane == 0) atomicAdd(const_cast<int*>(finished), 1);
   float sum = 0.0f;
   for (int i = 0; i < ND; ++i) sum += acc[i];
   if (sum == 1234.5f) sink[threadIdx.x] = sum;  // keeps the mma's
   if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
 }
 
-template <int NTOK, int WG, int PAT, bool SWZ, bool ORD = false>
-void run(const harness::Device& dev, long long* cycles, float* sink) {
-  constexpr auto kernel = rate<NTOK, WG, PAT, SWZ, ORD>;
-  const int smem = NTOK * kK * 2 + WG * (PAT == kSS ? kSSABytes : 4 * kTileBytes);
+struct Buffers {
+  long long* cycles;
+  float* sink;
+  unsigned char* copy_src;
+  float* copies;
+};
+
+template <int NTOK, int WG, int PAT, bool SWZ, bool ORD = false, bool CP = false>
+void run(const harness::Device& dev, const Buffers& buf, float copy_rate = 0.0f) {
+  constexpr auto kernel = rate<NTOK, WG, PAT, SWZ, ORD, CP>;
+  const int smem = smem_bytes<WG, CP>(NTOK, PAT);
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   std::vector<float> us;
   long long worst = 0;
+  double copied = 0.0;
   for (int rep = 0; rep < 5; ++rep) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     CK(cudaEventRecord(e0, dev.stream));
-    kernel<<<dev.sms, WG * 128, smem, dev.stream>>>(kIters, sink, cycles);
+    kernel<<<dev.sms, WG * 128 + (CP ? 32 : 0), smem, dev.stream>>>(kIters, buf.sink, buf.cycles, buf.copy_src,
+                                                                      copy_rate, buf.copies);
     CK(cudaGetLastError());
     CK(cudaEventRecord(e1, dev.stream));
     CK(cudaStreamSynchronize(dev.stream));
@@ -168,31 +226,37 @@ void run(const harness::Device& dev, long long* cycles, float* sink) {
     CK(cudaEventElapsedTime(&ms, e0, e1));
     us.push_back(ms * 1e3f);
     std::vector<long long> c(dev.sms);
-    CK(cudaMemcpy(c.data(), cycles, dev.sms * sizeof(long long), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(c.data(), buf.cycles, dev.sms * sizeof(long long), cudaMemcpyDeviceToHost));
+    std::vector<float> cp(dev.sms);
+    CK(cudaMemcpy(cp.data(), buf.copies, dev.sms * sizeof(float), cudaMemcpyDeviceToHost));
     if (rep > 0) worst = std::max(worst, *std::max_element(c.begin(), c.end()));
+    if (rep > 0) copied += harness::median(cp) / 4;
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
   }
   const double ideal = static_cast<double>(kIters) * (kK / 16) * WG * NTOK / 2;
   const double flops = 2.0 * 64 * NTOK * 16 * (kK / 16) * WG * static_cast<double>(kIters) * dev.sms;
   const double t = harness::median(us);
-  std::printf("%-13s %-7s %5d %3d %-10s %12lld %8.1f%% %9.1f %8.1f\n", kPatternNames[PAT], ORD ? "ordered" : "free",
-              NTOK, WG, SWZ ? "swizzle128" : "none", worst, 100.0 * ideal / worst, t, flops / t * 1e-6);
+  std::printf("%-13s %-7s %5d %3d %-10s %12lld %8.1f%% %9.1f %8.1f %8.1f\n", kPatternNames[PAT],
+              ORD ? "ordered" : "free", NTOK, WG, SWZ ? "swizzle128" : "none", worst, 100.0 * ideal / worst, t,
+              flops / t * 1e-6, CP ? copied : 0.0);
 }
 
 }  // namespace
 
 int main() {
   const harness::Device dev;
-  long long* cycles;
-  float* sink;
-  CK(cudaMalloc(&cycles, dev.sms * sizeof(long long)));
-  CK(cudaMalloc(&sink, 1024 * sizeof(float)));
+  Buffers buf{};
+  CK(cudaMalloc(&buf.cycles, dev.sms * sizeof(long long)));
+  CK(cudaMalloc(&buf.sink, 1024 * sizeof(float)));
+  CK(cudaMalloc(&buf.copies, dev.sms * sizeof(float)));
+  CK(cudaMalloc(&buf.copy_src, kCopySrcBlocks * kCopyBytes));
+  CK(cudaMemset(buf.copy_src, 0x3C, kCopySrcBlocks * kCopyBytes));
   std::printf("%s, %d SMs; %d iterations of 4 batches of 128 K a warpgroup\n", dev.prop.name, dev.sms, kIters);
-  std::printf("%-13s %-7s %5s %3s %-10s %12s %9s %9s %8s\n", "pattern", "issue", "ntok", "wg", "B layout", "cycles",
-              "of peak", "us", "TFLOP/s");
-#define R(NT, W, P, S) run<NT, W, P, S>(dev, cycles, sink);
-#define O(NT, W, P) run<NT, W, P, false>(dev, cycles, sink); run<NT, W, P, false, true>(dev, cycles, sink);
+  std::printf("%-13s %-7s %5s %3s %-10s %12s %9s %9s %8s %8s\n", "pattern", "issue", "ntok", "wg", "B layout", "cycles",
+              "of peak", "us", "TFLOP/s", "copy B/c");
+#define R(NT, W, P, S) run<NT, W, P, S>(dev, buf);
+#define O(NT, W, P) run<NT, W, P, false>(dev, buf); run<NT, W, P, false, true>(dev, buf);
   R(128, 1, kStream, false) R(128, 2, kStream, false) R(128, 2, kStream, true) R(128, 2, kSS, true)
   R(128, 1, kFold, false) R(128, 1, kDequantFold, false) R(128, 1, kDequantWait, false)
   O(128, 2, kWait) O(128, 2, kFold) O(128, 2, kDequantFold) O(128, 2, kDequantWait) O(128, 2, kDequantPipe)
@@ -202,5 +266,10 @@ int main() {
   O(48, 4, kDequantFold) O(32, 4, kDequantFold) O(32, 2, kDequantFold)
 #undef O
 #undef R
+  // Shared-memory writes beside the mma's (the copy warp), bytes a cycle asked. (Not dequant-fold: with the copy warp
+  // the CTA counts as 3 warpgroups for ptxas, whose 168 registers a thread spill that loop.)
+  for (const float r : {10.0f, 20.0f, 40.0f, 60.0f, 80.0f, 120.0f})
+    run<128, 2, kStream, false, false, true>(dev, buf, r);
+  for (const float r : {20.0f, 40.0f, 60.0f}) run<128, 2, kDequantWait, false, true, true>(dev, buf, r);
   return 0;
 }
