@@ -18,13 +18,12 @@ Without vLLM (not importable) the baseline columns say so and the rest still run
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 
 import torch
 
-from common import REFERENCE_COPY_TBPS, bench_us, rel_err, require_op
+from common import REFERENCE_COPY_TBPS, bench_us, rel_err, require_op, vllm_single_process_state
 
 bench = functools.partial(bench_us, rep_ms=100)  # median us, do_bench's 100 ms window
 G = 128
@@ -40,7 +39,7 @@ def vllm_kernels(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int) -> tuple[di
         from vllm.scalar_type import scalar_types
     except Exception as e:  # noqa: BLE001  (any import failure means: no baseline)
         return {}, f"baseline: vLLM not importable ({type(e).__name__}: {e})"
-    _vllm_single_process_state()
+    vllm_single_process_state()
     out = {}
     noop = lambda *a, **k: None  # noqa: E731
     cfg = vl.MPLinearLayerConfig(full_weight_shape=(K, N), partition_weight_shape=(K, N),
@@ -61,28 +60,6 @@ def vllm_kernels(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int) -> tuple[di
         k.process_weights_after_loading(layer)
         out[name.replace("LinearKernel", "")] = (lambda kk, ll: (lambda x: kk.apply_weights(ll, x)))(k, layer)
     return out, f"baseline: vLLM {vllm.__version__} Machete / Marlin (MPLinearKernel)"
-
-
-def _vllm_single_process_state() -> None:
-    """vLLM's parameter classes read the tensor-parallel rank: set up a one-process group once, under a current
-    VllmConfig (vLLM 0.26's initialize_model_parallel reads it), which stays current for the kernels' setup."""
-    import socket
-
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        return
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    _VLLM_CONTEXT.enter_context(set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=device))))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
-    ps.initialize_model_parallel(1, 1)
-
-
-_VLLM_CONTEXT = contextlib.ExitStack()  # the bench's VllmConfig, current until the process ends
 
 
 def main() -> None:

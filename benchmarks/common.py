@@ -10,6 +10,7 @@ Every bench prints a header (GPU, versions, copy ceiling), then one markdown row
 CUBLADE_BENCH_JSON is set, appends the same rows as JSON lines to that file."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -138,3 +139,26 @@ def require_gpu() -> None:
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to benchmark")
         sys.exit(0)
+
+
+def vllm_single_process_state() -> None:
+    """vLLM's parameter classes read the tensor-parallel rank: set up a one-process group once, under a current
+    VllmConfig (vLLM 0.26's initialize_model_parallel reads it), which stays current for the kernels' setup
+    (the benches that build vLLM's linear kernels as baselines)."""
+    import socket
+
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _VLLM_CONTEXT.enter_context(set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=device))))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+    ps.initialize_model_parallel(1, 1)
+
+
+_VLLM_CONTEXT = contextlib.ExitStack()  # the bench's VllmConfig, current until the process ends

@@ -11,7 +11,8 @@ Candidates per scheme (first that can run the layer wins):
   fp8    vllm-cutlass-scaled-mm (fallback: cublade has no FP8 GEMM of its own; activations are quantized by
          cublade's per-token / per-tensor op)  ->  reference
   w4a16  cublade-w4a16-gemm  ->  vllm-machete (fallback, sm_90)  ->  vllm-marlin (fallback)  ->  reference
-  mxfp8  cublade-mxfp8-dequant-matmul (no MX tensor cores before sm_100: dequantize to the activation dtype
+  mxfp8  vllm-marlin-mxfp8 (fallback: cublade has no MXFP8 GEMM of its own; W8A16, reads the 1-byte weights)
+         ->  cublade-mxfp8-dequant-matmul (no MX tensor cores before sm_100: dequantize to the activation dtype
          with cublade's op, then a dense GEMM)  ->  reference
 
 The layer a kernel sees holds the scheme's tensors in cublade's checkpoint layout (cublade.config.schemes),
@@ -44,6 +45,17 @@ def _capability(device: torch.device) -> int | None:
         return None
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
+
+
+def _gpu_half(layer: torch.nn.Module, device: torch.device) -> tuple[int | None, str]:
+    """(the GPU's sm number, "") for a layer on a CUDA device with bf16/fp16 activations, else (None, why not):
+    the first two checks of every GPU kernel here."""
+    cap = _capability(device)
+    if cap is None:
+        return None, "needs a CUDA device"
+    if layer.params_dtype not in HALF_DTYPES:
+        return None, f"takes bf16/fp16 activations, the model runs in {layer.params_dtype}"
+    return cap, ""
 
 
 # cublade's CUDA extension is built for sm_90a (setup.py), whose code runs on sm_90 only.
@@ -129,11 +141,9 @@ class VllmCutlassScaledMM(LinearKernel):
 
     @classmethod
     def can_implement(cls, layer):
-        cap = _capability(layer.weight.device)
+        cap, why = _gpu_half(layer, layer.weight.device)
         if cap is None:
-            return False, "needs a CUDA device"
-        if layer.params_dtype not in HALF_DTYPES:
-            return False, f"outputs bf16/fp16 only, the model runs in {layer.params_dtype}"
+            return False, why
         try:
             from vllm import _custom_ops as ops
 
@@ -231,11 +241,9 @@ class _VllmMixedPrecision(LinearKernel):
 
     @classmethod
     def can_implement(cls, layer):
-        cap = _capability(layer.weight_packed.device)
+        cap, why = _gpu_half(layer, layer.weight_packed.device)
         if cap is None:
-            return False, "needs a CUDA device"
-        if layer.params_dtype not in HALF_DTYPES:
-            return False, f"takes bf16/fp16 activations, the model runs in {layer.params_dtype}"
+            return False, why
         if not layer.cublade_scheme.symmetric and layer.output_size_per_partition % 8:
             return False, f"zero points pack 8 per int32 along N; N={layer.output_size_per_partition}"
         k = cls._vllm_kernel()
@@ -296,7 +304,8 @@ class VllmMarlin(_VllmMixedPrecision):
 class CubladeMxfp8DequantMatmul(LinearKernel):
     """Hopper has no MX tensor cores: dequantize the MXFP8 weight to the activation dtype with cublade's op
     (exact: an e4m3 value times a power of two fits bf16/fp16 unless it leaves their range), then one dense
-    GEMM. Costs a weight-sized write + read per call over an MX GEMM; what it buys is 1-byte storage."""
+    GEMM. Costs a weight-sized write + read per call over an MX GEMM (at decode 2.7x the time of a bf16 layer);
+    what it buys is 1-byte storage and cuBLAS's speed at prefill. Second to vllm-marlin-mxfp8 (above)."""
     name = "cublade-mxfp8-dequant-matmul"
     own = True
 
@@ -316,12 +325,48 @@ class CubladeMxfp8DequantMatmul(LinearKernel):
         return torch.nn.functional.linear(x, w, bias)
 
 
+class VllmMarlinMxfp8(LinearKernel):
+    """vLLM's MXFP8 weight-only GEMM (Marlin, W8A16; a fallback: cublade has no MXFP8 GEMM of its own), the first
+    choice for mxfp8. vLLM's MarlinMxfp8LinearKernel repacks cublade's tensors once (they are the layout it reads:
+    e4m3 [N, K], E8M0 uint8 [N, K/32]) and multiplies bf16/fp16 activations by the e4m3 weights times their
+    power-of-two scales with fp32 sums: the same products as the dequantize path, which reads 5 bytes a weight per
+    call (1 to dequantize, 2 written, 2 read by the GEMM) where this reads ~1. H200, K 8192 x N 28672
+    (benchmarks/bench_mxfp8_linear.py, eleventh session): 75.5 / 114.3 / 412.3 / 6651.5 us at M = 1 / 64 / 256 /
+    4096 against the dequantize path's 319.4 / 322.2 / 374.8 / 3147.2 (bf16: 118.9 at M = 1). On three shapes: 2.2-4.2x
+    faster at 1-64 tokens (1.3-1.6x faster than bf16 at 1-16), 1.1-2.4x slower from 256 tokens;
+    `CUBLADE_DISABLED_KERNELS=vllm-marlin-mxfp8` selects the dequantize path for prefill-heavy work."""
+    name = "vllm-marlin-mxfp8"
+    own = False
+
+    @classmethod
+    def can_implement(cls, layer):
+        cap, why = _gpu_half(layer, layer.weight.device)
+        if cap is None:
+            return False, why
+        try:
+            from vllm.model_executor.kernels.linear import MarlinMxfp8LinearKernel
+        except ImportError as e:
+            return False, f"this vLLM has no MarlinMxfp8LinearKernel ({e})"
+        ok, why = MarlinMxfp8LinearKernel.is_supported(cap)
+        return ok, (f"vLLM's MarlinMxfp8LinearKernel on sm_{cap}" if ok else f"vLLM's MarlinMxfp8LinearKernel: {why}")
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        from vllm.model_executor.kernels.linear import MarlinMxfp8LinearKernel, Mxfp8LinearLayerConfig
+
+        self.impl = MarlinMxfp8LinearKernel(Mxfp8LinearLayerConfig())
+        self.impl.process_weights_after_loading(layer)
+
+    def apply(self, layer, x, bias):
+        return self.impl.apply_weights(layer, x, bias)
+
+
 # ---- the selector ---------------------------------------------------------------------------------------
 
 CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel], ...]] = {
     Fp8Scheme: (VllmCutlassScaledMM, ReferenceKernel),
     W4A16Scheme: (CubladeW4A16Gemm, VllmMachete, VllmMarlin, ReferenceKernel),
-    MXFP8Scheme: (CubladeMxfp8DequantMatmul, ReferenceKernel),
+    MXFP8Scheme: (VllmMarlinMxfp8, CubladeMxfp8DequantMatmul, ReferenceKernel),
 }
 
 _logged: set[tuple] = set()

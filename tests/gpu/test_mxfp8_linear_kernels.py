@@ -1,0 +1,48 @@
+"""The two kernels an MXFP8 linear layer can run on a GPU (cublade.vllm.kernels): cublade's dequantize + dense
+GEMM and vLLM's MXFP8 Marlin GEMM (the vllm-marlin-mxfp8 fallback), each against the scheme's reference linear on
+the same checkpoint tensors. Both multiply the same exact bf16 weights (e4m3 times a power of two) and sum in fp32,
+so they may differ from the reference only by summation order before the bf16 rounding. Run on the H200 with vLLM
+staged; skipped without a CUDA GPU or vLLM."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
+
+
+def mxfp8_layer(N: int, K: int, seed: int = 0) -> torch.nn.Module:
+    """A stand-in for a vLLM linear layer after loading: cublade's MXFP8 tensors and what the kernels read."""
+    from cublade.config import MXFP8Scheme
+
+    scheme = MXFP8Scheme()
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * 0.05 * torch.linspace(0.2, 2.0, N).unsqueeze(1)
+    layer = torch.nn.Module()
+    for name, t in scheme.quantize(w).items():
+        layer.register_parameter(name, torch.nn.Parameter(t.cuda(), requires_grad=False))
+    layer.output_size_per_partition, layer.input_size_per_partition = N, K
+    layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, scheme, None
+    return layer
+
+
+@pytest.mark.parametrize("kernel", ["cublade-mxfp8-dequant-matmul", "vllm-marlin-mxfp8"])
+@pytest.mark.parametrize("N,K,M", [(256, 128, 5), (4096, 1024, 1), (1000, 2048, 37), (512, 4096, 300)])
+def test_mxfp8_kernel_matches_reference(kernel, N, K, M):
+    if kernel.startswith("vllm"):
+        pytest.importorskip("vllm", reason="vLLM is not installed (staged on the device: ../shared/device)")
+    from cublade.vllm import kernels
+
+    cls = next(k for k in kernels.CANDIDATES[kernels.MXFP8Scheme] if k.name == kernel)
+    layer = mxfp8_layer(N, K)
+    ref_tensors = {"weight": layer.weight.data.clone(), "weight_scale": layer.weight_scale.data.clone()}
+    ok, why = cls.can_implement(layer)
+    assert ok, why
+    impl = cls(layer)  # repacks the layer (Marlin: its own weight layout)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda()
+    y = impl.apply(layer, x, None)
+    ref = layer.cublade_scheme.linear_ref(x, ref_tensors)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    # fp32 sums in another order, one bf16 rounding: at most ~1 ulp apart (2^-7 relative), tiny outputs aside
+    tol = ref.float().abs() * 2**-7 + ref.float().abs().mean() * 2**-10
+    assert ((y.float() - ref.float()).abs() <= tol).all()
