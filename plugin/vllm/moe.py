@@ -321,9 +321,14 @@ class CubladeFp4MoE(MoEKernel):
         # the mean (ninth session, benchmarks/tuning/experiments/fp4_moe_maxm.py). From 16 rows per expert (T k / E)
         # fp4_gemm runs its wgmma kernel instead, which picks its own tokens per pass (tenth session).
         max_m = min(T, -(-2 * T * k // E))
+        # Each intermediate is dropped once used, so the caching allocator reuses it for the next (w2's x workspace
+        # among them): the layer's peak is what vLLM's profiling run charges against the KV cache.
         h = fp4_gemm(xs, layer.w13_fp4_packed, getattr(layer, "w13_fp4_row_scale", None), fmt, 2 * I, offsets, max_m)
+        del xs
         a = silu_mul(h)
+        del h
         y = fp4_gemm(a, layer.w2_fp4_packed, getattr(layer, "w2_fp4_row_scale", None), fmt, H, offsets, max_m)
+        del a
         return moe_finalize(y, pos, topk_weights).to(x.dtype)
 
 
