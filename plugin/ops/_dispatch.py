@@ -13,10 +13,20 @@ import torch
 
 _LOADED: bool | None = None
 _LOAD_ERROR: str | None = None
+_CUDA_OPS: frozenset[str] = frozenset()  # the ops with a CUDA kernel in the loaded extension
+
+
+def ops_with_cuda_kernel(namespace: str) -> frozenset[str]:
+    """The ops of `namespace` that have a CUDA kernel registered. bindings.cpp declares every op's schema, so a
+    build that left some .cu files out (scripts/device_check.sh's CUBLADE_CU_ONLY) has schemas without kernels:
+    calling one fails, so such an op must count as missing and its reference run instead."""
+    prefix = f"{namespace}::"
+    names = {n[len(prefix):].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)}
+    return frozenset(n for n in names if torch._C._dispatch_has_kernel_for_dispatch_key(prefix + n, "CUDA"))
 
 
 def _load() -> bool:
-    global _LOAD_ERROR
+    global _LOAD_ERROR, _CUDA_OPS
     if os.environ.get("CUBLADE_DISABLE_KERNELS") == "1":
         _LOAD_ERROR = "CUBLADE_DISABLE_KERNELS=1"
         return False
@@ -25,6 +35,7 @@ def _load() -> bool:
     except ImportError as e:  # no build (CPU machines), or a build for another torch
         _LOAD_ERROR = f"{type(e).__name__}: {e}"
         return False
+    _CUDA_OPS = ops_with_cuda_kernel("cublade")
     return True
 
 
@@ -43,8 +54,8 @@ def extension_load_error() -> str | None:
 
 
 def use_kernel(x: torch.Tensor, op_name: str) -> bool:
-    """True when `torch.ops.cublade.<op_name>` exists and can take `x` (a CUDA tensor)."""
-    return x.is_cuda and extension_loaded() and hasattr(torch.ops.cublade, op_name)
+    """True when `torch.ops.cublade.<op_name>` has a CUDA kernel and can take `x` (a CUDA tensor)."""
+    return x.is_cuda and extension_loaded() and op_name in _CUDA_OPS
 
 
 def register_fake(qualname: str) -> Callable:
