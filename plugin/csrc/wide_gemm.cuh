@@ -136,18 +136,19 @@ struct Regs {
   static_assert(128 * kProducer + WG * 128 * kConsumer <= kThreads * kLaunch, "setmaxnreg beyond the CTA's pool");
 };
 
-// Issue order (CUTLASS's "ping-pong"): with two consumer warpgroups at 96 or 128 tokens, warpgroup w waits on named
+// Issue order (CUTLASS's "ping-pong"): with two consumer warpgroups from 48 tokens, warpgroup w waits on named
 // barrier 1 + w before it issues a batch's 8 mma's and lets the other go once they are issued, so the tensor cores run
 // whole batches in turn, one warpgroup's while the other dequantizes (and folds). Left free, both tend to issue
 // together and then dequantize together while the tensor cores idle. benchmarks/tuning/wgmma_rate.cu (no memory
-// traffic, eleventh session), share of the tensor peak, free -> ordered: int4 g128 at 128 tokens 72.4% -> 84.4%, at 96
-// 67.5% -> 79.3%; FP4's loop (no fold) 85.3% -> 99.1% and 75.0% -> 85.4%. At 64 tokens on 2 warpgroups it gained less
-// (59% -> 65%), and on 4 warpgroups (32-64 tokens) ordering lost (e.g. 63.6% -> 54.8% at 48), so only these take it.
-// The int4 op (experiments/int4_ab.cu, same machine, alternated): 8192x28672 M = 96 / 128 / 256 105.7 / 128.5 / 254.6
-// -> 102.0 / 119.9 / 237.3 us, the other three shapes 2-7% at 96-256 rows. FP4 experts: no change beyond noise (the
-// FP4 kernel's time goes elsewhere; NOTES.md, eleventh session).
+// traffic, eleventh session), share of the tensor peak, free -> ordered: int4 g128 at 128 / 96 / 64 tokens 72.4% /
+// 67.5% / 59.4% -> 84.4% / 79.3% / 65.4%; FP4's loop (no fold) at 128 / 96 85.3% / 75.0% -> 99.1% / 85.4%. At 32
+// tokens (44.7% -> 39.5%) and on 4 warpgroups (e.g. 63.6% -> 54.8% at 48) ordering lost, so those run free.
+// The int4 op (experiments/int4_ab.cu, same machine, alternated, us): 8192x28672 M = 96 / 128 / 256 105.7 / 128.5 /
+// 254.6 -> 102.0 / 119.9 / 237.3, the other three shapes 2-7% at 96-256 rows; at 48 / 64 rows on the shapes that run
+// 2 warpgroups there 4-8% (28672x8192 63.3 / 71.6 -> 59.8 / 66.1). FP4 experts: at 128 tokens (48 a pass) 1.5-3%, from
+// 256 no change beyond noise (the FP4 kernel's time goes elsewhere; NOTES.md, eleventh session).
 template <int NTOK, int WG>
-constexpr bool kOrderedIssue = WG == 2 && NTOK >= 96;
+constexpr bool kOrderedIssue = WG == 2 && NTOK >= 48;
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 
