@@ -47,8 +47,9 @@ struct Fp4NoDequant : cublade::Fp4Policy<NT_, cublade::kMXFP4> {
   using T = __nv_bfloat16;
   static constexpr int NT = NT_;
   template <int j, int kSliceK>
-  __device__ static void packet(State&, const uint4 q, const unsigned char* srec, const uint4 (&xc)[2][NT],
+  __device__ static void packet(State&, const uint4 (&qv)[1], const unsigned char* srec, const uint4 (&xc)[2][NT],
                                 float (&acc)[NT][4], int lane) {
+    const uint4 q = qv[0];
     using Rec = cublade::Fp4Rec<cublade::kMXFP4>;
     const Rec::type r = Rec::load(srec, j, lane);
     uint32_t a[4][4];

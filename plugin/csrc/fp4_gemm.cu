@@ -100,6 +100,7 @@ template <int NT_, int FMT>
 struct Fp4Policy {
   using T = __nv_bfloat16;
   static constexpr int NT = NT_;
+  static constexpr int kPacketBytes = 512;
   static constexpr int kSBytes = kFp4RecordBytes;  // 64 bytes of records per packet per tile
   struct State {};
   template <int kSliceK>
@@ -110,17 +111,11 @@ struct Fp4Policy {
     return p.row_scale ? p.row_scale + static_cast<int64_t>(e) * p.groups * lowbit::kGroupTiles * kTileN : nullptr;
   }
   template <int j, int kSliceK>
-  __device__ static void packet(State&, const uint4 q, const unsigned char* srec, const uint4 (&xc)[2][NT],
+  __device__ static void packet(State&, const uint4 (&q)[1], const unsigned char* srec, const uint4 (&xc)[2][NT],
                                 float (&acc)[NT][4], int lane) {
     uint32_t a[4][4];
-    dequant_packet<FMT>(q, srec, j, lane, a);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      lowbit::mma_16816<T>(acc[n], a[0], xc[0][n].x, xc[0][n].y);
-      lowbit::mma_16816<T>(acc[n], a[1], xc[0][n].z, xc[0][n].w);
-      lowbit::mma_16816<T>(acc[n], a[2], xc[1][n].x, xc[1][n].y);
-      lowbit::mma_16816<T>(acc[n], a[3], xc[1][n].z, xc[1][n].w);
-    }
+    dequant_packet<FMT>(q[0], srec, j, lane, a);
+    lowbit::mma_packet<T>(acc, a, xc);
   }
 };
 
@@ -129,6 +124,7 @@ struct Fp4Policy {
 template <int FMT>
 struct Fp4Batch {
   using T = __nv_bfloat16;
+  static constexpr int kPacketBytes = 512;
   static constexpr int kBlobRecBytes = kFp4RecordBytes;
   static constexpr wide::Scaling kScaling = wide::Scaling::kNone;
   static constexpr bool kRowScale = true;

@@ -105,6 +105,7 @@ template <typename T_, int NT_, int GS, bool ASYM>
 struct Int4Policy {
   using T = T_;
   static constexpr int NT = NT_;
+  static constexpr int kPacketBytes = 512;
   using Rec = typename std::conditional<ASYM, uint2, uint32_t>::type;
   static constexpr int kRecGS = GS == 0 ? lowbit::kChunk * kPacketK : GS;  // K per scale record
   static constexpr int kRecBytes = static_cast<int>(sizeof(Rec));
@@ -136,8 +137,9 @@ struct Int4Policy {
     }
   }
   template <int j, int kSliceK>
-  __device__ static void packet(State& st, const uint4 q, const unsigned char* srec, const uint4 (&xc)[2][NT],
+  __device__ static void packet(State& st, const uint4 (&qv)[1], const unsigned char* srec, const uint4 (&xc)[2][NT],
                                 float (&acc)[NT][4], int lane) {
+    const uint4 q = qv[0];
     constexpr int kGS = GS == 0 ? kSliceK : GS;  // group within the slice
     constexpr bool kStart0 = (j * kPacketK) % kGS == 0;
     constexpr bool kStart1 = kGS == 32;
@@ -215,6 +217,7 @@ struct Int4Batch {
   static_assert(GS == 128 || GS == 0, "the wide kernel takes group size 128 or per-channel scales");
   using T = T_;
   using Rec = typename Int4Policy<T, 1, GS, ASYM>::Rec;
+  static constexpr int kPacketBytes = 512;
   static constexpr int kBlobRecBytes = Int4Policy<T, 1, GS, ASYM>::kSBytes;
   static constexpr Scaling kScaling = GS == 0 ? Scaling::kPerChannel : Scaling::kFoldPerBatch;
   static constexpr bool kRowScale = false;

@@ -3,7 +3,7 @@
 //
 // Repacked weights (both ops; the Python repack writes them: plugin/ops/w4a16_gemm.py, fp4_gemm.py):
 //   blob int32 [experts][tile groups = ceil(N/64)][chunks = ceil(K/512)][4 tiles][tile block]
-//   tile block = 8 packets of 512 bytes, then the scale records those 512 K need (sbytes)
+//   tile block = 8 packets of 512 bytes (1024 for 8-bit weights), then the scale records those 512 K need (sbytes)
 // N and K are zero-padded to whole tile groups / chunks. A packet is 16 rows x 64 K; word s (0..3) of lane
 // (g = lane/4, t = lane%4) is the A fragment of one mma.m16n8k16 k-step: rows g and g+8 at the 4 K
 //     K0(s) = 64*packet + 32*(s/2) + 8*t + 4*(s%2) .. +3
@@ -82,9 +82,12 @@ struct GemmParams {
 // sums of every tile: one slot per K slice beyond the first when a warp owns several tiles, else one slot for the
 // split-K reduction).
 static_assert(2 * kMaxStages * 8 <= 128, "the full/empty mbarriers must fit the 128-byte header");
-struct Layout {
+// PB: bytes per packet (16 rows x 64 K), 512 for 4-bit weights, 1024 for 8-bit. (A run-time member instead made ptxas
+// spill 12 bytes in the int4 M <= 8 kernel.)
+template <int PB>
+struct LayoutOf {
   int sbytes, xrows, stages;
-  __host__ __device__ int tile_bytes() const { return kChunk * 512 + sbytes; }
+  __host__ __device__ int tile_bytes() const { return kChunk * PB + sbytes; }
   __host__ __device__ int w_bytes() const { return kGroupTiles * tile_bytes(); }
   __host__ __device__ int stage_bytes() const { return w_bytes() + xrows * kXRowBytes; }
   __host__ __device__ int stage_offset(int s) const { return 128 + s * stage_bytes(); }
@@ -95,6 +98,7 @@ struct Layout {
     return red_offset() + red_slots(ksl) * red_slot_floats(nt) * 4;
   }
 };
+using Layout = LayoutOf<512>;
 
 // ---- PTX wrappers ------------------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -203,6 +207,19 @@ __device__ __forceinline__ void mma_16816_first(float (&c)[4], const uint32_t (&
   }
 }
 
+// acc[n] += the packet's 4 k-steps (A fragments a[0..3], exact weights) times its x fragments, for each of the NT
+// n-tiles: the packet step of the policies whose weights need no per-group fold (FP4, MXFP8).
+template <typename T, int NT>
+__device__ __forceinline__ void mma_packet(float (&acc)[NT][4], const uint32_t (&a)[4][4], const uint4 (&xc)[2][NT]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    mma_16816<T>(acc[n], a[0], xc[0][n].x, xc[0][n].y);
+    mma_16816<T>(acc[n], a[1], xc[0][n].z, xc[0][n].w);
+    mma_16816<T>(acc[n], a[2], xc[1][n].x, xc[1][n].y);
+    mma_16816<T>(acc[n], a[3], xc[1][n].z, xc[1][n].w);
+  }
+}
+
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
@@ -256,11 +273,13 @@ __device__ __forceinline__ void consumer_sync() {
 
 // The kernel. A policy P says how a packet becomes mma's (dequant, scales) and provides:
 //   using T; static constexpr int NT;  struct State;
+//   static constexpr int kPacketBytes   (512: 4-bit weights, one 16-byte vector per lane; 1024: 8-bit, two: V =
+//       kPacketBytes / 512)
 //   template <int kSliceK> __device__ static const unsigned char* slice_records(const unsigned char* srec, int slice)
 //       (the scale records of K slice `slice` of kSliceK within a tile block's records srec)
-//   template <int j, int kSliceK> __device__ static void packet(State&, uint4 q, const unsigned char* srec,
-//       const uint4 (&x)[2][NT], float (&acc)[NT][4], int lane)   (packet j of a K slice of kSliceK; srec: that
-//       slice's scale records)
+//   template <int j, int kSliceK> __device__ static void packet(State&, const uint4 (&q)[V], const unsigned char* srec,
+//       const uint4 (&x)[2][NT], float (&acc)[NT][4], int lane)   (packet j of a K slice of kSliceK: q this lane's
+//       vectors of it, the second 512 bytes after the first; srec: that slice's scale records)
 //   __device__ static const float* row_scale(const GemmParams&, int e)   (null: none)
 // TPW (tiles per warp) and KSL (K slices per chunk): the CTA has R = 4 / TPW x KSL consumer warps; warp w owns
 // tiles TPW*(w/KSL) .. +TPW-1 over K slice w%KSL of every chunk (kChunk/KSL packets). More tiles per warp: each
@@ -295,7 +314,7 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
   const int nchunks = max(ce - cb, 0);
   const int group = blockIdx.x;
   const int nst = prm.stages;
-  const Layout L{prm.sbytes, prm.xrows, nst};
+  const LayoutOf<P::kPacketBytes> L{prm.sbytes, prm.xrows, nst};
   const int tile0 = (warp / KSL) * TPW, slice = warp % KSL;  // consumers: first tile, K slice
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxStages;
@@ -352,11 +371,12 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
         mbar_wait(full + s, (it / nst) & 1);
         const int kb = (cb + c) * kChunk * kPacketK + slice * kSliceK;  // this warp's first K
         const unsigned char* stg = smem + L.stage_offset(s);
-        const unsigned char* tb = stg + tile0 * L.tile_bytes() + slice * PPW * 512 + lane * 16;
+        const unsigned char* tb = stg + tile0 * L.tile_bytes() + slice * PPW * P::kPacketBytes + lane * 16;
         const unsigned char* srec[TPW];
 #pragma unroll
         for (int u = 0; u < TPW; ++u)
-          srec[u] = P::template slice_records<kSliceK>(stg + (tile0 + u) * L.tile_bytes() + kChunk * 512, slice);
+          srec[u] = P::template slice_records<kSliceK>(stg + (tile0 + u) * L.tile_bytes() + kChunk * P::kPacketBytes,
+                                                       slice);
         const unsigned char* xsm = stg + L.w_bytes() + t * 16 + slice * kSliceK * 2;
         auto run = [&](auto checked_c) {
           constexpr bool kChecked = decltype(checked_c)::value;
@@ -374,8 +394,13 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
               }
 #pragma unroll
             for (int u = 0; u < TPW; ++u)
-              P::template packet<j, kSliceK>(st[u], lds128(tb + u * L.tile_bytes() + j * 512), srec[u], xv, acc[u],
-                                             lane);
+            {
+              constexpr int V = P::kPacketBytes / 512;  // lane vectors per packet
+              uint4 q[V];
+#pragma unroll
+              for (int v = 0; v < V; ++v) q[v] = lds128(tb + u * L.tile_bytes() + j * P::kPacketBytes + v * 512);
+              P::template packet<j, kSliceK>(st[u], q, srec[u], xv, acc[u], lane);
+            }
           });
         };
         // Past K the staged x holds stale bytes: the slice that reaches past K checks (the padded weights are
@@ -493,7 +518,7 @@ int ctas_per_sm(int smem) {
 // 56.0 us at 2 stages (2.3 waves) and 88.7 us at 4 (1 CTA/SM, 6.8 waves). And one CTA per SM never pays:
 // 8192x10240 M=32 in 2 splits (320 CTAs, 1.2 waves at 2/SM) ran 62.2 us at 3 stages (1/SM) against 47.3 at 2.
 template <class P, int TPW, int KSL>
-int pick_stages(Layout L, int64_t ctas, int sms) {
+int pick_stages(LayoutOf<P::kPacketBytes> L, int64_t ctas, int sms) {
   for (int st = 2; st <= 4; ++st) {
     L.stages = st;
     const int per_sm = ctas_per_sm<P, TPW, KSL>(L.total(P::NT, KSL));
@@ -549,7 +574,7 @@ cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
   if (const cudaError_t e = allow_max_smem<kernel>(); e != cudaSuccess) return e;
   prm.chunks_per_cta = (prm.chunks + S - 1) / S;
   prm.experts = E;
-  Layout L{prm.sbytes, prm.xrows, kMaxStages};
+  LayoutOf<P::kPacketBytes> L{prm.sbytes, prm.xrows, kMaxStages};
   // Grouped launches: one grid slice (blockIdx.z) per expert that can have rows, at most M of the E; the kernel
   // maps slice z to the z-th expert with rows. (A slice per expert left the CTAs of the experts with rows packed
   // onto fewer SMs among the early exits: 14336x4096, 2 of 8 experts, 50.0 us against 36.9 for a blob of the two.)

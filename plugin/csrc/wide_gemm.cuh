@@ -109,8 +109,8 @@ struct Layout {
   static_assert(KS == 512 || KS == 256, "a stage is a chunk of the blob or half of one");
   static constexpr int kPerChunk = kBlobChunkK / KS;  // stages per chunk of the blob
   static constexpr bool kRecWhole = P::kScaling == Scaling::kPerChannel;
-  static constexpr int kBlobTileBytes = lowbit::kChunk * 512 + P::kBlobRecBytes;
-  static constexpr int kPacketBytes = KS / lowbit::kPacketK * 512;  // a tile's packets in a stage
+  static constexpr int kBlobTileBytes = lowbit::kChunk * P::kPacketBytes + P::kBlobRecBytes;
+  static constexpr int kPacketBytes = KS / lowbit::kPacketK * P::kPacketBytes;  // a tile's packets in a stage
   static constexpr int kRecBytes = kRecWhole ? P::kBlobRecBytes : P::kBlobRecBytes / kPerChunk;  // and records
   static constexpr int kTileBytes = kPacketBytes + kRecBytes;
   static constexpr int kGroupBytes = lowbit::kGroupTiles * kTileBytes;
@@ -157,8 +157,8 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
 
-// P provides: using T (x and out); kBlobRecBytes (record bytes per blob tile block); kScaling; kRowScale (whether
-// Params::row_scale may be set); and
+// P provides: using T (x and out); kPacketBytes (512: 4-bit weights, 1024: 8-bit; w4a16_gemm.cuh); kBlobRecBytes
+// (record bytes per blob tile block); kScaling; kRowScale (whether Params::row_scale may be set); and
 //   __device__ static void batch(const unsigned char* packets, const unsigned char* recs, int b, int lane,
 //                                uint32_t (&a)[8][4], float& s_lo, float& s_hi)
 // the A fragments of k-steps 8b .. 8b+7 of the stage's packets of one tile (recs: that tile's records in the
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
         } else {
           for (int tile = 0; tile < lowbit::kGroupTiles; ++tile, dst += Lay::kTileBytes, src += Lay::kBlobTileBytes) {
             lowbit::bulk_g2s(dst, src + half * Lay::kPacketBytes, Lay::kPacketBytes, full + s, wpol);
-            const int rec = lowbit::kChunk * 512 + (Lay::kRecWhole ? 0 : half * Lay::kRecBytes);
+            const int rec = lowbit::kChunk * P::kPacketBytes + (Lay::kRecWhole ? 0 : half * Lay::kRecBytes);
             lowbit::bulk_g2s(dst + Lay::kPacketBytes, src + rec, Lay::kRecBytes, full + s, wpol);
           }
         }
