@@ -25,6 +25,10 @@ TORCH_LIBRARY(cublade, m) {
   // int32; none = one expert) @ weights in fp4_repack's layout -> bf16 [T, size_n].
   m.def("fp4_gemm(Tensor x, Tensor packed, Tensor? row_scale, str format, int size_n, "
         "Tensor? expert_offsets=None, int max_m=0, int split_k=0) -> Tensor");
+  // MXFP8 weight GEMM (W8A16): x [..., K] bf16 @ e4m3 weights with E8M0 scales per 32 K in mxfp8_repack's layout
+  // -> bf16 [..., size_n]; and the same blob -> the dense bf16 weight [size_n, size_k] (the prefill path).
+  m.def("mxfp8_gemm(Tensor x, Tensor packed, int size_n, int split_k=0) -> Tensor");
+  m.def("mxfp8_dequant_packed(Tensor packed, int size_n, int size_k) -> Tensor");
   // MoE routing around fp4_gemm: topk_ids [T, k] + x [T, H] -> (xs [T*k, H] sorted by expert, expert_offsets
   // [E+1] int32, pos [T*k] int32); then y [T*k, N] -> out [T, N] = sum_j topk_weights[t, j] * y[pos[t*k + j]].
   m.def("moe_route(Tensor topk_ids, Tensor x, int num_experts) -> (Tensor, Tensor, Tensor)");

@@ -1,7 +1,7 @@
-// Framework-free declarations of the launchers of w4a16_gemm.cu, w4a16_dequant.cu and fp4_gemm.cu, shared by the
-// kernels (nvcc) and their torch wrappers (w4a16_gemm_torch.cpp, fp4_gemm_torch.cpp; host C++ compiler). The
-// repacked layouts: plugin/ops/w4a16_gemm.py and plugin/ops/fp4_gemm.py; the kernel and its schedule:
-// w4a16_gemm.cuh.
+// Framework-free declarations of the launchers of w4a16_gemm.cu, w4a16_dequant.cu, fp4_gemm.cu and mxfp8_gemm.cu,
+// shared by the kernels (nvcc) and their torch wrappers (w4a16_gemm_torch.cpp, fp4_gemm_torch.cpp,
+// mxfp8_gemm_torch.cpp; host C++ compiler). The repacked layouts: plugin/ops/w4a16_gemm.py, fp4_gemm.py and
+// mxfp8_gemm.py; the kernels and their schedules: w4a16_gemm.cuh and wide_gemm.cuh.
 #pragma once
 
 #include <cstdint>
@@ -60,5 +60,24 @@ cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_strid
                             int64_t max_m, const void* packed, const float* row_scale, int fmt, void* out,
                             int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
                             cudaStream_t stream);
+
+// MXFP8 (mxfp8_gemm.cu): the same blob geometry with 1-byte codes, a tile block is 2048 int32 words of codes plus
+// 8 x 32 bytes of E8M0 exponent records.
+constexpr int kMxfp8RecordBytes = 8 * 32;
+constexpr int kMxfp8WideMinRows = 17;  // from this many rows the wide kernel (passes of up to 128), below streaming
+
+// Device workspace bytes launch_mxfp8_gemm needs (0: none): the wide kernel's re-laid-out x, one pass at a time.
+size_t mxfp8_gemm_workspace_bytes(int64_t M, int64_t K, int split_k);
+
+// x: bf16 [M, K] (row stride x_stride, unit column stride, 16-byte aligned rows, K % 32 == 0); packed: the MXFP8 blob
+// [ceil(N/64), ceil(K/512), 4, 2048 + 64] (16-byte aligned); out: bf16 [M, N] (row stride out_stride). split_k: K
+// splits of the streaming kernel (>= 1 forces it at any M), 0 = pick. workspace: mxfp8_gemm_workspace_bytes(M, K,
+// split_k) bytes, 16-byte aligned (null if 0).
+cudaError_t launch_mxfp8_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const void* packed, void* out,
+                              int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
+                              cudaStream_t stream);
+
+// The dense bf16 weight [N, K] (contiguous) from the MXFP8 blob: the prefill path. K % 32 == 0.
+cudaError_t launch_mxfp8_dequant_packed(const void* packed, int64_t N, int64_t K, void* out, cudaStream_t stream);
 
 }  // namespace cublade

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "lowbit_torch.h"
 #include "torch_utils.h"
 #include "w4a16_gemm.h"
 
@@ -57,29 +58,16 @@ at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
                       num(split_k));
   check_packed(op, packed, size_n, K, group_size, symmetric);
 
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = with_16byte_rows(x_in.reshape({-1, K}));  // the bulk copies read 16-byte rows along K
-  const int64_t M = x.size(0);
-  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
-  out_shape.back() = size_n;
-  at::Tensor out = at::empty(out_shape, x_in.options());
-  if (M == 0) return out;
-  if (split_k == 0 && M >= dequant_min_rows(group_size)) {  // prefill: y = x @ W^T with W dequantized to x's dtype
-    const at::Tensor w = w4a16_dequant(packed, group_size, symmetric, size_n, K, x.scalar_type());
-    at::Tensor out2d = out.view({M, size_n});
-    at::mm_out(out2d, x, w.t());
-    return out;
-  }
-  CUBLADE_CHECK_VALUE(M <= INT32_MAX, op, "x has ", num(M), " rows; at most 2^31 - 1");
-  const size_t ws_bytes = w4a16_gemm_workspace_bytes(M, K, size_n, static_cast<int>(group_size),
-                                                     static_cast<int>(split_k));
-  at::Tensor workspace;  // the wide kernel's re-laid-out x (the caching allocator makes this cheap)
-  if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
-  check_launch(op, launch_w4a16_gemm(x.data_ptr(), in_dtype_of(op, "x", x), M, K, x.stride(0), packed.data_ptr(),
-                                     static_cast<int>(group_size), !symmetric, out.data_ptr(), size_n, size_n,
-                                     static_cast<int>(split_k), ws_bytes > 0 ? workspace.data_ptr() : nullptr,
-                                     sm_count(x_in), current_stream()));
-  return out;
+  const int gs = static_cast<int>(group_size), sk = static_cast<int>(split_k);
+  return lowbit_gemm(
+      op, x_in, size_n, split_k == 0, dequant_min_rows(group_size),
+      [&] { return w4a16_dequant(packed, group_size, symmetric, size_n, K, x_in.scalar_type()); },
+      [&](int64_t M) { return w4a16_gemm_workspace_bytes(M, K, size_n, gs, sk); },
+      [&](const at::Tensor& x, int64_t M, at::Tensor& out, void* workspace) {
+        return launch_w4a16_gemm(x.data_ptr(), in_dtype_of(op, "x", x), M, K, x.stride(0), packed.data_ptr(), gs,
+                                 !symmetric, out.data_ptr(), size_n, size_n, sk, workspace, sm_count(x_in),
+                                 current_stream());
+      });
 }
 
 // The dense weight [size_n, size_k] in dtype (bf16 / fp16) from the blob: the prefill path (dequantize once, then

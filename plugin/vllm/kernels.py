@@ -11,9 +11,9 @@ Candidates per scheme (first that can run the layer wins):
   fp8    vllm-cutlass-scaled-mm (fallback: cublade has no FP8 GEMM of its own; activations are quantized by
          cublade's per-token / per-tensor op)  ->  reference
   w4a16  cublade-w4a16-gemm  ->  vllm-machete (fallback, sm_90)  ->  vllm-marlin (fallback)  ->  reference
-  mxfp8  vllm-marlin-mxfp8 (fallback: cublade has no MXFP8 GEMM of its own; W8A16, reads the 1-byte weights)
-         ->  cublade-mxfp8-dequant-matmul (no MX tensor cores before sm_100: dequantize to the activation dtype
-         with cublade's op, then a dense GEMM)  ->  reference
+  mxfp8  cublade-mxfp8-gemm (W8A16 on the 1-byte weights, bf16 activations)  ->  vllm-marlin-mxfp8 (fallback: fp16
+         activations, block scales above 2^7)  ->  cublade-mxfp8-dequant-matmul (no MX tensor cores before sm_100:
+         dequantize to the activation dtype with cublade's op, then a dense GEMM)  ->  reference
 
 The layer a kernel sees holds the scheme's tensors in cublade's checkpoint layout (cublade.config.schemes),
 as plain Parameters, after cublade.vllm.linear brought them there; a kernel repacks them once, in its
@@ -31,6 +31,7 @@ import torch
 
 from cublade.config import Fp8Scheme, MXFP8Scheme, Scheme, W4A16Scheme
 from cublade.ops import fp8_quant as fp8_ops
+from cublade.ops import mxfp8_gemm as mxfp8_ops
 from cublade.ops import w4a16_gemm as w4a16_ops
 from cublade.ops.mxfp8_quant import mxfp8_dequant_ref  # (`cublade.ops.mxfp8_quant` is the op, not the module)
 from cublade.ops._dispatch import use_kernel
@@ -301,11 +302,47 @@ class VllmMarlin(_VllmMixedPrecision):
 
 # ---- mxfp8 ----------------------------------------------------------------------------------------------
 
+class CubladeMxfp8Gemm(LinearKernel):
+    """cublade's MXFP8 GEMM (cublade.ops.mxfp8_gemm, W8A16) on weights repacked once by `mxfp8_repack` into the
+    kernels' tile layout (1 byte a weight plus its exponents, as the checkpoint). The op runs 1-16 tokens on its
+    streaming kernel, 17-319 on its wide (wgmma) kernel, and from 320 dequantizes the weight to bf16 and runs cuBLAS
+    (the prefill path; a transient N x K bf16 weight per call). Each path multiplies the same exact bf16 weights.
+    bf16 activations only (the kernels build bf16 weights); E8M0 scales up to 2^7.
+    H200, twelfth session (benchmarks/bench_mxfp8_linear.py, every kernel class in one run): against vLLM's MXFP8
+    Marlin 1.00-1.63x as fast at 1-16 tokens, 1.03-1.70x at 32-256, 1.54-2.32x from 512 (K 8192 x N 28672 at M = 1 /
+    64 / 256 / 4096: 75.7 / 94.0 / 261.4 / 2845.5 us, Marlin 75.6 / 113.9 / 411.1 / 6591.4); as fast as the
+    dequantize path below 3.4-4.5x at 1-16 tokens, 0.97-1.07x from 512 (there: the same path)."""
+    name = "cublade-mxfp8-gemm"
+    own = True
+
+    @classmethod
+    def can_implement(cls, layer):
+        cap, why = _gpu_half(layer, layer.weight.device)
+        if cap is None:
+            return False, why
+        if layer.params_dtype != torch.bfloat16:
+            return False, f"takes bf16 activations, the model runs in {layer.params_dtype}"
+        why = why_no_kernel("mxfp8_gemm", layer.weight.device) or mxfp8_ops.why_not_repackable(layer.weight_scale)
+        if why is not None:
+            return False, why
+        return True, "cublade's CUDA op mxfp8_gemm (decode kernels; from 320 tokens dequantize + cuBLAS)"
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.size_n = layer.output_size_per_partition
+        replace_parameter(layer, "weight", mxfp8_ops.mxfp8_repack(layer.weight.data, layer.weight_scale.data))
+        replace_parameter(layer, "weight_scale", None)  # in the blob's records
+
+    def apply(self, layer, x, bias):
+        y = mxfp8_ops.mxfp8_gemm(x, layer.weight, self.size_n)
+        return y if bias is None else y + bias
+
+
 class CubladeMxfp8DequantMatmul(LinearKernel):
     """Hopper has no MX tensor cores: dequantize the MXFP8 weight to the activation dtype with cublade's op
     (exact: an e4m3 value times a power of two fits bf16/fp16 unless it leaves their range), then one dense
     GEMM. Costs a weight-sized write + read per call over an MX GEMM (at decode 2.7x the time of a bf16 layer);
-    what it buys is 1-byte storage and cuBLAS's speed at prefill. Second to vllm-marlin-mxfp8 (above)."""
+    what it buys is 1-byte storage and cuBLAS's speed at prefill. Third, for layers neither GEMM above takes."""
     name = "cublade-mxfp8-dequant-matmul"
     own = True
 
@@ -326,15 +363,11 @@ class CubladeMxfp8DequantMatmul(LinearKernel):
 
 
 class VllmMarlinMxfp8(LinearKernel):
-    """vLLM's MXFP8 weight-only GEMM (Marlin, W8A16; a fallback: cublade has no MXFP8 GEMM of its own), the first
-    choice for mxfp8. vLLM's MarlinMxfp8LinearKernel repacks cublade's tensors once (they are the layout it reads:
-    e4m3 [N, K], E8M0 uint8 [N, K/32]) and multiplies bf16/fp16 activations by the e4m3 weights times their
-    power-of-two scales with fp32 sums: the same products as the dequantize path, which reads 5 bytes a weight per
-    call (1 to dequantize, 2 written, 2 read by the GEMM) where this reads ~1. H200, K 8192 x N 28672
-    (benchmarks/bench_mxfp8_linear.py, eleventh session): 75.5 / 114.3 / 412.3 / 6651.5 us at M = 1 / 64 / 256 /
-    4096 against the dequantize path's 319.4 / 322.2 / 374.8 / 3147.2 (bf16: 118.9 at M = 1). On three shapes: 2.2-4.2x
-    faster at 1-64 tokens (1.3-1.6x faster than bf16 at 1-16), 1.1-2.4x slower from 256 tokens;
-    `CUBLADE_DISABLED_KERNELS=vllm-marlin-mxfp8` selects the dequantize path for prefill-heavy work."""
+    """vLLM's MXFP8 weight-only GEMM (Marlin, W8A16; a fallback), second for mxfp8: it takes what cublade-mxfp8-gemm
+    refuses (fp16 activations, block scales above 2^7). vLLM's MarlinMxfp8LinearKernel repacks cublade's tensors once
+    (they are the layout it reads: e4m3 [N, K], E8M0 uint8 [N, K/32]) and multiplies bf16/fp16 activations by the e4m3
+    weights times their power-of-two scales with fp32 sums: the same products as cublade's kernels. Speeds:
+    CubladeMxfp8Gemm above."""
     name = "vllm-marlin-mxfp8"
     own = False
 
@@ -366,7 +399,7 @@ class VllmMarlinMxfp8(LinearKernel):
 CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel], ...]] = {
     Fp8Scheme: (VllmCutlassScaledMM, ReferenceKernel),
     W4A16Scheme: (CubladeW4A16Gemm, VllmMachete, VllmMarlin, ReferenceKernel),
-    MXFP8Scheme: (VllmMarlinMxfp8, CubladeMxfp8DequantMatmul, ReferenceKernel),
+    MXFP8Scheme: (CubladeMxfp8Gemm, VllmMarlinMxfp8, CubladeMxfp8DequantMatmul, ReferenceKernel),
 }
 
 _logged: set[tuple] = set()

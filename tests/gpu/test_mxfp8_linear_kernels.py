@@ -1,8 +1,8 @@
-"""The two kernels an MXFP8 linear layer can run on a GPU (cublade.vllm.kernels): cublade's dequantize + dense
-GEMM and vLLM's MXFP8 Marlin GEMM (the vllm-marlin-mxfp8 fallback), each against the scheme's reference linear on
-the same checkpoint tensors. Both multiply the same exact bf16 weights (e4m3 times a power of two) and sum in fp32,
-so they may differ from the reference only by summation order before the bf16 rounding. Run on the H200 with vLLM
-staged; skipped without a CUDA GPU or vLLM."""
+"""The kernels an MXFP8 linear layer can run on a GPU (cublade.vllm.kernels): cublade's MXFP8 GEMM, vLLM's MXFP8
+Marlin GEMM (the vllm-marlin-mxfp8 fallback) and cublade's dequantize + dense GEMM, each against the scheme's
+reference linear on the same checkpoint tensors. All multiply the same exact bf16 weights (e4m3 times a power of
+two) and sum in fp32, so they may differ from the reference only by summation order before the bf16 rounding. Run
+on the H200 (vLLM staged for Marlin); skipped without a CUDA GPU (or, for Marlin, vLLM)."""
 from __future__ import annotations
 
 import pytest
@@ -26,11 +26,13 @@ def mxfp8_layer(N: int, K: int, seed: int = 0) -> torch.nn.Module:
     return layer
 
 
-@pytest.mark.parametrize("kernel", ["cublade-mxfp8-dequant-matmul", "vllm-marlin-mxfp8"])
-@pytest.mark.parametrize("N,K,M", [(256, 128, 5), (4096, 1024, 1), (1000, 2048, 37), (512, 4096, 300)])
+@pytest.mark.parametrize("kernel", ["cublade-mxfp8-gemm", "cublade-mxfp8-dequant-matmul", "vllm-marlin-mxfp8"])
+@pytest.mark.parametrize("N,K,M", [(256, 128, 5), (4096, 1024, 1), (1000, 2048, 37), (512, 4096, 300),
+                                   (768, 512, 400)])
 def test_mxfp8_kernel_matches_reference(kernel, N, K, M):
     if kernel.startswith("vllm"):
-        pytest.importorskip("vllm", reason="vLLM is not installed (staged on the device: ../shared/device)")
+        # a real vLLM module: tests/vllm (a namespace package when tests/ is on sys.path) also imports as "vllm"
+        pytest.importorskip("vllm.model_executor", reason="vLLM is not installed (staged on the device: see README)")
     from cublade.vllm import kernels
 
     cls = next(k for k in kernels.CANDIDATES[kernels.MXFP8Scheme] if k.name == kernel)
@@ -46,3 +48,15 @@ def test_mxfp8_kernel_matches_reference(kernel, N, K, M):
     # fp32 sums in another order, one bf16 rounding: at most ~1 ulp apart (2^-7 relative), tiny outputs aside
     tol = ref.float().abs() * 2**-7 + ref.float().abs().mean() * 2**-10
     assert ((y.float() - ref.float()).abs() <= tol).all()
+
+
+def test_cublade_mxfp8_gemm_says_what_it_cannot_run():
+    from cublade.vllm.kernels import CubladeMxfp8Gemm
+
+    layer = mxfp8_layer(64, 256)
+    layer.params_dtype = torch.float16
+    assert CubladeMxfp8Gemm.can_implement(layer) == (False, "takes bf16 activations, the model runs in torch.float16")
+    layer = mxfp8_layer(64, 256)
+    layer.weight_scale.data[5, 2] = 140
+    ok, why = CubladeMxfp8Gemm.can_implement(layer)
+    assert not ok and "scale code of 140" in why

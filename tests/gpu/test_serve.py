@@ -43,7 +43,7 @@ START_TIMEOUT, REQUEST_TIMEOUT, PPL_TIMEOUT = 300, 60, 600
 # The kernel each preset's layers must run on with bf16 activations on sm_90 (never the fp32 reference).
 EXPECTED_KERNEL = {"fp8-dynamic": "vllm-cutlass-scaled-mm", "fp8-static": "vllm-cutlass-scaled-mm",
                    "w4a16": "(cublade-w4a16-gemm|vllm-machete|vllm-marlin)",
-                   "mxfp8": "vllm-marlin-mxfp8", "fp4-experts-fp8-dense": "vllm-cutlass-scaled-mm"}
+                   "mxfp8": "cublade-mxfp8-gemm", "fp4-experts-fp8-dense": "vllm-cutlass-scaled-mm"}
 # Foundation-issue accuracy bars: d loss vs the unquantized model.
 BARS = {"fp8-dynamic": 0.013, "mxfp8": 0.012}
 PPL_REL = 0.005  # vllm vs reference perplexity of the same checkpoint

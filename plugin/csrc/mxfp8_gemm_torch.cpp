@@ -1,0 +1,82 @@
+// Torch wrappers of the MXFP8 weight GEMM and its dequantize: validate the inputs (errors name the op and the bad
+// value, as strings: README.md, "Error messages"), allocate the output, run launch_mxfp8_gemm /
+// launch_mxfp8_dequant_packed (mxfp8_gemm.cu) on the current stream. Compiled by the host C++ compiler.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "lowbit_torch.h"
+#include "torch_utils.h"
+#include "w4a16_gemm.h"
+
+namespace cublade {
+namespace {
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The blob mxfp8_repack makes for (N, K): int32 [ceil(N/64), ceil(K/512), 4, 2048 + 64].
+void check_packed(const char* op, const at::Tensor& packed, int64_t size_n, int64_t K) {
+  const std::vector<int64_t> want = {cdiv(size_n, kLowbitGroupRows), cdiv(K, kLowbitChunkK), 4,
+                                     2 * kLowbitTileWords + kMxfp8RecordBytes / 4};
+  CUBLADE_CHECK_VALUE(packed.scalar_type() == at::kInt && packed.sizes() == at::IntArrayRef(want) &&
+                          packed.is_contiguous(),
+                      op, "packed must be a contiguous int32 ", shape(want), " tensor (mxfp8_repack of N=",
+                      num(size_n), ", K=", num(K), "), got ", dt(packed.scalar_type()), " ", shape(packed.sizes()));
+}
+
+at::Tensor mxfp8_dequant_packed(const at::Tensor& packed_in, int64_t size_n, int64_t size_k);
+
+// From this many rows the GEMM dequantizes the weight once and runs a dense cuBLAS GEMM (the prefill path): the wide
+// kernel re-reads the weights every 128 rows. Crossover on the H200: benchmarks/RESULTS.md (bench_mxfp8_linear.py).
+constexpr int64_t kDequantMinRows = 320;
+
+at::Tensor mxfp8_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t size_n, int64_t split_k) {
+  constexpr const char* op = "mxfp8_gemm";
+  CUBLADE_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kBFloat16, op,
+                                "x must be bfloat16 (the kernel builds bf16 weights), got ", dt(x_in.scalar_type()));
+  CUBLADE_CHECK_VALUE(x_in.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
+  CUBLADE_CHECK_VALUE(x_in.is_cuda() && packed.device() == x_in.device(), op,
+                      "x and packed must be on one CUDA device, got ", dev(x_in.device()), " and ",
+                      dev(packed.device()));
+  check_arch(op, x_in);
+  const int64_t K = x_in.size(-1);
+  CUBLADE_CHECK_VALUE(K > 0 && K % 32 == 0, op, "in_features K=", num(K), " must be a positive multiple of 32");
+  CUBLADE_CHECK_VALUE(size_n > 0 && size_n <= INT32_MAX, op, "size_n must be in [1, 2^31), got ", num(size_n));
+  CUBLADE_CHECK_VALUE(split_k >= 0 && split_k <= kLowbitMaxSplit, op, "split_k must be in [0, ",
+                      num(kLowbitMaxSplit), "] (0 = automatic; >= 1 forces the streaming kernel), got ",
+                      num(split_k));
+  check_packed(op, packed, size_n, K);
+
+  return lowbit_gemm(
+      op, x_in, size_n, split_k == 0, kDequantMinRows, [&] { return mxfp8_dequant_packed(packed, size_n, K); },
+      [&](int64_t M) { return mxfp8_gemm_workspace_bytes(M, K, static_cast<int>(split_k)); },
+      [&](const at::Tensor& x, int64_t M, at::Tensor& out, void* workspace) {
+        return launch_mxfp8_gemm(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), out.data_ptr(), size_n, size_n,
+                                 static_cast<int>(split_k), workspace, sm_count(x_in), current_stream());
+      });
+}
+
+// The dense bf16 weight [size_n, size_k] from the blob: the prefill path (dequantize once, then a dense GEMM). The
+// output is always contiguous; a misaligned blob view is copied (the kernel reads 16 bytes).
+at::Tensor mxfp8_dequant_packed(const at::Tensor& packed_in, int64_t size_n, int64_t size_k) {
+  constexpr const char* op = "mxfp8_dequant_packed";
+  check_arch(op, packed_in);  // the op dispatches on packed: it is a CUDA tensor here
+  CUBLADE_CHECK_VALUE(size_n > 0 && size_n <= INT32_MAX, op, "size_n must be in [1, 2^31), got ", num(size_n));
+  CUBLADE_CHECK_VALUE(size_k > 0 && size_k % 32 == 0 && size_k <= INT32_MAX - kLowbitChunkK, op, "size_k=",
+                      num(size_k), " must be a positive multiple of 32 below 2^31 - 512");
+  check_packed(op, packed_in, size_n, size_k);
+
+  const c10::cuda::CUDAGuard guard(packed_in.device());
+  const at::Tensor packed = aligned16(packed_in.data_ptr()) ? packed_in : packed_in.clone();
+  at::Tensor out = at::empty({size_n, size_k}, packed.options().dtype(at::kBFloat16));
+  check_launch(op, launch_mxfp8_dequant_packed(packed.data_ptr(), size_n, size_k, out.data_ptr(), current_stream()));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cublade, CUDA, m) {
+  m.impl("mxfp8_gemm", &mxfp8_gemm);
+  m.impl("mxfp8_dequant_packed", &mxfp8_dequant_packed);
+}
+
+}  // namespace cublade
