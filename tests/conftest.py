@@ -75,7 +75,8 @@ def cpu_attention(monkeypatch):
 def vllm_dist(tmp_path_factory):
     """vLLM's distributed state for this test process, set up once (it can be set up once per process):
     tensor-parallel size 1 over gloo. Registers cublade with vLLM."""
-    pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm==0.26.0 --no-deps, see README)")
+    pytest.importorskip("vllm.model_executor",
+                        reason="vLLM is not installed (pip install vllm==0.26.0 --no-deps, see README)")
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.model_executor")
 
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm==0.26.0 --no-deps, see README)")
+pytest.importorskip("vllm.model_executor",
+                    reason="vLLM is not installed (pip install vllm==0.26.0 --no-deps, see README)")
 
 from vllm_model import cpu_vllm_config  # noqa: E402  (after the importorskip)
 

@@ -95,4 +95,4 @@ def slice_k(scheme, t: dict[str, torch.Tensor], r: int, K: int) -> dict[str, tor
 
 @pytest.fixture(autouse=True)
 def _needs_vllm():
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm.model_executor")
