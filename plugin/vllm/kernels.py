@@ -434,6 +434,26 @@ def log_choice_once(key: tuple, msg: str, *args) -> None:
         logger.info(msg, *args)
 
 
+def add_to_compile_key(kernel: str) -> None:
+    """Make a kernel choice part of the key under which vLLM caches compiled models. vLLM 0.26 stores a compiled model
+    (VLLM_USE_AOT_COMPILE) under a hash of its config, its environment and its source files, none of which says which
+    kernel cublade chose for a layer, so a model compiled with one choice was loaded for another: with
+    CUBLADE_DISABLED_KERNELS changed between two runs, the cached graph called cublade's mxfp8_gemm on the weights
+    Marlin had repacked (H200, twelfth session). The kernels chosen while the model loads go, sorted, into the current
+    config's `additional_config` (a dict that `VllmConfig.compute_hash` hashes as JSON) under "cublade_kernels"; the
+    cache key is computed at the first compiled call, after loading. No current config (tests building a layer
+    alone) or a non-dict additional_config: nothing is recorded."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None or not isinstance(config.additional_config, dict):
+        return
+    chosen = config.additional_config.setdefault("cublade_kernels", [])
+    if kernel not in chosen:
+        chosen.append(kernel)
+        chosen.sort()
+
+
 def select_kernel(layer: torch.nn.Module, prefix: str) -> LinearKernel:
     """The first candidate for the layer's scheme that can run it, constructed (it repacks the layer)."""
     scheme: Scheme = layer.cublade_scheme
@@ -450,6 +470,7 @@ def select_kernel(layer: torch.nn.Module, prefix: str) -> LinearKernel:
                     layer.output_size_per_partition, layer.input_size_per_partition, layer.params_dtype,
                     k.name, "" if k.own else " (fallback)", reason,
                     f"; passed over {'; '.join(skipped)}" if skipped else "")
+    add_to_compile_key(k.name)
     return k(layer)
 
 

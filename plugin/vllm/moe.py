@@ -46,7 +46,8 @@ from vllm.model_executor.utils import set_weight_attrs
 from cublade.config.schemes import FP4Scheme, UnsupportedShape
 from cublade.constants import E8M0_NAN
 from cublade.experts import experts_forward_ref
-from cublade.vllm.kernels import why_no_kernel, first_runnable, log_choice_once, replace_parameter
+from cublade.vllm.kernels import (add_to_compile_key, first_runnable, log_choice_once, replace_parameter,
+                                   why_no_kernel)
 
 logger = logging.getLogger("vllm.cublade")
 
@@ -409,6 +410,8 @@ class VllmMarlinMoE(MoEKernel):
 
 
 CANDIDATES: list[type[MoEKernel]] = [CubladeFp4MoE, VllmMarlinMoE, ReferenceMoE]
+
+
 def select_moe_kernel(layer, scheme: FP4Scheme, where: str) -> MoEKernel:
     """The first candidate that can run the layer, constructed (it repacks the layer's weights once)."""
     k, reason, skipped = first_runnable(CANDIDATES, lambda k: k.can_implement(layer, scheme))
@@ -420,4 +423,5 @@ def select_moe_kernel(layer, scheme: FP4Scheme, where: str) -> MoEKernel:
                     scheme.describe(), where, E, layer.w2_weight_packed.shape[1], I2 // 2, layer.params_dtype,
                     k.name, "" if k.own else " (fallback)", reason,
                     f"; passed over {'; '.join(skipped)}" if skipped else "")
+    add_to_compile_key(k.name)
     return k(layer, scheme)

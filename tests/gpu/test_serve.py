@@ -221,6 +221,21 @@ def test_serve_compiled_matches_eager(served, checkpoint, logs, name):
     assert out["tokens"][:16] == eager["tokens"][:16], (out["text"], eager["text"])
 
 
+def test_compiled_model_cache_follows_the_kernel_choice(served, checkpoint, logs, monkeypatch):
+    """vLLM keeps compiled models across runs (VLLM_USE_AOT_COMPILE) under a key that must see cublade's kernel
+    choice (cublade.vllm.kernels.add_to_compile_key): the mxfp8 checkpoint compiled on cublade-mxfp8-gemm, then served
+    with that kernel disabled, must compile anew on vllm-marlin-mxfp8 and answer the eager text. (Before the key held
+    the choice, the second engine loaded the first run's graph and failed at start: mxfp8_gemm on Marlin's weights.)"""
+    eager, _ = served("mxfp8")
+    for disabled, kernel in (("", "cublade-mxfp8-gemm"), ("cublade-mxfp8-gemm", "vllm-marlin-mxfp8")):
+        monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", disabled)
+        log = logs / f"serve-mxfp8-compiled-{kernel}.log"
+        with vllm_server(checkpoint("mxfp8"), log) as url:
+            out = greedy(url)
+        assert re.search(rf"mxfp8\(scale_rule=rceil\) layers like .* run on {kernel}", log.read_text()), kernel
+        assert out["tokens"][:16] == eager["tokens"][:16], (kernel, out["text"], eager["text"])
+
+
 def test_kv_cache_fp8_with_cublade_cache_write(plugin_installed, checkpoint, logs):
     """A kv_cache fp8 checkpoint: the cache dtype follows the checkpoint, and with --attention-backend CUSTOM
     the cache write is cublade's op (its CUDA kernel when the extension has it)."""

@@ -201,6 +201,26 @@ def test_kernel_choice_is_logged_once_per_distinct_choice(vllm_ctx, caplog):
             "cublade-mxfp8-dequant-matmul: needs a CUDA device" in lines[0])
 
 
+def test_kernel_choice_enters_the_compile_cache_key(vllm_ctx):
+    """vLLM keys its cache of compiled models by VllmConfig.compute_hash() (plus env and sources): the kernels cublade
+    chose while loading must change it, else a model compiled with one kernel is loaded for another."""
+    from vllm.config import get_current_vllm_config
+
+    from cublade.vllm.kernels import add_to_compile_key
+
+    config = get_current_vllm_config()
+    before = config.compute_hash()
+    scheme = MXFP8Scheme()
+    build_and_load(scheme, KINDS["gate_up"], quantized(scheme, random_weights(KINDS["gate_up"]), None))
+    assert config.additional_config["cublade_kernels"] == ["reference"]
+    with_reference = config.compute_hash()
+    assert with_reference != before
+    add_to_compile_key("vllm-marlin-mxfp8")
+    add_to_compile_key("reference")  # once each
+    assert config.additional_config["cublade_kernels"] == ["reference", "vllm-marlin-mxfp8"]
+    assert config.compute_hash() != with_reference
+
+
 def test_disabled_kernels_env_and_no_kernel_error(vllm_ctx, monkeypatch):
     monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "reference")
     scheme, kind = Fp8Scheme(), KINDS["down"]
