@@ -7,7 +7,8 @@
 // Dequant in registers, no conversion instruction: a code's 7 magnitude bits (eeee mmm) go to bits 4-10 of a bf16
 // (the exponent field's low 4 bits and the top 3 mantissa bits) and its sign to bit 15, which makes the bf16
 // code * 2^-120 (e4m3's bias is 7, bf16's 127; the e = 0 codes become bf16 subnormals, which bf16 arithmetic keeps);
-// one HMUL2 by 2^(e - 7) per pair of weights gives the weight. Two shifts and two LOP3 per two pairs.
+// one HMUL2 by 2^(e - 7) per pair of weights gives the weight. Seven integer instructions (three shifts, two ANDs, two
+// LOP3) per four weights.
 // Kernels: the streaming kernel (w4a16_gemm.cuh) for 1-16 rows, the wide (wgmma) kernel (wide_gemm.cuh) for more,
 // and a dequantize kernel for the prefill path (the torch wrapper then calls cuBLAS); all three read one blob.
 //

@@ -310,8 +310,8 @@ class CubladeMxfp8Gemm(LinearKernel):
     bf16 activations only (the kernels build bf16 weights); E8M0 scales up to 2^7.
     H200, twelfth session (benchmarks/bench_mxfp8_linear.py, every kernel class in one run): against vLLM's MXFP8
     Marlin 1.00-1.63x as fast at 1-16 tokens, 1.03-1.70x at 32-256, 1.54-2.32x from 512 (K 8192 x N 28672 at M = 1 /
-    64 / 256 / 4096: 75.7 / 94.0 / 261.4 / 2845.5 us, Marlin 75.6 / 113.9 / 411.1 / 6591.4); as fast as the
-    dequantize path below 3.4-4.5x at 1-16 tokens, 0.97-1.07x from 512 (there: the same path)."""
+    64 / 256 / 4096: 75.7 / 94.0 / 261.4 / 2845.5 us, Marlin 75.6 / 113.9 / 411.1 / 6591.4); 3.4-4.5x as fast as the
+    dequantize path below at 1-16 tokens, 0.97-1.07x from 512 (where it runs that path)."""
     name = "cublade-mxfp8-gemm"
     own = True
 
