@@ -1,9 +1,10 @@
 // MXFP8 weight GEMM (W8A16) on Hopper: 1-byte storage, bf16 math, no MX tensor cores needed.
 //   y[M, N] = x[M, K] (bf16) @ W[N, K]^T, W = e4m3 code * 2^(e - 127), one E8M0 exponent e per 32 K of a row.
-// Numerics: e4m3 times a power of two is exact in bf16 (4 significant bits) for e <= 134 (the repack refuses
-// larger exponents; a block scale above 2^7 needs weights beyond 2^15), so the tensor cores get exactly the weights
-// that the dequantize path (mxfp8_dequant to bf16, then a dense GEMM) gives cuBLAS, sum them in fp32 over all of K,
-// and round once to bf16.
+// Numerics: an e4m3 value (a multiple of 2^-9 with 4 significant bits) times 2^(e - 127) is exact in bf16 for
+// 3 <= e <= 134 (the repack refuses larger exponents, which only blocks with weights beyond 2^15 need; below 3 the
+// product rounds once, as the dequantize path rounds it), so the tensor cores get exactly the weights that the
+// dequantize path (mxfp8_dequant to bf16, then a dense GEMM) gives cuBLAS, sum them in fp32 over all of K, and round
+// once to bf16.
 // Dequant in registers, no conversion instruction: a code's 7 magnitude bits (eeee mmm) go to bits 4-10 of a bf16
 // (the exponent field's low 4 bits and the top 3 mantissa bits) and its sign to bit 15, which makes the bf16
 // code * 2^-120 (e4m3's bias is 7, bf16's 127; the e = 0 codes become bf16 subnormals, which bf16 arithmetic keeps);
