@@ -296,6 +296,7 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
   constexpr int NT = P::NT;
   constexpr int R = consumer_warps<TPW, KSL>();
   constexpr int PPW = kChunk / KSL;            // packets per warp per chunk
+  constexpr int V = P::kPacketBytes / 512;     // 16-byte vectors per lane per packet
   constexpr int kSliceK = PPW * kPacketK;      // K per slice
   static_assert(kGroupTiles % TPW == 0 && kChunk % KSL == 0 && KSL % TPW == 0,
                 "tiles per warp must divide the tile group, slices the chunk, and a warp's tiles its slices");
@@ -393,9 +394,7 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
                               : make_uint4(0u, 0u, 0u, 0u);
               }
 #pragma unroll
-            for (int u = 0; u < TPW; ++u)
-            {
-              constexpr int V = P::kPacketBytes / 512;  // lane vectors per packet
+            for (int u = 0; u < TPW; ++u) {
               uint4 q[V];
 #pragma unroll
               for (int v = 0; v < V; ++v) q[v] = lds128(tb + u * L.tile_bytes() + j * P::kPacketBytes + v * 512);
