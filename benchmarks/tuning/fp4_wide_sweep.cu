@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
       bf16 *x, *out, *ref;
       int* doffs;
       void* ws;
-      const size_t ws_bytes = size_t(wd::workspace_bytes(M, sh.K, 128, true)) + (1 << 20);  // any ntok
+      const size_t ws_bytes = size_t(wd::workspace_bytes(M, sh.K, 128, true, 0)) + (1 << 20);  // any ntok
       CK(cudaMalloc(&x, hx.size() * sizeof(bf16)));
       CK(cudaMemcpy(x, hx.data(), hx.size() * sizeof(bf16), cudaMemcpyHostToDevice));
       CK(cudaMalloc(&out, size_t(M) * sh.N * sizeof(bf16)));

@@ -34,7 +34,9 @@ struct Int4Problem {
     CK(cudaMalloc(&x, hx.size() * sizeof(__nv_bfloat16)));
     CK(cudaMemcpy(x, hx.data(), hx.size() * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice));
     CK(cudaMalloc(&out, size_t(max_m) * N * sizeof(__nv_bfloat16)));
-    CK(cudaMalloc(&ws, cublade::w4a16_gemm_workspace_bytes(max_m, K, N, kGS, 0)));
+    int sms = 0;  // the stream-K part of the workspace is per SM
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CK(cudaMalloc(&ws, cublade::w4a16_gemm_workspace_bytes(max_m, K, N, kGS, 0, sms)));
   }
   ~Int4Problem() {
     CK(cudaFree(blob)); CK(cudaFree(x)); CK(cudaFree(out)); CK(cudaFree(ws));

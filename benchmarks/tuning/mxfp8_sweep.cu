@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
     CK(cudaMalloc(&out, size_t(max_m) * N * 2));
     CK(cudaMalloc(&ref, size_t(max_m) * N * 2));
-    CK(cudaMalloc(&ws, cublade::mxfp8_gemm_workspace_bytes(max_m, K, 0) + 16));
+    CK(cudaMalloc(&ws, cublade::mxfp8_gemm_workspace_bytes(max_m, K, 0, sms) + 16));
     const double bytes = double(N) * K * (1.0 + 1.0 / 32);
     unsigned* sink;
     CK(cudaMalloc(&sink, 4));
@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
                 prm, x, K, K, S, 0, true, ws, sms, st);
           });
         };
-        for (const int S : {0, 1, 2}) {
+        for (const int S : {0, 1, 2, wd::kStreamKSplit}) {  // 0: the rule's pick; -1: stream-K
           if (M == 32) {
             wide(wd::PassConfig<32, 2, 256>{}, S); wide(wd::PassConfig<32, 4, 256>{}, S);
             wide(wd::PassConfig<32, 2, 512>{}, S);

@@ -25,7 +25,7 @@ int main(int argc, char** argv) {
   CK(cudaMemset(x, 0, size_t(M) * K * 2));
   CK(cudaMalloc(&out, size_t(M) * N * 2));
   void* ws = nullptr;  // the wide kernel's (from 17 rows)
-  if (const size_t b = cublade::w4a16_gemm_workspace_bytes(M, K, N, kGS, 0)) CK(cudaMalloc(&ws, b));
+  if (const size_t b = cublade::w4a16_gemm_workspace_bytes(M, K, N, kGS, 0, device.sms)) CK(cudaMalloc(&ws, b));
   for (int i = 0; i < 5; ++i) {
     flush.memset();
     CK(cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N, 0, ws,

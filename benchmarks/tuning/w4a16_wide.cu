@@ -1,11 +1,11 @@
 // The wide W4A16 kernel (wgmma, w4a16_gemm.cu namespace wide) against the streaming kernel, on four Llama-70B-like
 // shapes (K x N: 8192x28672, 4096x14336, 28672x8192, 8192x10240), M = 17..256: checks both against a host reference
 // on sampled rows, and times every configuration (kVariants: tokens per pass, warpgroups per CTA, K per stage, PDL;
-// x K splits) after do_bench's memset flush.
+// x K splits 1 / 2 / 4, or "sk": stream-K) after do_bench's memset flush.
 // Stand-alone (CUDA runtime only), on the H200:
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc \
-//        benchmarks/tuning/w4a16_wide.cu -o /tmp/w4a16_wide && /tmp/w4a16_wide
+//        benchmarks/tuning/w4a16_wide.cu -o /tmp/w4a16_wide && /tmp/w4a16_wide [REPS [M,M,...]]
 //
 // Weights: random codes, random bf16 scales in [2^-8, 2^-6) per group of 128 (symmetric). "ref err": over sampled
 // outputs, the largest |kernel - host| / (|host| / 128 + 2e-3 mean |host|) (host: the blob decoded, fp64 sums);
@@ -15,6 +15,7 @@
 #include "int4_problem.cuh"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <cstdio>
 #include <random>
@@ -118,6 +119,15 @@ cudaError_t run_variant(const Variant& v, int S, const bf16* x, int M, int K, co
 
 int main(int argc, char** argv) {
   const int reps = harness::reps_arg(argc, argv);
+  std::vector<int> ms = {1, 4, 8, 12, 16, 17, 32, 40, 48, 64, 80, 96, 128, 192, 256};
+  if (argc > 2) {  // the rows to time, e.g. 32,64,128 (at most 256)
+    ms.clear();
+    for (const char* p = argv[2]; *p;) {
+      char* end;
+      ms.push_back(std::min(256, std::max(1, int(std::strtol(p, &end, 10)))));
+      p = *end ? end + 1 : end;
+    }
+  }
   const harness::Device device;
   const harness::Flushes flush(device);
   const int sms = device.sms;
@@ -146,7 +156,7 @@ int main(int argc, char** argv) {
       rows.push_back(i < 4 ? N - 1 - i : int(rng() % N));
       wrows.push_back(decode_row(hb, rows.back(), K, chunks, words));
     }
-    for (const int M : {1, 4, 8, 12, 16, 17, 32, 40, 48, 64, 80, 96, 128, 192, 256}) {
+    for (const int M : ms) {
       std::vector<double> want(rows.size() * M);
       double mean = 0;
       for (size_t r = 0; r < rows.size(); ++r)
@@ -170,8 +180,8 @@ int main(int argc, char** argv) {
             err = std::max(err, std::isfinite(got) ? std::fabs(got - w) / (std::fabs(w) / 128 + mean * 2e-3) : 1e9);
           }
         const double us = harness::time_us(f, flush.memset, reps, st);
-        std::printf("%5dx%-5d %3d %-8s %-14s %2s %9.2f %7.2f %.1e %s\n", K, N, M, name, variant,
-                    S ? std::to_string(S).c_str() : "-", us,
+        const std::string split = S == cublade::wide::kStreamKSplit ? "sk" : S ? std::to_string(S) : "-";
+        std::printf("%5dx%-5d %3d %-8s %-14s %2s %9.2f %7.2f %.1e %s\n", K, N, M, name, variant, split.c_str(), us,
                     bytes / us * 1e-6, err, err <= 1.0 ? "ok" : "FAIL");
       };
       if (M <= 64) row("stream", "-", 0, [&] {  // the streaming kernel, its automatic split
@@ -185,8 +195,8 @@ int main(int argc, char** argv) {
       });
       for (const Variant& v : kVariants) {
         if (!applies(v, M)) continue;
-        for (const int S : {1, 2, 4}) {
-          if (chunks < 2 * S) continue;
+        for (const int S : {1, 2, 4, cublade::wide::kStreamKSplit}) {
+          if (chunks < 2 * S) continue;  // (stream-K: S < 0)
           const auto f = [&, v, S] { return run_variant(v, S, x, M, K, blob, out, N, ws, sms, st); };
           if (f() != cudaSuccess) {  // does not fit the shared memory
             CK(cudaGetLastError());

@@ -212,7 +212,7 @@ cudaError_t launch_fmt(lowbit::GemmParams prm, int E, int max_m, int S, cudaStre
 
 size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, int split_k) {
   const int nt = M > 0 ? wide_tokens(M, lowbit::expert_slices(grouped, E, M), grouped, split_k) : 0;
-  return nt > 0 ? static_cast<size_t>(wide::workspace_bytes(M, K, nt, true)) : 0;
+  return nt > 0 ? static_cast<size_t>(wide::workspace_bytes(M, K, nt, true, 0)) : 0;
 }
 
 // x: bf16 [M, K] (row stride x_stride, unit column stride, 16-byte aligned rows, K % 32 == 0); offsets: int32

@@ -127,15 +127,17 @@ struct Mxfp8Batch {
 };
 
 // The wide kernel's configurations: half-chunk stages everywhere (a whole chunk of 1-byte codes is 33 KB a tile group),
-// four warpgroups where their CTAs fill 3/4 of the SMs (as int4 at 32 tokens).
+// two warpgroups. Four (as int4 at 32 tokens) ran where their CTAs fill 3/4 of the SMs until stream-K: on 8192x28672
+// (thirteenth session, benchmarks/tuning/mxfp8_sweep.cu, raw benchmarks/runs/2026-11-23-0826-*) two warpgroups with
+// stream-K run 78.4 / 85.8 us at 32 / 64 tokens against four's 81.5 / 92.6 (the other shapes never took four).
 template <typename Run>
-cudaError_t with_config(int ntok, bool four, Run&& run) {
+cudaError_t with_config(int ntok, Run&& run) {
   switch (ntok) {
     case 128: return run(wide::PassConfig<128, 2, 256>{});
     case 96: return run(wide::PassConfig<96, 2, 256>{});
-    case 64: return four ? run(wide::PassConfig<64, 4, 256>{}) : run(wide::PassConfig<64, 2, 256>{});
-    case 48: return four ? run(wide::PassConfig<48, 4, 256>{}) : run(wide::PassConfig<48, 2, 256>{});
-    case 32: return four ? run(wide::PassConfig<32, 4, 256>{}) : run(wide::PassConfig<32, 2, 256>{});
+    case 64: return run(wide::PassConfig<64, 2, 256>{});
+    case 48: return run(wide::PassConfig<48, 2, 256>{});
+    case 32: return run(wide::PassConfig<32, 2, 256>{});
     default: return cudaErrorInvalidValue;
   }
 }
@@ -147,7 +149,7 @@ cudaError_t launch_wide_pass(const void* x, int64_t x_stride, int rows, int K, c
   prm.w = w;
   prm.M = rows; prm.N = N;
   prm.out = out; prm.out_stride = out_stride;
-  return with_config(wide::ntok(rows), wide::four_warpgroups(ceil_div(ceil_div(N, 64), 4), sms), [&](auto cfg) {
+  return with_config(wide::ntok(rows), [&](auto cfg) {
     using C = decltype(cfg);
     return wide::launch_kernel<Mxfp8Batch, C::kTokens, C::kWarpgroups, C::kStageK, false>(
         prm, x, x_stride, K, 0, 0, true, workspace, sms, stream);
@@ -207,10 +209,10 @@ mxfp8_dequant_packed_kernel(const unsigned char* __restrict__ packed, int chunks
 
 }  // namespace
 
-size_t mxfp8_gemm_workspace_bytes(int64_t M, int64_t K, int split_k) {
+size_t mxfp8_gemm_workspace_bytes(int64_t M, int64_t K, int split_k, int sms) {
   if (split_k != 0 || wide_pass_rows(M) == 0) return 0;
   const int64_t m = std::min<int64_t>(M, wide::kMaxPassRows);  // one pass at a time
-  return static_cast<size_t>(wide::workspace_bytes(m, K, wide::ntok(m), false));
+  return static_cast<size_t>(wide::workspace_bytes(m, K, wide::ntok(m), false, sms));
 }
 
 cudaError_t launch_mxfp8_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const void* packed, void* out,
@@ -219,7 +221,7 @@ cudaError_t launch_mxfp8_gemm(const void* x, int64_t M, int64_t K, int64_t x_str
   if (M == 0 || N == 0) return cudaSuccess;
   if (K % 32 != 0) return cudaErrorInvalidValue;
   const auto* w = static_cast<const unsigned char*>(packed);
-  if (mxfp8_gemm_workspace_bytes(M, K, split_k) > 0) {
+  if (mxfp8_gemm_workspace_bytes(M, K, split_k, sms) > 0) {
     if (workspace == nullptr) return cudaErrorInvalidValue;
     while (const int64_t rows = wide_pass_rows(M)) {  // passes of up to 128 rows; fewer than 17 left: streaming
       const cudaError_t e = launch_wide_pass(x, x_stride, static_cast<int>(rows), static_cast<int>(K), w, out,

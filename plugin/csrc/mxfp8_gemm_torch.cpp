@@ -48,7 +48,7 @@ at::Tensor mxfp8_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
 
   return lowbit_gemm(
       op, x_in, size_n, split_k == 0, kDequantMinRows, [&] { return mxfp8_dequant_packed(packed, size_n, K); },
-      [&](int64_t M) { return mxfp8_gemm_workspace_bytes(M, K, static_cast<int>(split_k)); },
+      [&](int64_t M) { return mxfp8_gemm_workspace_bytes(M, K, static_cast<int>(split_k), sm_count(x_in)); },
       [&](const at::Tensor& x, int64_t M, at::Tensor& out, void* workspace) {
         return launch_mxfp8_gemm(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), out.data_ptr(), size_n, size_n,
                                  static_cast<int>(split_k), workspace, sm_count(x_in), current_stream());

@@ -240,14 +240,17 @@ struct Int4Batch {
 // The int4 configuration for NTOK tokens per pass; run(PassConfig<...>{}) launches it. 96 and 128 tokens at 2
 // warpgroups with half-chunk stages (3 stages of 66 KB / 2 of 82 KB). Measured (int4, w4a16_wide.cu,
 // 2026-11-22 seventh session, us with PDL): M = 128 on 8192x28672 / 4096x14336 / 28672x8192 / 8192x10240 125.8 /
-// 38.4 / 114.9 / 65.3 in one pass of 128, against 162.8 / 55.1 / 146.8 / 86.9 in two of 64 (no PDL).
+// 38.4 / 114.9 / 65.3 in one pass of 128, against 162.8 / 55.1 / 146.8 / 86.9 in two of 64 (no PDL). Four warpgroups
+// (`four`) only up to 32 tokens: at 48-64 they won only on 8192x28672 (seventh session: 77.9 against 79.8 us), and
+// since stream-K (thirteenth session, raw benchmarks/runs/2026-11-23-0826-*) two warpgroups with stream-K run there
+// 64.4 / 69.7 us at 48 / 64 against four's 71.6 / 79.7; at 32 tokens four (split-K) still win, 53.8 against 58.3.
 template <typename Run>
 cudaError_t with_config(int ntok_, bool four, Run&& run) {
   switch (ntok_) {
     case 128: return run(PassConfig<128, 2, 256>{});
     case 96: return run(PassConfig<96, 2, 256>{});
-    case 64: return four ? run(PassConfig<64, 4, 256>{}) : run(PassConfig<64, 2, 512>{});
-    case 48: return four ? run(PassConfig<48, 4, 256>{}) : run(PassConfig<48, 2, 512>{});
+    case 64: return run(PassConfig<64, 2, 512>{});
+    case 48: return run(PassConfig<48, 2, 512>{});
     case 32: return four ? run(PassConfig<32, 4, 512>{}) : run(PassConfig<32, 2, 512>{});
     case 16: return four ? run(PassConfig<16, 4, 512>{}) : run(PassConfig<16, 2, 512>{});
     default: return cudaErrorInvalidValue;
@@ -333,10 +336,10 @@ int w4a16_gemm_sbytes(int group_size, bool asym) {
 }
 
 // Workspace bytes launch_w4a16_gemm needs (0: none): the wide kernel's prepped x, one pass of up to 128 rows.
-size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k) {
+size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k, int sms) {
   if (split_k != 0 || wide::pass_rows(M, N, K) == 0 || !w4a16_gemm_wide_takes(group_size)) return 0;
   const int64_t m = std::min<int64_t>(M, wide::kMaxPassRows);  // one pass at a time
-  return static_cast<size_t>(wide::workspace_bytes(m, K, wide::ntok(m), false));
+  return static_cast<size_t>(wide::workspace_bytes(m, K, wide::ntok(m), false, sms));
 }
 
 // x: [M, K] (row stride x_stride elements, unit column stride, 16-byte aligned rows, K % 8 == 0); packed: the
@@ -349,7 +352,7 @@ cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K
   if (M == 0 || N == 0) return cudaSuccess;
   if (dtype != InDtype::kBF16 && dtype != InDtype::kF16) return cudaErrorInvalidValue;
   const int esize = 2;
-  if (w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k) > 0) {
+  if (w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k, sms) > 0) {
     // The wide kernel, up to 128 rows per pass; a last pass of at most 16 rows goes to the streaming kernel unless
     // wide::pass_rows gives it to the wide kernel too.
     if (workspace == nullptr) return cudaErrorInvalidValue;

@@ -26,13 +26,15 @@ constexpr bool w4a16_gemm_wide_takes(int64_t group_size) { return group_size == 
 
 // Device workspace bytes launch_w4a16_gemm needs for these arguments (0: none). From 17 rows (9 on weights of
 // 2^27 elements or more), at group size 128 or per channel, the automatic choice (split_k = 0) runs the wide
-// (wgmma) kernel, which reads x re-laid out.
-size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k);
+// (wgmma) kernel, which reads x re-laid out, and whose stream-K schedule keeps a flag and a slot of partial sums per
+// SM (64 KB each: 8.5 MB on 132 SMs). sms: the device's multiprocessor count.
+size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k, int sms);
 
 // x: [M, K] (row stride x_stride elements, unit column stride, 16-byte aligned rows, K % 8 == 0); packed: the
 // int4 blob [ceil(N/64), ceil(K/512), 4, 1024 + sbytes/4]; out: [M, N] (row stride out_stride), x's dtype
 // (bf16 or fp16). split_k: K splits per cluster of the streaming kernel (>= 1 forces it), 0 = pick the kernel and
-// splits. workspace: w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k) bytes, 16-byte aligned (null if 0).
+// splits. workspace: w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k, sms) bytes, 16-byte aligned (null if
+// 0).
 // sms: the device's multiprocessor count.
 cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t x_stride,
                               const void* packed, int group_size, bool asym, void* out, int64_t out_stride,
@@ -66,13 +68,14 @@ cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_strid
 constexpr int kMxfp8RecordBytes = 8 * 32;
 constexpr int kMxfp8WideMinRows = 17;  // from this many rows the wide kernel (passes of up to 128), below streaming
 
-// Device workspace bytes launch_mxfp8_gemm needs (0: none): the wide kernel's re-laid-out x, one pass at a time.
-size_t mxfp8_gemm_workspace_bytes(int64_t M, int64_t K, int split_k);
+// Device workspace bytes launch_mxfp8_gemm needs (0: none): the wide kernel's re-laid-out x, one pass at a time, and
+// its stream-K flags and slots (as w4a16_gemm_workspace_bytes).
+size_t mxfp8_gemm_workspace_bytes(int64_t M, int64_t K, int split_k, int sms);
 
 // x: bf16 [M, K] (row stride x_stride, unit column stride, 16-byte aligned rows, K % 32 == 0); packed: the MXFP8 blob
 // [ceil(N/64), ceil(K/512), 4, 2048 + 64] (16-byte aligned); out: bf16 [M, N] (row stride out_stride). split_k: K
 // splits of the streaming kernel (>= 1 forces it at any M), 0 = pick. workspace: mxfp8_gemm_workspace_bytes(M, K,
-// split_k) bytes, 16-byte aligned (null if 0).
+// split_k, sms) bytes, 16-byte aligned (null if 0).
 cudaError_t launch_mxfp8_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const void* packed, void* out,
                               int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
                               cudaStream_t stream);

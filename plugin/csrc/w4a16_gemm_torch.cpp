@@ -62,7 +62,7 @@ at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   return lowbit_gemm(
       op, x_in, size_n, split_k == 0, dequant_min_rows(group_size),
       [&] { return w4a16_dequant(packed, group_size, symmetric, size_n, K, x_in.scalar_type()); },
-      [&](int64_t M) { return w4a16_gemm_workspace_bytes(M, K, size_n, gs, sk); },
+      [&](int64_t M) { return w4a16_gemm_workspace_bytes(M, K, size_n, gs, sk, sm_count(x_in)); },
       [&](const at::Tensor& x, int64_t M, at::Tensor& out, void* workspace) {
         return launch_w4a16_gemm(x.data_ptr(), in_dtype_of(op, "x", x), M, K, x.stride(0), packed.data_ptr(), gs,
                                  !symmetric, out.data_ptr(), size_n, size_n, sk, workspace, sm_count(x_in),

@@ -22,6 +22,11 @@
 // are a window of x starting on a multiple of 8 (the core-matrix height): [8 tg, 8 tg + NTOK) from tg = offsets[e]
 // / 8; the window's rows of other experts are computed and not stored. Without offsets: one expert, rows [0, M).
 //
+// Schedules: a CTA runs whole tiles of WG tile groups, K split over a cluster of 1-8 CTAs that add up their partial
+// sums in distributed shared memory (split-K), or, for one pass of one expert when that is faster (pick_stream_k), the
+// CTAs (one per SM) share out (tile, ring stage) units evenly and add up the tiles cut between them through a global
+// slot and flag per CTA (stream-K; kStreamK below).
+//
 // x must reach wgmma in the packets' permuted k order (w4a16_gemm.cuh) and in core matrices (8 tokens x 8 K):
 // prep_x writes xp [stages of KS K][x_groups token groups][KS/8 core matrices along K][8 tokens][8 K] (zero past M
 // and K) into the caller's workspace, so each stage's window is one contiguous bulk copy. The kernel is a
@@ -38,6 +43,9 @@ namespace wide {
 
 constexpr int kBlobChunkK = lowbit::kChunk * lowbit::kPacketK;  // 512: K per chunk of the blob
 constexpr int kMaxPassRows = 128;                                // tokens per pass at most (wgmma N)
+// Stream-K: a CTA's slot of fp32 partial sums (NTOK / 2 per consumer thread; NTOK x WG <= 256 in every
+// configuration).
+constexpr int kSlotFloats = 64 * 256;
 
 // Tokens per pass (wgmma N) for a pass of `rows` rows. A pass costs about its token count whatever the rows (padded
 // tokens are computed), hence the steps of 16 and 32: int4 8192x28672 at 32 / 64 / 128 tokens 52.7 / 77.9 / 125.8
@@ -52,18 +60,27 @@ constexpr int64_t x_groups(int64_t M, int ntok, bool grouped) {
   return !grouped && M <= ntok ? ntok / 8 : (M - 1) / 8 + ntok / 8;
 }
 // Workspace bytes of the prepped x for K (every stage size: K rounded up to the blob's chunks).
-constexpr int64_t workspace_bytes(int64_t M, int64_t K, int ntok, bool grouped) {
+constexpr int64_t x_workspace_bytes(int64_t M, int64_t K, int ntok, bool grouped) {
   return (K + kBlobChunkK - 1) / kBlobChunkK * kBlobChunkK * 2 * 8 * x_groups(M, ntok, grouped);
+}
+// Stream-K's part of the workspace, after the prepped x: a flag per CTA (at most one CTA per SM), then a slot each.
+constexpr int64_t stream_k_flag_bytes(int sms) { return (sms * 4 + 127) / 128 * 128; }
+constexpr int64_t stream_k_bytes(int sms) { return stream_k_flag_bytes(sms) + int64_t(sms) * kSlotFloats * 4; }
+// The workspace a launch_kernel of up to M rows needs; sms = 0: none for stream-K (then it is not picked).
+constexpr int64_t workspace_bytes(int64_t M, int64_t K, int ntok, bool grouped, int sms) {
+  return x_workspace_bytes(M, K, ntok, grouped) + (grouped ? 0 : stream_k_bytes(sms));
 }
 
 // xp's 16-byte unit i = ((c * xg + tg) * KS/8 + kb) * 8 + r: token 8 tg + r, logical K 8 kb .. 8 kb + 7 of stage c
 // (KS K per stage; xg = x_groups), i.e. logical k kl = c KS + 8 kb of packet P = kl / 64, k-step s = (kl % 64) / 16
 // and half h = (kl % 16) / 8; logical pair t (k 2t, 2t+1, + 8h) is actual K0(s, t) + 2h (w4a16_gemm.cuh: K0 = 64 P +
 // 32 (s / 2) + 8 t + 4 (s % 2)). Lets the kernel launched after it (PDL) start at once: it waits for xp itself.
+// flags: the stream-K kernel's (nflags of them), zeroed here for the kernel that follows (null: none).
 template <typename T>
 __global__ void prep_x(const T* __restrict__ x, int64_t x_stride, int M, int K, int xg, int ks, int stages_k,
-                       uint4* __restrict__ xp) {
+                       uint4* __restrict__ xp, int* __restrict__ flags = nullptr, int nflags = 0) {
   lowbit::pdl_launch_dependents();
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < nflags; i += gridDim.x * blockDim.x) flags[i] = 0;
   const int kbs = ks / 8;
   const int64_t total = static_cast<int64_t>(stages_k) * xg * kbs * 8;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
@@ -98,7 +115,35 @@ struct Params {
   int chunks_per_cta, stages;
   void* out;
   int64_t out_stride;
+  // Stream-K (kStreamK): tiles of WG tile groups x ring stages, the units the CTAs share out; a slot of partial
+  // sums (kSlotFloats) and a flag per CTA.
+  int units;
+  float* slots;
+  int* flags;
 };
+
+// Stream-K: the helpers both the producer and the consumers walk a CTA's units with.
+// First unit of CTA i when `ctas` CTAs share `units` units evenly.
+__host__ __device__ __forceinline__ int sk_first_unit(int i, int units, int ctas) {
+  return static_cast<int>(static_cast<int64_t>(i) * units / ctas);
+}
+// The CTA's units [u0, u1) as segments of one tile each, f(tile, c0, c1) with stages [c0, c1) of the tile, the last
+// tile first: the segment that ends the range (a tile's first stages, whose partial sums another CTA adds) is done
+// first, and the one that starts it (a tile's last stages: this CTA adds the others' partial sums) last.
+template <class F>
+__device__ __forceinline__ void sk_segments(int u0, int u1, int chunks, F&& f) {
+  if (u1 <= u0) return;
+  for (int tile = (u1 - 1) / chunks; tile >= u0 / chunks; --tile)
+    f(tile, max(u0 - tile * chunks, 0), min(u1 - tile * chunks, chunks));
+}
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 
 // Shared memory: 128-byte barrier header, then stages x [WG tile groups' KS-K blocks (4 tiles: KS/64 packets, then
 // their scale records) | x: NTOK tokens x KS K]. KS = 512 stages a whole chunk of the blob (one copy per tile
@@ -117,6 +162,7 @@ struct Layout {
   static constexpr int kXBytes = NTOK * KS * 2;
   static constexpr int kStageBytes = WG * kGroupBytes + kXBytes;
   static constexpr int kRedBytes = NTOK / 2 * WG * 128 * 4;  // the K splits' partial sums, in the ring's memory
+  static_assert(kRedBytes <= kSlotFloats * 4, "a stream-K slot holds a CTA's partial sums");
   static constexpr int kMaxStages = 4 * kPerChunk;
   static constexpr int bytes(int stages) { return 128 + stages * kStageBytes; }
 };
@@ -151,6 +197,9 @@ template <int NTOK, int WG>
 constexpr bool kOrderedIssue = WG == 2 && NTOK >= 48;
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+// Named barrier 3: the WG consumer warpgroups only (stream-K's epilogue; the producer has left).
+template <int WG>
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 3, %0;" ::"n"(WG * 128) : "memory"); }
 
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
@@ -166,9 +215,17 @@ __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.
 // kWindows: experts (Params::offsets) or more rows than NTOK, in passes over token windows; without it the kernel
 // makes one pass over rows [0, M), M <= NTOK, and keeps no pass state in registers (the int4 op's 48-64 token
 // configurations are at their register limit).
-template <class P, int NTOK, int WG, int KS, bool kWindows>
+// kStreamK (one pass, no windows; every tile has WG tile groups): a unit is (tile of WG tile groups, ring stage), and
+// the gridDim.x CTAs (one per SM at most) share the prm.units units evenly, CTA i the units [sk_first_unit(i),
+// sk_first_unit(i + 1)), so every SM works to the end whatever the tile count (split-K's grid is whole tiles: 224
+// CTAs of 8192x28672 run 1.7 waves of 132). A tile cut between CTAs belongs to the CTA holding its last stage. It
+// does that tile last (sk_segments) and adds the partial sums the lower CTAs left in their slots (each did its share
+// of the tile first and raised its flag) in a fixed order, so the outputs do not depend on timing; an owner waits only
+// for lower CTAs, which the GPU starts first.
+template <class P, int NTOK, int WG, int KS, bool kWindows, bool kStreamK = false>
 __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
     wide_gemm_kernel(const __grid_constant__ Params prm) {
+  static_assert(!(kStreamK && kWindows), "stream-K runs one pass of one expert");
   using T = typename P::T;
   using Lay = Layout<P, NTOK, WG, KS>;
   constexpr int ND = NTOK / 2;  // accumulators per thread
@@ -177,7 +234,7 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
   const int split = blockIdx.y, nsplit = gridDim.y;
   const int cb = split * prm.chunks_per_cta;
   const int nchunks = max(min(cb + prm.chunks_per_cta, prm.chunks) - cb, 0);
-  const int group0 = blockIdx.x * WG, ngroups = min(WG, prm.groups - group0);
+  const int group0 = blockIdx.x * WG, ngroups = kStreamK ? WG : min(WG, prm.groups - group0);
   const int nst = prm.stages;
   // The expert and its rows (the offsets were written before the x prep ran, so they are visible before pdl_wait).
   int e = 0, r0 = 0, r1 = prm.M;
@@ -208,11 +265,11 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
     setmaxnreg_dec<Regs<WG, kWindows>::kProducer>();
     const bool issuer = warp == WG * 4 && lane == 0;
     const uint64_t wpol = lowbit::CUBLADE_WEIGHT_POLICY(), xpol = lowbit::policy_evict_last();
-    auto weights = [&](int c, int s) {  // stage c's blocks of the CTA's tile groups
-      const int bc = (cb + c) / Lay::kPerChunk, half = (cb + c) % Lay::kPerChunk;
-      for (int q = 0; q < ngroups; ++q) {
+    auto weights = [&](int g0, int ng, int cc, int s) {  // ring stage cc of K's blocks of tile groups [g0, g0 + ng)
+      const int bc = cc / Lay::kPerChunk, half = cc % Lay::kPerChunk;
+      for (int q = 0; q < ng; ++q) {
         unsigned char* dst = stage(s) + q * Lay::kGroupBytes;
-        const int64_t block = static_cast<int64_t>(group0 + q) * prm.blob_chunks + bc;  // of 4 tile blocks
+        const int64_t block = static_cast<int64_t>(g0 + q) * prm.blob_chunks + bc;  // of 4 tile blocks
         const unsigned char* src = wexp + block * lowbit::kGroupTiles * Lay::kBlobTileBytes;
         if constexpr (Lay::kPerChunk == 1) {
           lowbit::bulk_g2s(dst, src, Lay::kGroupBytes, full + s, wpol);
@@ -225,35 +282,63 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
         }
       }
     };
-    auto activations = [&](int c, int s, int tg) {  // stage c's x window of NTOK tokens from token group tg
+    auto activations = [&](int cc, int s, int tg) {  // ring stage cc of K's x window of NTOK tokens from group tg
       lowbit::bulk_g2s(stage(s) + WG * Lay::kGroupBytes,
-                       prm.xp + (static_cast<int64_t>(cb + c) * prm.x_groups + tg) * (KS * 16), Lay::kXBytes, full + s,
+                       prm.xp + (static_cast<int64_t>(cc) * prm.x_groups + tg) * (KS * 16), Lay::kXBytes, full + s,
                        xpol);
     };
     const uint32_t stage_tx = ngroups * Lay::kGroupBytes + Lay::kXBytes;
-    for (int p = 0; p < npass; ++p) {
-      const int tg = r0 / 8 + p * (NTOK / 8), it = p * nchunks;  // the window; stages streamed before it
+    if constexpr (kStreamK) {  // the CTA's units in sk_segments' order; the first stages' weights before xp is ready
       if (issuer) {
-        // The first pass's first stages' weights go out before xp is ready (the x prep may still run).
-        const int first = it == 0 ? min(nst, nchunks) : 0;
-        for (int c = 0; c < first; ++c) {
-          lowbit::mbar_expect_tx(full + c, stage_tx);
-          weights(c, c);
-        }
-        if (it == 0) lowbit::pdl_wait();
-        for (int c = 0; c < first; ++c) activations(c, c, tg);
-        for (int c = first; c < nchunks; ++c) {
-          const int s = (it + c) % nst;
-          if (it + c >= nst) lowbit::mbar_wait(empty + s, ((it + c) / nst - 1) & 1);
-          lowbit::mbar_expect_tx(full + s, stage_tx);
-          weights(c, s);
-          activations(c, s, tg);
-        }
+        const int u0 = sk_first_unit(blockIdx.x, prm.units, gridDim.x);
+        const int u1 = sk_first_unit(blockIdx.x + 1, prm.units, gridDim.x);
+        const int first = min(nst, u1 - u0);
+        int j = 0;  // the unit's place in the CTA's order
+        sk_segments(u0, u1, prm.chunks, [&](int tile, int c0, int c1) {
+          for (int c = c0; c < c1 && j < first; ++c, ++j) {
+            lowbit::mbar_expect_tx(full + j, stage_tx);
+            weights(tile * WG, WG, c, j);
+          }
+        });
+        lowbit::pdl_wait();
+        j = 0;
+        sk_segments(u0, u1, prm.chunks, [&](int tile, int c0, int c1) {
+          for (int c = c0; c < c1; ++c, ++j) {
+            const int s = j % nst;
+            if (j >= first) {
+              if (j >= nst) lowbit::mbar_wait(empty + s, (j / nst - 1) & 1);
+              lowbit::mbar_expect_tx(full + s, stage_tx);
+              weights(tile * WG, WG, c, s);
+            }
+            activations(c, s, 0);
+          }
+        });
       }
-      if (nsplit > 1) {  // the consumers' barriers below; the next pass's copies wait for them
-        __syncthreads();
-        lowbit::cluster_sync();
-        lowbit::cluster_sync();
+    } else {
+      for (int p = 0; p < npass; ++p) {
+        const int tg = r0 / 8 + p * (NTOK / 8), it = p * nchunks;  // the window; stages streamed before it
+        if (issuer) {
+          // The first pass's first stages' weights go out before xp is ready (the x prep may still run).
+          const int first = it == 0 ? min(nst, nchunks) : 0;
+          for (int c = 0; c < first; ++c) {
+            lowbit::mbar_expect_tx(full + c, stage_tx);
+            weights(group0, ngroups, cb + c, c);
+          }
+          if (it == 0) lowbit::pdl_wait();
+          for (int c = 0; c < first; ++c) activations(cb + c, c, tg);
+          for (int c = first; c < nchunks; ++c) {
+            const int s = (it + c) % nst;
+            if (it + c >= nst) lowbit::mbar_wait(empty + s, ((it + c) / nst - 1) & 1);
+            lowbit::mbar_expect_tx(full + s, stage_tx);
+            weights(group0, ngroups, cb + c, s);
+            activations(cb + c, s, tg);
+          }
+        }
+        if (nsplit > 1) {  // the consumers' barriers below; the next pass's copies wait for them
+          __syncthreads();
+          lowbit::cluster_sync();
+          lowbit::cluster_sync();
+        }
       }
     }
     return;
@@ -265,82 +350,134 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
   // Ordered issue between the two warpgroups when both have a tile group: warpgroup 0 goes first; the last batch of
   // warpgroup 1 lets nobody go, so no arrival is left pending.
   const bool ordered = kOrderedIssue<NTOK, WG> && ngroups == 2;
-  for (int p = 0; p < npass; ++p) {
-    const int tg = r0 / 8 + p * (NTOK / 8), it = p * nchunks;
-    float acc[ND];
+  // Ring slot s's math into acc (first / last: whether it holds the CTA's first / last batch).
+  auto mma_stage = [&](int s, bool first_stage, bool last_stage, float(&acc)[ND], [[maybe_unused]] float(&part)[ND],
+                       float& s_lo, float& s_hi) {
+    const unsigned char* tb = stage(s) + wg * Lay::kGroupBytes + wq * Lay::kTileBytes;
+    const uint32_t xs = lowbit::smem_u32(stage(s) + WG * Lay::kGroupBytes);
 #pragma unroll
-    for (int i = 0; i < ND; ++i) acc[i] = 0.0f;
-    float s_lo = 1.0f, s_hi = 1.0f;  // the last batch's scales (kPerChannel: the same in every batch)
-    if (consumer) {
-      [[maybe_unused]] float part[ND];
-      for (int c = 0; c < nchunks; ++c) {
-        const int s = (it + c) % nst;
-        lowbit::mbar_wait(full + s, ((it + c) / nst) & 1);
-        const unsigned char* tb = stage(s) + wg * Lay::kGroupBytes + wq * Lay::kTileBytes;
-        const uint32_t xs = lowbit::smem_u32(stage(s) + WG * Lay::kGroupBytes);
+    for (int b = 0; b < KS / 128; ++b) {
+      uint32_t a[8][4];  // the batch's 8 k-steps
+      P::batch(tb, tb + Lay::kPacketBytes, b, lane, a, s_lo, s_hi);
+      const bool first = first_stage && b == 0, last = last_stage && b == KS / 128 - 1;
+      if (ordered && !(first && wg == 0)) bar_sync(1 + wg);
+      wgmma::fence();
 #pragma unroll
-        for (int b = 0; b < KS / 128; ++b) {
-          uint32_t a[8][4];  // the batch's 8 k-steps
-          P::batch(tb, tb + Lay::kPacketBytes, b, lane, a, s_lo, s_hi);
-          const bool first = p == 0 && c == 0 && b == 0, last = p == npass - 1 && c == nchunks - 1 && b == KS / 128 - 1;
-          if (ordered && !(first && wg == 0)) bar_sync(1 + wg);
-          wgmma::fence();
+      for (int k = 0; k < 8; ++k) {
+        // k-step 8b + k: its two core matrices of every 8 tokens (128 B apart), token groups KS * 16 B apart
+        const uint64_t desc = wgmma::desc(xs + (8 * b + k) * 256, 128, KS * 16);
+        if constexpr (P::kScaling == Scaling::kFoldPerBatch) wgmma::MmaRS<T, NTOK>::run(part, a[k], desc, k);
+        else wgmma::MmaRS<T, NTOK>::run(acc, a[k], desc, 1);
+      }
+      // The next batch rewrites a (these mma's read it as they run); the stage's last batch frees the stage.
+      wgmma::commit();
+      if (ordered && !(last && wg == 1)) bar_arrive(2 - wg);
+      wgmma::wait<0>();
+      if constexpr (P::kScaling == Scaling::kFoldPerBatch) {
+        wgmma::fence_regs(part);
 #pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            // k-step 8b + k: its two core matrices of every 8 tokens (128 B apart), token groups KS * 16 B apart
-            const uint64_t desc = wgmma::desc(xs + (8 * b + k) * 256, 128, KS * 16);
-            if constexpr (P::kScaling == Scaling::kFoldPerBatch) wgmma::MmaRS<T, NTOK>::run(part, a[k], desc, k);
-            else wgmma::MmaRS<T, NTOK>::run(acc, a[k], desc, 1);
-          }
-          // The next batch rewrites a (these mma's read it as they run); the stage's last batch frees the stage.
-          wgmma::commit();
-          if (ordered && !(last && wg == 1)) bar_arrive(2 - wg);
-          wgmma::wait<0>();
-          if constexpr (P::kScaling == Scaling::kFoldPerBatch) {
-            wgmma::fence_regs(part);
+        for (int i = 0; i < ND; ++i) acc[i] = fmaf(part[i], (i & 2) ? s_hi : s_lo, acc[i]);
+      } else {
+        wgmma::fence_regs(acc);
+      }
+    }
+  };
+  // The outputs of tile group `group` (this warpgroup's), tokens from token group tg, rows [r0, r1) stored.
+  auto store = [&](int group, int tg, const float(&acc)[ND], float s_lo, float s_hi) {
+    const int row0 = group * 64 + wq * lowbit::kTileN + g;  // this thread's rows: row0, row0 + 8
+    float o_lo = P::kScaling == Scaling::kPerChannel ? s_lo : 1.0f;
+    float o_hi = P::kScaling == Scaling::kPerChannel ? s_hi : 1.0f;
+    if (P::kRowScale && prm.row_scale != nullptr) {
+      const float* rs = prm.row_scale + static_cast<int64_t>(e) * prm.groups * 64;
+      o_lo *= rs[row0];
+      o_hi *= rs[row0 + 8];
+    }
+    T* out = static_cast<T*>(prm.out);
 #pragma unroll
-            for (int i = 0; i < ND; ++i) acc[i] = fmaf(part[i], (i & 2) ? s_hi : s_lo, acc[i]);
-          } else {
-            wgmma::fence_regs(acc);
-          }
-        }
+    for (int i = 0; i < ND; ++i) {
+      const int row = row0 + 8 * ((i >> 1) & 1), tok = 8 * tg + 8 * (i >> 2) + 2 * t + (i & 1);
+      if (row < prm.N && tok >= r0 && tok < r1)
+        out[static_cast<int64_t>(tok) * prm.out_stride + row] = lowbit::from_float<T>(acc[i] * ((i & 2) ? o_hi : o_lo));
+    }
+  };
+
+  if constexpr (kStreamK) {
+    const int u0 = sk_first_unit(blockIdx.x, prm.units, gridDim.x);
+    const int u1 = sk_first_unit(blockIdx.x + 1, prm.units, gridDim.x);
+    const int tid = threadIdx.x;  // < WG * 128
+    int j = 0;                    // the unit's place in the CTA's order
+    sk_segments(u0, u1, prm.chunks, [&](int tile, int c0, int c1) {
+      float acc[ND], part[ND];
+#pragma unroll
+      for (int i = 0; i < ND; ++i) acc[i] = 0.0f;
+      float s_lo = 1.0f, s_hi = 1.0f;
+      for (int c = c0; c < c1; ++c, ++j) {
+        const int s = j % nst;
+        lowbit::mbar_wait(full + s, (j / nst) & 1);
+        mma_stage(s, j == 0, j == u1 - u0 - 1, acc, part, s_lo, s_hi);
         __syncwarp();
         if (lane == 0) lowbit::mbar_arrive(empty + s);
       }
-    }
+      if (c1 < prm.chunks) {  // not the tile's last stage: the partial sums go to this CTA's slot for the owner
+        float* slot = prm.slots + static_cast<int64_t>(blockIdx.x) * kSlotFloats;
+#pragma unroll
+        for (int i = 0; i < ND; ++i) __stcg(slot + i * WG * 128 + tid, acc[i]);
+        consumers_sync<WG>();
+        if (tid == 0) {
+          __threadfence();
+          st_release(prm.flags + blockIdx.x, 1);
+        }
+        return;
+      }
+      if (c0 > 0) {  // the lower CTAs whose ranges end inside this tile did its first stages
+        const int tile_u = tile * prm.chunks;
+        auto contributor = [&](int i) { return i >= 0 && sk_first_unit(i + 1, prm.units, gridDim.x) > tile_u; };
+        if (tid == 0)
+          for (int i = blockIdx.x - 1; contributor(i); --i)
+            while (ld_acquire(prm.flags + i) == 0) __nanosleep(64);
+        consumers_sync<WG>();
+        for (int i = blockIdx.x - 1; contributor(i); --i) {
+          const float* slot = prm.slots + static_cast<int64_t>(i) * kSlotFloats;
+#pragma unroll
+          for (int k = 0; k < ND; ++k) acc[k] += __ldcg(slot + k * WG * 128 + tid);
+        }
+      }
+      store(tile * WG + wg, 0, acc, s_lo, s_hi);
+    });
+  } else {
+    for (int p = 0; p < npass; ++p) {
+      const int tg = r0 / 8 + p * (NTOK / 8), it = p * nchunks;
+      float acc[ND];
+#pragma unroll
+      for (int i = 0; i < ND; ++i) acc[i] = 0.0f;
+      float s_lo = 1.0f, s_hi = 1.0f;  // the last batch's scales (kPerChannel: the same in every batch)
+      if (consumer) {
+        float part[ND];
+        for (int c = 0; c < nchunks; ++c) {
+          const int s = (it + c) % nst;
+          lowbit::mbar_wait(full + s, ((it + c) / nst) & 1);
+          mma_stage(s, p == 0 && c == 0, p == npass - 1 && c == nchunks - 1, acc, part, s_lo, s_hi);
+          __syncwarp();
+          if (lane == 0) lowbit::mbar_arrive(empty + s);
+        }
+      }
 
-    // ---- the splits of the cluster (the producer warpgroup meets these barriers on its own path), then the outputs
-    const int tid = threadIdx.x;  // < WG * 128
-    if (nsplit > 1) {
-      __syncthreads();  // every stage consumed: the ring's memory holds the partial sums now
-      float* red = reinterpret_cast<float*>(smem + 128);
-      if (consumer)
+      // ---- the splits of the cluster (the producer warpgroup meets these barriers on its own path), then the outputs
+      const int tid = threadIdx.x;  // < WG * 128
+      if (nsplit > 1) {
+        __syncthreads();  // every stage consumed: the ring's memory holds the partial sums now
+        float* red = reinterpret_cast<float*>(smem + 128);
+        if (consumer)
 #pragma unroll
-        for (int i = 0; i < ND; ++i) red[i * WG * 128 + tid] = acc[i];
-      lowbit::cluster_sync();
-      if (split == 0 && consumer)
-        for (int q = 1; q < nsplit; ++q)
+          for (int i = 0; i < ND; ++i) red[i * WG * 128 + tid] = acc[i];
+        lowbit::cluster_sync();
+        if (split == 0 && consumer)
+          for (int q = 1; q < nsplit; ++q)
 #pragma unroll
-          for (int i = 0; i < ND; ++i) acc[i] += lowbit::ld_dsmem(red + i * WG * 128 + tid, q);
-      lowbit::cluster_sync();  // the other CTAs keep their shared memory until rank 0 has read it
-    }
-    if (split == 0 && consumer) {
-      const int row0 = (group0 + wg) * 64 + wq * lowbit::kTileN + g;  // this thread's rows: row0, row0 + 8
-      float o_lo = P::kScaling == Scaling::kPerChannel ? s_lo : 1.0f;
-      float o_hi = P::kScaling == Scaling::kPerChannel ? s_hi : 1.0f;
-      if (P::kRowScale && prm.row_scale != nullptr) {
-        const float* rs = prm.row_scale + static_cast<int64_t>(e) * prm.groups * 64;
-        o_lo *= rs[row0];
-        o_hi *= rs[row0 + 8];
+            for (int i = 0; i < ND; ++i) acc[i] += lowbit::ld_dsmem(red + i * WG * 128 + tid, q);
+        lowbit::cluster_sync();  // the other CTAs keep their shared memory until rank 0 has read it
       }
-      T* out = static_cast<T*>(prm.out);
-#pragma unroll
-      for (int i = 0; i < ND; ++i) {
-        const int row = row0 + 8 * ((i >> 1) & 1), tok = 8 * tg + 8 * (i >> 2) + 2 * t + (i & 1);
-        if (row < prm.N && tok >= r0 && tok < r1)
-          out[static_cast<int64_t>(tok) * prm.out_stride + row] =
-              lowbit::from_float<T>(acc[i] * ((i & 2) ? o_hi : o_lo));
-      }
+      if (split == 0 && consumer) store(group0 + wg, tg, acc, s_lo, s_hi);
     }
   }
 }
@@ -355,10 +492,26 @@ inline int pick_split(int64_t ctas, int blob_chunks, int sms) {
   return S;
 }
 
-// The x prep, then the kernel (S splits, 0: pick_split; stages = 0: as deep as fits). prm: w, offsets, experts,
-// row_scale, M, N, out, out_stride set; x [M, K] (row stride x_stride); workspace: workspace_bytes(M, K, NTOK,
-// offsets != null) bytes. pdl: the kernel is a programmatic dependent launch of the prep (it fetches its first weight
-// stages while the prep runs).
+// Stream-K instead of split-K (one pass of one expert, every tile WG tile groups) when it should be 3% faster. Time in
+// ring stages per SM: split-K's grid of ctas x S CTAs (one per SM) runs its waves of ceil(chunks / S) stages each;
+// stream-K runs units / sms stages and about 3 more (each CTA's two cut tiles, the partial sums). Measured (int4 g128,
+// benchmarks/tuning/w4a16_wide.cu, thirteenth session, raw benchmarks/runs/2026-11-23-0826-*; stream-K / split-K
+// time, same configuration): units / sms and split-K's stages 6.8 / 8 (4096x14336, 2 warpgroups, 32-64 tokens)
+// 1.11-1.17; 13.6 / 16 (4096x14336 at 96-128; 8192x28672 on 4 warpgroups at 32) 1.02-1.06; 27.2 / 32 (8192x28672,
+// 2 warpgroups, 32-64 tokens) 0.93-0.97; 54.3 / 64 (8192x28672 at 96-256) 0.87-0.89; 9.7 / 16 and 19.4 / 32
+// (8192x10240) 0.90-0.94 and 0.78; 27.2 / 28 and 54.3 / 56 (28672x8192, 2 splits) 1.09-1.11 and 0.97-1.00.
+inline bool pick_stream_k(int64_t ctas, int S, int chunks, int sms) {
+  const int64_t waves = ceil_div(ctas * S, sms), stages = ceil_div(chunks, S);
+  return static_cast<double>(ctas) * chunks / sms + 3.0 < 0.97 * static_cast<double>(waves * stages);
+}
+
+constexpr int kStreamKSplit = -1;  // S for launch_kernel: stream-K
+
+// The x prep, then the kernel (S: K splits, 0: pick (split-K or stream-K), kStreamKSplit: stream-K; stages = 0: as
+// deep as fits). prm: w, offsets, experts, row_scale, M, N, out, out_stride set; x [M, K] (row stride x_stride);
+// workspace: workspace_bytes(M, K, NTOK, offsets != null, sms_ws) bytes, where stream-K may run only if sms_ws =
+// sms. pdl: the kernel is a programmatic dependent launch of the prep (it fetches its first weight stages while the
+// prep runs).
 template <class P, int NTOK, int WG, int KS, bool kWindows>
 cudaError_t launch_kernel(Params prm, const void* x, int64_t x_stride, int K, int S, int stages, bool pdl,
                           void* workspace, int sms, cudaStream_t stream) {
@@ -370,8 +523,16 @@ cudaError_t launch_kernel(Params prm, const void* x, int64_t x_stride, int K, in
   prm.blob_chunks = static_cast<int>(ceil_div(K, kBlobChunkK));
   prm.chunks = static_cast<int>(ceil_div(K, KS));
   const int slices = static_cast<int>(lowbit::expert_slices(grouped, prm.experts, prm.M));
-  if (S <= 0) S = pick_split(ceil_div(prm.groups, WG) * slices, prm.blob_chunks, sms);
-  if (S > lowbit::kMaxSplit) return cudaErrorInvalidValue;
+  const int64_t ctas = ceil_div(prm.groups, WG) * slices;
+  const bool sk_fits = !kWindows && !grouped && prm.groups % WG == 0;  // every tile WG tile groups
+  bool stream_k = S == kStreamKSplit;
+  if (stream_k && !sk_fits) return cudaErrorInvalidValue;
+  if (S == 0) {
+    S = pick_split(ctas, prm.blob_chunks, sms);
+    stream_k = sk_fits && pick_stream_k(ctas, S, prm.chunks, sms);
+  }
+  if (stream_k) S = 1;
+  if (S < 1 || S > lowbit::kMaxSplit) return cudaErrorInvalidValue;
   prm.chunks_per_cta = (prm.chunks + S - 1) / S;
   prm.stages = stages;
   if (prm.stages <= 0) {
@@ -384,16 +545,32 @@ cudaError_t launch_kernel(Params prm, const void* x, int64_t x_stride, int K, in
     return cudaErrorInvalidValue;
 
   if (!kWindows && (grouped || prm.M > NTOK)) return cudaErrorInvalidValue;
+  using T = typename P::T;
+  const int64_t x_units = static_cast<int64_t>(prm.chunks) * prm.x_groups * KS;  // 16-byte units: xg * 8 * KS / 8
+  const int prep_blocks = static_cast<int>(std::min<int64_t>(ceil_div(x_units, 256), 8LL * sms));
+  auto prep = [&](int* flags, int nflags) {
+    prep_x<T><<<prep_blocks, 256, 0, stream>>>(static_cast<const T*>(x), x_stride, prm.M, K, prm.x_groups, KS,
+                                               prm.chunks, static_cast<uint4*>(workspace), flags, nflags);
+    return cudaGetLastError();
+  };
+  if constexpr (!kWindows) {
+    if (stream_k) {
+      constexpr auto kernel = wide_gemm_kernel<P, NTOK, WG, KS, false, true>;
+      if (const cudaError_t e = lowbit::allow_max_smem<kernel>(); e != cudaSuccess) return e;
+      prm.units = static_cast<int>(ctas * prm.chunks);
+      const int grid = std::min(sms, prm.units);
+      unsigned char* sk = static_cast<unsigned char*>(workspace) + x_workspace_bytes(prm.M, K, NTOK, grouped);
+      prm.flags = reinterpret_cast<int*>(sk);
+      prm.slots = reinterpret_cast<float*>(sk + stream_k_flag_bytes(sms));
+      if (const cudaError_t e = prep(prm.flags, grid); e != cudaSuccess) return e;
+      return lowbit::launch_split_k(kernel, dim3(static_cast<unsigned>(grid)), Regs<WG, false>::kThreads, smem, 1,
+                                    stream, prm, pdl);
+    }
+  }
   constexpr auto kernel = wide_gemm_kernel<P, NTOK, WG, KS, kWindows>;
   if (const cudaError_t e = lowbit::allow_max_smem<kernel>(); e != cudaSuccess) return e;
-
-  using T = typename P::T;
-  const int64_t units = static_cast<int64_t>(prm.chunks) * prm.x_groups * KS;  // 16-byte units: xg * 8 * KS / 8
-  const int prep_blocks = static_cast<int>(std::min<int64_t>(ceil_div(units, 256), 8LL * sms));
-  prep_x<T><<<prep_blocks, 256, 0, stream>>>(static_cast<const T*>(x), x_stride, prm.M, K, prm.x_groups, KS,
-                                             prm.chunks, static_cast<uint4*>(workspace));
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  return lowbit::launch_split_k(kernel, dim3(static_cast<unsigned>(ceil_div(prm.groups, WG)), S, slices),
+  if (const cudaError_t e = prep(nullptr, 0); e != cudaSuccess) return e;
+  return lowbit::launch_split_k(kernel, dim3(static_cast<unsigned>(ctas / slices), S, slices),
                                 Regs<WG, kWindows>::kThreads, smem, S, stream, prm, pdl);
 }
 

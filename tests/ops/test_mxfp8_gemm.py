@@ -9,6 +9,8 @@ bit-equal to torch's GEMM on those weights.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -176,10 +178,28 @@ def test_kernel_split_k(split_k):
 
 @GPU
 @pytest.mark.parametrize("N,K", [(4096, 4096), (8192, 1024)])
-def test_wide_kernel_four_warpgroups_and_splits(N, K):
+def test_wide_kernel_large_n_and_splits(N, K):
     packed, w = gpu_case(N, K)
     for M in (17, 40, 64):
         check(torch.randn(M, K, device="cuda").to(torch.bfloat16), packed, w)
+
+
+@GPU
+def test_wide_kernel_stream_k_when_the_last_wave_is_short():
+    """As for W4A16 (test_w4a16_gemm.py): N = 128 x SMs fills one wave of CTAs (split-K), 128 rows more leave a last
+    wave of one CTA, so the wide kernel runs stream-K; both within the bars, stream-K the same bits on every call."""
+    from profiling import kernels_run
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for N, want_sk in [(128 * sms, False), (128 * sms + 128, True)]:
+        packed, w = gpu_case(N, 2048, seed=N)
+        for M in (20, 100):
+            x = torch.randn(M, 2048, device="cuda").to(torch.bfloat16)
+            ys = []
+            names = [n for n in kernels_run(lambda: ys.append(check(x, packed, w))) if "wide_gemm_kernel" in n]
+            sk = [bool(re.search(r"wide_gemm_kernel<.*, (false|true), true>\(|wide_gemm_kernel\w*Lb[01]ELb1EEEv", n))
+                  for n in names]
+            assert names and all(v == want_sk for v in sk), (N, M, names)
+            assert torch.equal(ys[0], check(x, packed, w))
 
 
 @GPU

@@ -172,12 +172,12 @@ def test_wide_kernel_passes_and_remainder(G, sym, dtype):
 
 @GPU
 def test_wide_kernel_four_warpgroups_on_large_n():
-    """Up to 64 rows per pass, when CTAs of 4 tile groups still fill 3/4 of the SMs the wide kernel runs 4 consumer
-    warpgroups per CTA (about 256 rows per SM here; the last CTA has 3 tile groups, the last of them partial; at 64
-    tokens half-chunk stages): within the bars, and close to the streaming kernel forced on the same input."""
+    """Up to 32 rows per pass, when CTAs of 4 tile groups still fill 3/4 of the SMs the wide kernel runs 4 consumer
+    warpgroups per CTA (about 256 rows per SM here; the last CTA has 3 tile groups, the last of them partial); 2 from 33
+    rows: within the bars, and close to the streaming kernel forced on the same input."""
     N = 256 * torch.cuda.get_device_properties(0).multi_processor_count - 100
     rp, w = gpu_case(N, 1024, 128, True, seed=3)
-    for M in (17, 32, 40, 64, 100):  # 40: 48 tokens per pass, 64: 64; 100: 128 tokens, 2 warpgroups
+    for M in (17, 32, 40, 64, 100):  # 17, 32: 4 warpgroups; 40: 48 tokens per pass, 64: 64; 100: 128 tokens
         check_wide(torch.randn(M, 1024, device="cuda").to(torch.bfloat16), rp, w)
 
 
@@ -203,13 +203,38 @@ def test_wide_kernel_takes_9_to_16_rows_on_large_weights(G, dtype):
             assert re.search(r"wide_gemm_kernel(<[^<>]*<[^<>]*>, 16,|I\w+?Li16E)", gemm[1]), gemm
 
 
+def stream_k(kernel_name):
+    """Whether a wide_gemm_kernel launch is stream-K (its last template argument), demangled or not."""
+    return re.search(r"wide_gemm_kernel<.*, (false|true), true>\(|wide_gemm_kernel\w*Lb[01]ELb1EEEv", kernel_name)
+
+
+@GPU
+@pytest.mark.parametrize("G,dtype", [(128, torch.bfloat16), (-1, torch.float16)])
+def test_wide_kernel_stream_k_when_the_last_wave_is_short(G, dtype):
+    """With N = 128 x SMs the wide kernel's CTAs (2 tile groups each, one per SM) fill one wave: split-K. 128 rows more
+    make one CTA more, a last wave of one: stream-K instead, one CTA per SM sharing out the (tile, stage) units, tiles
+    cut between CTAs added up by their owners. Both within the bars, and stream-K gives the same bits on every call
+    (the owner adds the partial sums in a fixed order)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for N, want_sk in [(128 * sms, False), (128 * sms + 128, True)]:
+        rp, w = gpu_case(N, 2048, G, True, seed=N)
+        for M in (20, 100):  # 32 and 128 tokens per pass, 2 warpgroups
+            x = torch.randn(M, 2048, device="cuda").to(dtype)
+            ys = []
+            names = kernels_run(lambda: ys.append(check(x, rp, w)))
+            wide = [n for n in names if "wide_gemm_kernel" in n]
+            assert wide and all(bool(stream_k(n)) == want_sk for n in wide), (N, M, wide)
+            assert torch.equal(ys[0], check(x, rp, w))
+
+
 @GPU
 @pytest.mark.parametrize("K,splits", [(8192, 2), (16384, 4)])
 def test_wide_kernel_splits_k_on_small_grids(K, splits):
     """The wide kernel splits K (thread-block clusters) when its CTAs fill under half the SMs and every split keeps
-    >= 8 chunks of 512 K: here one CTA, K = 8192 -> 2 splits, 16384 -> 4. The sums stay within the bars (128
-    tokens per pass: the splits' partial sums fill 64 KB of the ring's memory)."""
-    rp, w = gpu_case(100, K, 128, True, seed=K)
+    >= 8 chunks of 512 K, if it cannot run stream-K (an odd number of tile groups here: 150 rows, 3 groups in 2
+    CTAs); K = 8192 -> 2 splits, 16384 -> 4. The sums stay within the bars (128 tokens per pass: the splits' partial
+    sums fill 64 KB of the ring's memory)."""
+    rp, w = gpu_case(150, K, 128, True, seed=K)
     for M in (20, 40, 64, 90, 100, 128):
         check(torch.randn(M, K, device="cuda").to(torch.bfloat16), rp, w)
 

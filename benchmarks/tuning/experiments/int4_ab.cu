@@ -36,8 +36,8 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&x, size_t(256) * K * 2));
     CK(cudaMemset(x, 0x3C, size_t(256) * K * 2));
     CK(cudaMalloc(&out, size_t(256) * N * 2));
-    CK(cudaMalloc(&ws, size_t(K + 512) * 2 * 128));
-    for (const int M : {1, 16, 17, 32, 48, 64, 96, 128, 256}) {
+    CK(cudaMalloc(&ws, size_t(K + 512) * 2 * 128 + (16 << 20)));  // x prepped, and stream-K flags and slots
+    for (const int M : {1, 16, 17, 32, 40, 48, 64, 80, 96, 128, 160, 200, 256}) {
       auto f = [&] {
         return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, 128, false, out, N, N, 0, ws,
                                           device.sms, st);
