@@ -129,7 +129,8 @@ struct Mxfp8Batch {
 // The wide kernel's configurations: half-chunk stages everywhere (a whole chunk of 1-byte codes is 33 KB a tile group),
 // two warpgroups. Four (as int4 at 32 tokens) ran where their CTAs fill 3/4 of the SMs until stream-K: on 8192x28672
 // (thirteenth session, benchmarks/tuning/mxfp8_sweep.cu, raw benchmarks/runs/2026-11-23-0826-*) two warpgroups with
-// stream-K run 78.4 / 85.8 us at 32 / 64 tokens against four's 81.5 / 92.6 (the other shapes never took four).
+// stream-K run 78.4 / 85.8 us at 32 / 64 tokens against four's 81.7 / 92.6 with stream-K, 83.3 / 92.5 with split-K
+// (the choice before; the other shapes never took four).
 template <typename Run>
 cudaError_t with_config(int ntok, Run&& run) {
   switch (ntok) {
