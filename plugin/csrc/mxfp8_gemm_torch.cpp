@@ -25,9 +25,8 @@ void check_packed(const char* op, const at::Tensor& packed, int64_t size_n, int6
 
 at::Tensor mxfp8_dequant_packed(const at::Tensor& packed_in, int64_t size_n, int64_t size_k);
 
-// From this many rows the GEMM dequantizes the weight once and runs a dense cuBLAS GEMM (the prefill path): the wide
-// kernel re-reads the weights every 128 rows. Crossover on the H200: benchmarks/RESULTS.md (bench_mxfp8_linear.py).
-constexpr int64_t kDequantMinRows = 320;
+// From mxfp8_gemm_prefill_rows(N, K) rows (w4a16_gemm.h: 384, 512 on large weights) the GEMM dequantizes the weight
+// once and runs a dense cuBLAS GEMM (the prefill path): the wide kernel re-reads the weights every 128 rows.
 
 at::Tensor mxfp8_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t size_n, int64_t split_k) {
   constexpr const char* op = "mxfp8_gemm";
@@ -47,7 +46,8 @@ at::Tensor mxfp8_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   check_packed(op, packed, size_n, K);
 
   return lowbit_gemm(
-      op, x_in, size_n, split_k == 0, kDequantMinRows, [&] { return mxfp8_dequant_packed(packed, size_n, K); },
+      op, x_in, size_n, split_k == 0, mxfp8_gemm_prefill_rows(size_n, K),
+      [&] { return mxfp8_dequant_packed(packed, size_n, K); },
       [&](int64_t M) { return mxfp8_gemm_workspace_bytes(M, K, static_cast<int>(split_k), sm_count(x_in)); },
       [&](const at::Tensor& x, int64_t M, at::Tensor& out, void* workspace) {
         return launch_mxfp8_gemm(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), out.data_ptr(), size_n, size_n,

@@ -202,7 +202,7 @@ constexpr int kMinSmallRows = 9;   // from this many on large weights (kSmallPas
 // 8192x28672 59.4 / 47.6, 28672x8192 53.6 / 50.5, but 8192x10240 26.8 / 29.5 and 4096x14336 20.2 / 21.4 (the wide
 // kernel's fixed costs, the x prep and the pipeline's fill, weigh more on a shorter call). At 1-8 rows the
 // streaming kernel was faster on all four (8192x28672 M = 8: 43.4 against 46.6 with 8 tokens per pass).
-constexpr int64_t kSmallPassMinWeights = int64_t(1) << 27;
+constexpr int64_t kSmallPassMinWeights = kLargeWeightElements;
 
 // Rows of the next wide pass when `left` rows remain (0: the streaming kernel takes them).
 constexpr int64_t pass_rows(int64_t left, int64_t N, int64_t K) {

@@ -30,11 +30,10 @@ void check_packed(const char* op, const at::Tensor& packed, int64_t size_n, int6
 at::Tensor w4a16_dequant(const at::Tensor& packed_in, int64_t group_size, bool symmetric, int64_t size_n,
                          int64_t size_k, at::ScalarType dtype);
 
-// From this many rows on, the GEMM dequantizes the weight once and runs a dense cuBLAS GEMM (the prefill path,
-// as vLLM's AWQ method does from 256 tokens): the kernels re-read the weights every 32 rows (streaming kernel)
-// or 128 rows (wide kernel, group size 128 or per channel). Crossover on the H200 (bench_w4a16_gemm.py, "stream" /
-// "wide" vs "deq+mm"): benchmarks/RESULTS.md.
-int64_t dequant_min_rows(int64_t group_size) { return w4a16_gemm_wide_takes(group_size) ? 320 : 128; }
+// From w4a16_gemm_prefill_rows(group_size, N, K) rows (w4a16_gemm.h: 128, or at group size 128 / per channel 448 and
+// 640 on large weights) the GEMM dequantizes the weight once and runs a dense cuBLAS GEMM (the prefill path, as
+// vLLM's AWQ method does from 256 tokens): the kernels re-read the weights every 32 rows (streaming kernel) or 128
+// rows (wide kernel, group size 128 or per channel).
 
 at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group_size, bool symmetric,
                       int64_t size_n, int64_t split_k) {
@@ -60,7 +59,7 @@ at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
 
   const int gs = static_cast<int>(group_size), sk = static_cast<int>(split_k);
   return lowbit_gemm(
-      op, x_in, size_n, split_k == 0, dequant_min_rows(group_size),
+      op, x_in, size_n, split_k == 0, w4a16_gemm_prefill_rows(group_size, size_n, K),
       [&] { return w4a16_dequant(packed, group_size, symmetric, size_n, K, x_in.scalar_type()); },
       [&](int64_t M) { return w4a16_gemm_workspace_bytes(M, K, size_n, gs, sk, sm_count(x_in)); },
       [&](const at::Tensor& x, int64_t M, at::Tensor& out, void* workspace) {

@@ -179,8 +179,8 @@ class CubladeW4A16Gemm(LinearKernel):
     """cublade's W4A16 GEMM (cublade.ops.w4a16_gemm) on weights repacked once by `w4a16_repack` into the
     kernel's tile layout. The op runs decode batches on its streaming kernel (up to 16 tokens) and its wide
     wgmma kernel (from 17, at group size 128 or per channel; from 9 on weights of 2^27 elements or more) and, from
-    320 tokens (128 at other group sizes), dequantizes the weight and runs a dense cuBLAS GEMM (the prefill path;
-    a transient N x K weight in x's dtype per call).
+    448 tokens (640 on weights of 2^27 elements or more; 128 at other group sizes), dequantizes the weight and runs
+    a dense cuBLAS GEMM (the prefill path; a transient N x K weight in x's dtype per call).
     Sending large M to Machete instead would keep a second, Machete-layout copy of the weights (twice the
     memory W4A16 is there to save). Speeds against Machete/Marlin per M: benchmarks/RESULTS.md;
     `CUBLADE_DISABLED_KERNELS=cublade-w4a16-gemm` runs Machete/Marlin for every M instead."""
@@ -195,7 +195,7 @@ class CubladeW4A16Gemm(LinearKernel):
         why = why_no_kernel("w4a16_gemm", device)
         if why is not None:
             return False, why
-        return True, "cublade's CUDA op w4a16_gemm (decode kernels; from 320 tokens dequantize + cuBLAS)"
+        return True, "cublade's CUDA op w4a16_gemm (decode kernels; from 448-640 tokens dequantize + cuBLAS)"
 
     def __init__(self, layer):
         super().__init__(layer)
@@ -305,8 +305,8 @@ class VllmMarlin(_VllmMixedPrecision):
 class CubladeMxfp8Gemm(LinearKernel):
     """cublade's MXFP8 GEMM (cublade.ops.mxfp8_gemm, W8A16) on weights repacked once by `mxfp8_repack` into the
     kernels' tile layout (1 byte a weight plus its exponents, as the checkpoint). The op runs 1-16 tokens on its
-    streaming kernel, 17-319 on its wide (wgmma) kernel, and from 320 dequantizes the weight to bf16 and runs cuBLAS
-    (the prefill path; a transient N x K bf16 weight per call). Each path multiplies the same exact bf16 weights.
+    streaming kernel, from 17 on its wide (wgmma) kernel, and from 384 (512 on weights of 2^27 elements or more)
+    dequantizes the weight to bf16 and runs cuBLAS (the prefill path; a transient N x K bf16 weight per call). Each path multiplies the same exact bf16 weights.
     bf16 activations only (the kernels build bf16 weights); E8M0 scales up to 2^7.
     H200, twelfth session (benchmarks/bench_mxfp8_linear.py, every kernel class in one run): against vLLM's MXFP8
     Marlin 1.00-1.63x as fast at 1-16 tokens, 1.03-1.70x at 32-256, 1.54-2.32x from 512 (K 8192 x N 28672 at M = 1 /
@@ -325,7 +325,7 @@ class CubladeMxfp8Gemm(LinearKernel):
         why = why_no_kernel("mxfp8_gemm", layer.weight.device) or mxfp8_ops.why_not_repackable(layer.weight_scale)
         if why is not None:
             return False, why
-        return True, "cublade's CUDA op mxfp8_gemm (decode kernels; from 320 tokens dequantize + cuBLAS)"
+        return True, "cublade's CUDA op mxfp8_gemm (decode kernels; from 384-512 tokens dequantize + cuBLAS)"
 
     def __init__(self, layer):
         super().__init__(layer)

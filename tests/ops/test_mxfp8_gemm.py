@@ -1,5 +1,6 @@
 """mxfp8_gemm: repack (exact round trip), a bit-level model of the kernels' register dequant (CPU), the reference GEMM,
-and the CUDA kernels (streaming 1-16 rows, wide 17-319, dequantize + cuBLAS from 320).
+and the CUDA kernels (streaming 1-16 rows, wide from 17, dequantize + cuBLAS from 384; 512 on weights of 2^27
+elements or more).
 
 Tolerance classes: the repack, the model and the reference are exact (rtol=0, atol=0). The kernels multiply bf16
 weights that are exact (e4m3 times a power of two) and sum in fp32 in another order, so each output is held to one
@@ -155,7 +156,7 @@ def test_dequant_kernel_is_bit_exact():
 @GPU
 def test_kernel_every_m_1_to_64_and_large():
     packed, w = gpu_case(272, 1024)
-    for M in list(range(1, 65)) + [100, 127, 128, 129, 145, 200, 255, 319]:  # from 17 the wide kernel
+    for M in list(range(1, 65)) + [100, 127, 128, 129, 145, 200, 255, 319, 383]:  # from 17 the wide kernel
         check(torch.randn(M, 1024, device="cuda").to(torch.bfloat16), packed, w)
     check(torch.randn(100, 1024, device="cuda").to(torch.bfloat16), packed, w, split_k=1)  # forced: 4 passes of 32
 
@@ -203,10 +204,25 @@ def test_wide_kernel_stream_k_when_the_last_wave_is_short():
 
 
 @GPU
+def test_prefill_path_from_384_rows_or_512_on_large_weights():
+    """The op runs its wide kernel up to 383 rows and its prefill path (mxfp8_dequant_packed, then cuBLAS) from 384;
+    from 512 on weights of 2^27 elements or more (16384 x 8192 here). The kernels launched say which."""
+    from profiling import kernels_run
+    for N, K, switch in [(200, 1024, 384), (16384, 8192, 512)]:
+        q, codes = torch.ops.cublade.mxfp8_quant((torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16), True)
+        packed = mxfp8_repack(q, codes)
+        for M in (switch - 1, switch):
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            names = kernels_run(lambda: torch.ops.cublade.mxfp8_gemm(x, packed, N, 0))
+            ran = (any("mxfp8_dequant_packed_kernel" in n for n in names), any("wide_gemm_kernel" in n for n in names))
+            assert ran == (M >= switch, M < switch), (N, K, M, names)
+
+
+@GPU
 def test_large_m_dequantizes_then_runs_a_dense_gemm():
     packed, w = gpu_case(200, 1024)
     wq = torch.ops.cublade.mxfp8_dequant_packed(packed, 200, 1024)
-    for shape in [(320, 1024), (3, 110, 1024)]:
+    for shape in [(384, 1024), (3, 130, 1024)]:
         x = torch.randn(shape, device="cuda").to(torch.bfloat16)
         y = torch.ops.cublade.mxfp8_gemm(x, packed, 200, 0)
         torch.testing.assert_close(y.reshape(-1, 200), x.reshape(-1, 1024) @ wq.t(), rtol=0, atol=0)

@@ -7,7 +7,8 @@ to one rounding of the fp32 product with the dequantized weights (|C - ref| <= 2
 <= 2e-3 (the issue's bar; the final bf16 rounding alone is ~1.4e-3 on this metric, fp16's ~2e-4; on a few dozen
 outputs the mean is sample noise around that, 2.1e-3 was seen for 37). x is random but seeded per test. The
 kernel applies each group's scale to an fp32 partial sum, so the weights themselves are never rounded. From 128
-rows (320 at group size 128 or per channel, where the wide kernel runs from 17) the op takes its prefill path
+rows (448 at group size 128 or per channel, where the wide kernel runs from 17; 640 on weights of 2^27 elements or
+more) the op takes its prefill path
 instead (w4a16_dequant to x's dtype, then cuBLAS): held bit-equal to that product in torch, and to <= 4e-3
 against the fp32 product (the weight's rounding to bf16 adds ~0.7e-3).
 """
@@ -146,7 +147,7 @@ def check(x, rp, w, split_k=0):
 @GPU
 def test_kernel_every_m_1_to_64_and_large():
     rp, w = gpu_case(272, 1024, 128, True)
-    for M in list(range(1, 65)) + [100, 127, 128, 200, 255, 319]:  # from 17 the wide kernel (from 320: deq + mm)
+    for M in list(range(1, 65)) + [100, 127, 128, 200, 255, 319, 447]:  # from 17 the wide kernel (448: deq + mm)
         check(torch.randn(M, 1024, device="cuda").to(torch.bfloat16), rp, w)
     check(torch.randn(257, 1024, device="cuda").to(torch.bfloat16), rp, w, split_k=1)  # forced: 9 passes
 
@@ -241,20 +242,36 @@ def test_wide_kernel_splits_k_on_small_grids(K, splits):
 
 @GPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("G,rows", [(64, 128), (128, 320)])
+@pytest.mark.parametrize("G,rows", [(64, 128), (128, 448)])
 def test_large_m_dequantizes_then_runs_a_dense_gemm(dtype, G, rows):
-    """From 128 rows (320 at group size 128 or per channel, which the wide kernel takes below that) the op
+    """From 128 rows (448 at group size 128 or per channel, which the wide kernel takes below that) the op
     dequantizes the weight to x's dtype (w4a16_dequant) and multiplies with cuBLAS: the same bits as that product
     in torch, and within the error of a dense GEMM on the rounded weight."""
     rp, w = gpu_case(200, 1024, G, False)
     wq = torch.ops.cublade.w4a16_dequant(rp.packed, rp.group_size, rp.symmetric, rp.size_n, 1024, dtype)
-    for shape in [(rows, 1024), (3, 110, 1024)]:
+    for shape in [(rows, 1024), (3, 150, 1024)]:
         x = torch.randn(shape, device="cuda").to(dtype)
         y = torch.ops.cublade.w4a16_gemm(x, rp.packed, rp.group_size, rp.symmetric, rp.size_n, 0)
         assert y.shape == (*shape[:-1], rp.size_n) and y.dtype == dtype
         torch.testing.assert_close(y.reshape(-1, rp.size_n), x.reshape(-1, 1024) @ wq.t(), rtol=0, atol=0)
         err = rel_err(y.reshape(-1, rp.size_n), x.reshape(-1, 1024).float() @ w.t())
         assert err <= 4e-3, f"mean|C-ref|/mean|ref| = {err:.2e}"  # bf16 weight + output rounding: ~2.1e-3
+
+
+@GPU
+def test_prefill_path_from_448_rows_or_640_on_large_weights():
+    """At group size 128 the op runs its wide kernel (passes of 128 rows) up to 447 rows, and its prefill path
+    (w4a16_dequant, then cuBLAS) from 448; from 640 on weights of 2^27 elements or more (16384 x 8192 here), where
+    the kernel stays faster longer (benchmarks/tuning/prefill_switch.py). The kernels launched say which."""
+    for N, K, switch in [(200, 1024, 448), (16384, 8192, 640)]:
+        wp = torch.randint(-2**31, 2**31, (N, K // 8), dtype=torch.int32, device="cuda")
+        ws = (torch.rand(N, K // 128, device="cuda") * 0.01 + 0.002).to(torch.bfloat16)
+        rp = w4a16_repack(wp, ws, None, 128)
+        for M in (switch - 1, switch):
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            names = kernels_run(lambda: torch.ops.cublade.w4a16_gemm(x, rp.packed, 128, True, N, 0))
+            ran = (any("w4a16_dequant_kernel" in n for n in names), any("wide_gemm_kernel" in n for n in names))
+            assert ran == (M >= switch, M < switch), (N, K, M, names)
 
 
 @GPU
