@@ -221,7 +221,8 @@ __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.
 // CTAs of 8192x28672 run 1.7 waves of 132). A tile cut between CTAs belongs to the CTA holding its last stage. It
 // does that tile last (sk_segments) and adds the partial sums the lower CTAs left in their slots (each did its share
 // of the tile first and raised its flag) in a fixed order, so the outputs do not depend on timing; an owner waits only
-// for lower CTAs, which the GPU starts first.
+// for lower CTAs, which did that work first (no deadlock even if not every CTA is resident, as long as CTAs start in
+// index order, as they do in practice).
 template <class P, int NTOK, int WG, int KS, bool kWindows, bool kStreamK = false>
 __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
     wide_gemm_kernel(const __grid_constant__ Params prm) {
