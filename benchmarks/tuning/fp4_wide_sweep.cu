@@ -4,7 +4,7 @@
 // 2 distinct experts, a fixed seed). Stand-alone (CUDA runtime only), on the H200:
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc \
-//        benchmarks/tuning/fp4_wide_sweep.cu -o /tmp/fp4_wide_sweep && /tmp/fp4_wide_sweep [reps]
+//        benchmarks/tuning/fp4_wide_sweep.cu -o /tmp/fp4_wide_sweep && /tmp/fp4_wide_sweep [reps [T,T,...]]
 //
 // Rows: "production" (launch_fp4_gemm's own choice), "streaming" (the streaming kernel as production ran it before
 // the wide kernel: tokens per pass from max_m = min(T, ceil(2 T k / E)), automatic splits), then each wide
@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <random>
 #include <vector>
@@ -69,6 +70,15 @@ int main(int argc, char** argv) {
   const int sms = device.sms;
   cudaStream_t st = device.stream;
   constexpr int E = 8, topk = 2;
+  std::vector<int> tokens = {32, 64, 128, 256, 512, 1024, 4096};
+  if (argc > 2) {  // the token counts to time, e.g. 384,768,1536
+    tokens.clear();
+    for (const char* p = argv[2]; *p;) {
+      char* end;
+      tokens.push_back(std::max(1, int(std::strtol(p, &end, 10))));
+      p = *end ? end + 1 : end;
+    }
+  }
   std::printf("device: %s, %d SMs; median of %d launches after a 256 MB memset; MXFP4, E = %d, top-%d\n",
               device.prop.name, sms, reps, E, topk);
   std::printf("%-4s %5s %5s %-12s %4s %3s %4s %9s %s\n", "w", "T", "rows", "kernel", "ntok", "wg", "ks", "us",
@@ -82,7 +92,7 @@ int main(int argc, char** argv) {
     void* blob;
     CK(cudaMalloc(&blob, hblob.size() * 4));
     CK(cudaMemcpy(blob, hblob.data(), hblob.size() * 4, cudaMemcpyHostToDevice));
-    for (const int T : {32, 64, 128, 256, 512, 1024, 4096}) {
+    for (const int T : tokens) {
       const std::vector<int> counts = route(T, E, rng);
       std::vector<int> offs(E + 1, 0);
       for (int e = 0; e < E; ++e) offs[e + 1] = offs[e] + counts[e];

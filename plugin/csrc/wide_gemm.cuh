@@ -44,7 +44,7 @@ namespace wide {
 constexpr int kBlobChunkK = lowbit::kChunk * lowbit::kPacketK;  // 512: K per chunk of the blob
 constexpr int kMaxPassRows = 128;                                // tokens per pass at most (wgmma N)
 // Stream-K: a CTA's slot of fp32 partial sums (NTOK / 2 per consumer thread; NTOK x WG <= 256 in every
-// configuration).
+// configuration the ops run).
 constexpr int kSlotFloats = 64 * 256;
 
 // Tokens per pass (wgmma N) for a pass of `rows` rows. A pass costs about its token count whatever the rows (padded
@@ -162,7 +162,6 @@ struct Layout {
   static constexpr int kXBytes = NTOK * KS * 2;
   static constexpr int kStageBytes = WG * kGroupBytes + kXBytes;
   static constexpr int kRedBytes = NTOK / 2 * WG * 128 * 4;  // the K splits' partial sums, in the ring's memory
-  static_assert(kRedBytes <= kSlotFloats * 4, "a stream-K slot holds a CTA's partial sums");
   static constexpr int kMaxStages = 4 * kPerChunk;
   static constexpr int bytes(int stages) { return 128 + stages * kStageBytes; }
 };
@@ -227,6 +226,7 @@ template <class P, int NTOK, int WG, int KS, bool kWindows, bool kStreamK = fals
 __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
     wide_gemm_kernel(const __grid_constant__ Params prm) {
   static_assert(!(kStreamK && kWindows), "stream-K runs one pass of one expert");
+  static_assert(!kStreamK || Layout<P, NTOK, WG, KS>::kRedBytes <= kSlotFloats * 4, "a slot holds a CTA's sums");
   using T = typename P::T;
   using Lay = Layout<P, NTOK, WG, KS>;
   constexpr int ND = NTOK / 2;  // accumulators per thread
