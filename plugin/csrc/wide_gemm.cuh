@@ -580,6 +580,7 @@ cudaError_t launch_kernel(Params prm, const void* x, int64_t x_stride, int K, in
 // 24 / 32): 8192x28672 (112 CTAs of 4) 51.6 / 52.0 / 52.0 vs 59.3 / 59.4 / 59.9 with 2; 4096x14336 (56 CTAs of 4)
 // 24.1 (2 splits) vs 22.1; 28672x8192 (32) 82.9 vs 53.4. At 64 tokens (half-chunk stages, seventh session, M = 48 /
 // 64, PDL): 8192x28672 76.7 / 77.9 vs 78.9 / 79.8; the three smaller shapes lose (4096x14336 M = 64: 30.4+ vs 26.5).
+// Since stream-K (thirteenth session) the int4 op asks only at 16-32 tokens, the FP4 op at 32, the MXFP8 op never.
 inline bool four_warpgroups(int64_t ctas_of_4, int sms) { return 4 * ctas_of_4 >= 3LL * sms; }
 
 // A kernel configuration: tokens per pass (wgmma N), consumer warpgroups per CTA, K per ring stage.
