@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <random>
 #include <vector>
@@ -70,15 +69,7 @@ int main(int argc, char** argv) {
   const int sms = device.sms;
   cudaStream_t st = device.stream;
   constexpr int E = 8, topk = 2;
-  std::vector<int> tokens = {32, 64, 128, 256, 512, 1024, 4096};
-  if (argc > 2) {  // the token counts to time, e.g. 384,768,1536
-    tokens.clear();
-    for (const char* p = argv[2]; *p;) {
-      char* end;
-      tokens.push_back(std::max(1, int(std::strtol(p, &end, 10))));
-      p = *end ? end + 1 : end;
-    }
-  }
+  const std::vector<int> tokens = harness::sizes_arg(argc, argv, 2, {32, 64, 128, 256, 512, 1024, 4096});
   std::printf("device: %s, %d SMs; median of %d launches after a 256 MB memset; MXFP4, E = %d, top-%d\n",
               device.prop.name, sms, reps, E, topk);
   std::printf("%-4s %5s %5s %-12s %4s %3s %4s %9s %s\n", "w", "T", "rows", "kernel", "ntok", "wg", "ks", "us",

@@ -55,6 +55,18 @@ inline double time_us(const std::function<cudaError_t()>& f, const std::function
 // A sweep's launches per configuration: argv[1] if given (at least 20), else 50.
 inline int reps_arg(int argc, char** argv) { return argc > 1 ? std::max(20, std::atoi(argv[1])) : 50; }
 
+// A comma-separated list of sizes in argv[i] (e.g. 32,64,128; each at least 1), else `defaults`.
+inline std::vector<int> sizes_arg(int argc, char** argv, int i, std::vector<int> defaults) {
+  if (argc <= i) return defaults;
+  std::vector<int> sizes;
+  for (const char* p = argv[i]; *p;) {
+    char* end;
+    sizes.push_back(std::max(1, int(std::strtol(p, &end, 10))));
+    p = *end ? end + 1 : end;
+  }
+  return sizes;
+}
+
 // The current device (its properties) and a non-blocking stream to time on; stdout is line-buffered, so a run
 // that dies half-way still shows the rows it finished.
 struct Device {

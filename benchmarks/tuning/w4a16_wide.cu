@@ -15,7 +15,6 @@
 #include "int4_problem.cuh"
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <cstdio>
 #include <random>
@@ -119,15 +118,9 @@ cudaError_t run_variant(const Variant& v, int S, const bf16* x, int M, int K, co
 
 int main(int argc, char** argv) {
   const int reps = harness::reps_arg(argc, argv);
-  std::vector<int> ms = {1, 4, 8, 12, 16, 17, 32, 40, 48, 64, 80, 96, 128, 192, 256};
-  if (argc > 2) {  // the rows to time, e.g. 32,64,128 (at most 256)
-    ms.clear();
-    for (const char* p = argv[2]; *p;) {
-      char* end;
-      ms.push_back(std::min(256, std::max(1, int(std::strtol(p, &end, 10)))));
-      p = *end ? end + 1 : end;
-    }
-  }
+  std::vector<int> ms =  // the rows to time (at most 256)
+      harness::sizes_arg(argc, argv, 2, {1, 4, 8, 12, 16, 17, 32, 40, 48, 64, 80, 96, 128, 192, 256});
+  for (int& m : ms) m = std::min(m, 256);
   const harness::Device device;
   const harness::Flushes flush(device);
   const int sms = device.sms;
