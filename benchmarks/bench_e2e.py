@@ -1,0 +1,278 @@
+"""End-to-end decode speed in vLLM: cublade's checkpoints against vLLM's own quantization of the same model.
+
+The model is a Llama-3-8B-shaped Llama (hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256) with random
+weights (no real 8B checkpoint is reachable from the GPU machine; decode time does not depend on the weights'
+values, and every request generates exactly --steps tokens with ignore_eos). Configurations:
+
+    bf16                  the source checkpoint, unquantized
+    vllm-fp8              the source with vLLM's online `--quantization fp8_per_channel` (per-channel weights,
+                          dynamic per-token activations: the scheme of cublade's fp8-dynamic)
+    cublade-fp8           `cublade convert SRC OUT --scheme fp8-dynamic`
+    vllm-mxfp8            the source with vLLM's online `--quantization mxfp8`
+    cublade-mxfp8         `cublade convert ... --scheme mxfp8`
+    vllm-w4a16            cublade's w4a16 checkpoint relabelled as compressed-tensors pack-quantized (the same
+                          tensors: cublade writes that layout), served by vLLM's own WNA16 method (Machete on
+                          Hopper; `VLLM_DISABLED_KERNELS=MacheteLinearKernel` gives Marlin)
+    cublade-w4a16         `cublade convert ... --scheme w4a16` (RTN, group 128, symmetric)
+
+Each configuration runs in a process of its own (one vLLM engine, CUDA graphs at the measured batch sizes). A
+decode step's time is (time of a generate of 1 + S tokens - time of a generate of 1 token) / S for B requests
+of P prompt tokens each, the median of --reps pairs; tokens/s = B / step. "prompts ms" is the 1-token generate
+(the B prompts' prefill and one step; batches of prompt tokens are not CUDA-graphed, so at B = 1 it is mostly
+host time). Request 0's first 16 tokens go into the JSON only: with random weights the top logits are close, so
+kernels of different rounding part ways within a few tokens even on the same quantized tensors.
+
+    python benchmarks/bench_e2e.py make WORKDIR [--layers 32]       # source checkpoint + conversions (CPU ok)
+    python benchmarks/bench_e2e.py run WORKDIR [CONFIG ...] [--batches 1,16,64] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+    "attention_bias": False, "mlp_bias": False,
+}
+CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization, extra environment)
+    "bf16": ("src", None, {}),
+    "vllm-fp8": ("src", "fp8_per_channel", {}),
+    "cublade-fp8": ("cublade-fp8-dynamic", None, {}),
+    "vllm-mxfp8": ("src", "mxfp8", {}),
+    "cublade-mxfp8": ("cublade-mxfp8", None, {}),
+    "vllm-w4a16": ("ct-w4a16", None, {}),
+    "vllm-w4a16-marlin": ("ct-w4a16", None, {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}),
+    "cublade-w4a16": ("cublade-w4a16", None, {}),
+}
+PRESETS = ("fp8-dynamic", "mxfp8", "w4a16")
+
+
+# ---- make: the synthetic source checkpoint and its conversions ------------------------------------------------
+
+def layer_shapes(cfg: dict, i: int) -> dict[str, tuple[int, ...]]:
+    h, m, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    p = f"model.layers.{i}."
+    return {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (m, h), p + "mlp.up_proj.weight": (m, h), p + "mlp.down_proj.weight": (h, m)}
+
+
+def make_source(out: Path, layers: int, seed: int = 0) -> None:
+    """A bf16 Llama checkpoint with N(0, 0.02) matrices and unit norms, one shard per layer."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    cfg = dict(LLAMA3_8B, num_hidden_layers=layers)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(dev).manual_seed(seed)
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    shards = [{"model.embed_tokens.weight": (v, h)}] + [layer_shapes(cfg, i) for i in range(layers)]
+    shards.append({"model.norm.weight": (h,), "lm_head.weight": (v, h)})
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    index = {}
+    for n, shapes in enumerate(tqdm(shards, desc="source shards", unit="shard")):
+        tensors = {}
+        for name, shape in shapes.items():
+            t = (torch.ones(shape, device=dev) if len(shape) == 1
+                 else torch.randn(shape, device=dev, generator=gen).mul_(0.02))
+            tensors[name] = t.to(torch.bfloat16).cpu()
+        fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, fname))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    tmp.rename(out)
+
+
+def make_ct_w4a16(cublade_dir: Path, out: Path) -> None:
+    """cublade's w4a16 checkpoint relabelled for vLLM's compressed-tensors WNA16 method: the same shards
+    (hard links), the config's quantization_config replaced, plus the `weight_shape` tensors that format has."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    index = json.loads((cublade_dir / "model.safetensors.index.json").read_text())
+    shapes = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        os.link(cublade_dir / fname, tmp / fname)
+        with safe_open(str(cublade_dir / fname), "pt") as f:
+            for name in f.keys():
+                if name.endswith(".weight_packed"):
+                    n, k8 = f.get_slice(name).get_shape()
+                    shapes[name[: -len("packed")] + "shape"] = torch.tensor([n, k8 * 8], dtype=torch.int64)
+    save_file(shapes, str(tmp / "weight-shapes.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(shapes, "weight-shapes.safetensors"))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    cfg = json.loads((cublade_dir / "config.json").read_text())
+    q = cfg["quantization_config"]
+    scheme = q["schemes"][q["rules"][0]["scheme"]]
+    if scheme.get("group_size") != 128 or not scheme.get("symmetric", True):
+        raise SystemExit(f"expected a symmetric group-128 w4a16 checkpoint, got {scheme}")
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "kv_cache_scheme": None,
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True,
+            "dynamic": False, "actorder": None}}}}
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    tmp.rename(out)
+
+
+def cmd_make(args) -> None:
+    work = Path(args.workdir)
+    src = work / "src"
+    if not src.exists():
+        t0 = time.perf_counter()
+        make_source(src, args.layers)
+        print(f"source: {src} ({args.layers} layers) in {time.perf_counter() - t0:.0f} s", flush=True)
+    for preset in PRESETS:
+        out = work / f"cublade-{preset}"
+        if out.exists():
+            continue
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "cublade.cli", "convert", str(src), str(out), "--scheme", preset],
+                       check=True)
+        print(f"{preset}: {out} in {time.perf_counter() - t0:.0f} s", flush=True)
+    if not (work / "ct-w4a16").exists():
+        make_ct_w4a16(work / "cublade-w4a16", work / "ct-w4a16")
+
+
+# ---- run: decode step time per configuration ------------------------------------------------------------------
+
+def measure(model: str, quantization: str | None, batches: list[int], prompt: int, steps: int, reps: int) -> dict:
+    """Runs in the configuration's own process: one engine, every batch size."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, quantization=quantization, skip_tokenizer_init=True, max_model_len=prompt + steps + 8,
+              max_num_seqs=max(batches), gpu_memory_utilization=0.5, enable_prefix_caching=False, seed=0,
+              compilation_config={"cudagraph_capture_sizes": sorted(set(batches))})
+    startup = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for b in batches:
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(1000, 100000, (prompt,), generator=gen).tolist())
+                   for _ in range(b)]
+
+        def timed(n: int) -> tuple[float, list[int]]:
+            sp = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = llm.generate(prompts, sp, use_tqdm=False)
+            dt = time.perf_counter() - t
+            assert all(len(o.outputs[0].token_ids) == n for o in out), "a request stopped early"
+            return dt, list(out[0].outputs[0].token_ids)
+
+        first_tokens = timed(steps + 1)[1][:16]  # warm-up
+        steps_ms, short_ms = [], []
+        for _ in range(reps):
+            (long, _), (short, _) = timed(steps + 1), timed(1)
+            steps_ms.append((long - short) / steps * 1e3)
+            short_ms.append(short * 1e3)
+        step = statistics.median(steps_ms)
+        rows.append({"batch": b, "step_ms": step, "tok_s": b / step * 1e3, "spread_ms": max(steps_ms) - min(steps_ms),
+                     "prefill_ms": statistics.median(short_ms), "first_tokens": first_tokens})
+        print(f"  batch {b}: {step:.3f} ms a step, {rows[-1]['prefill_ms']:.1f} ms for the prompts", flush=True)
+    return {"startup_s": startup, "rows": rows}
+
+
+def cmd_measure(args) -> None:
+    res = measure(args.model, args.quantization, args.batches, args.prompt, args.steps, args.reps)
+    Path(args.result).write_text(json.dumps(res))
+
+
+def cmd_run(args) -> None:
+    work = Path(args.workdir)
+    names = args.configs or list(CONFIGS)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+    results = {}
+    for name in names:
+        sub, quant, env = CONFIGS[name]
+        result = work / f"result-{name}.json"
+        cmd = [sys.executable, __file__, "measure", str(work / sub), "--result", str(result),
+               "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt),
+               "--steps", str(args.steps), "--reps", str(args.reps)] + (["--quantization", quant] if quant else [])
+        log = work / f"log-{name}.txt"
+        print(f"{name}: {work / sub}" + (f" --quantization {quant}" if quant else "") +
+              "".join(f" {k}={v}" for k, v in env.items()) + f" (log {log})", flush=True)
+        with open(log, "w") as f:
+            r = subprocess.run(cmd, env=dict(os.environ, **env), stdout=f, stderr=subprocess.STDOUT)
+        if r.returncode != 0:
+            print(f"{name}: FAILED (exit {r.returncode}); last lines of {log}:")
+            print("\n".join(log.read_text(errors="replace").splitlines()[-25:]))
+            continue
+        results[name] = json.loads(result.read_text())
+        kernels = sorted({line.split("] ", 1)[-1].strip()[:200] for line in log.read_text(errors="replace").splitlines()
+                          if re.search(r"Using \w+Kernel|cublade: .* run on ", line)})
+        for k in kernels:
+            print(f"  log: {k}")
+        print(f"  startup {results[name]['startup_s']:.0f} s; " + ", ".join(
+            f"B={r['batch']} {r['step_ms']:.3f} ms" for r in results[name]["rows"]), flush=True)
+    report(results, args.batches)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"configs": results, "batches": args.batches, "prompt": args.prompt,
+                                "steps": args.steps}) + "\n")
+
+
+def report(results: dict, batches: list[int]) -> None:
+    print("\n| config | " + " | ".join(f"B={b} ms/step (tok/s)" for b in batches) + " | "
+          + " | ".join(f"B={b} prompts ms" for b in batches) + " |")
+    print("|---|" + "---:|" * 2 * len(batches))
+    for name, res in results.items():
+        cells = [f"{r['step_ms']:.3f} ({r['tok_s']:.0f})" for r in res["rows"]] + [
+            f"{r['prefill_ms']:.1f}" for r in res["rows"]]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    pairs = [("cublade-fp8", "vllm-fp8"), ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),
+             ("cublade-w4a16", "vllm-w4a16-marlin")] + [(n, "bf16") for n in results if n != "bf16"]
+    print("\nspeed-up, decode step (baseline's time / ours):")
+    for ours, base in pairs:
+        if ours in results and base in results:
+            print(f"  {ours} vs {base}: " + ", ".join(f"B={o['batch']} {b['step_ms'] / o['step_ms']:.2f}x"
+                                                   for o, b in zip(results[ours]["rows"], results[base]["rows"])))
+
+
+def main() -> None:
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make", help="write the synthetic source checkpoint and its conversions into WORKDIR")
+    m.add_argument("workdir")
+    m.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-3-8B has 32)")
+    r = sub.add_parser("run", help="time decode steps for each configuration (default: all)")
+    r.add_argument("workdir")
+    r.add_argument("configs", nargs="*", help=", ".join(CONFIGS))
+    for q in (r, me := sub.add_parser("measure", help="(internal) one configuration, in its own process")):
+        q.add_argument("--batches", type=ints, default=[1, 16, 64], help="concurrent requests (default 1,16,64)")
+        q.add_argument("--prompt", type=int, default=128, help="prompt tokens per request (default 128)")
+        q.add_argument("--steps", type=int, default=128, help="decode steps timed (default 128)")
+        q.add_argument("--reps", type=int, default=3, help="timed pairs per batch size; the median is kept")
+    r.add_argument("--json", help="append the results as one JSON line to this file")
+    me.add_argument("model")
+    me.add_argument("--quantization")
+    me.add_argument("--result", required=True)
+    args = p.parse_args()
+    {"make": cmd_make, "run": cmd_run, "measure": cmd_measure}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
