@@ -2,8 +2,9 @@
 // ring depth, on four Llama-70B-like shapes (K x N: 8192x28672, 4096x14336, 28672x8192, 8192x10240), M = 1..64, and
 // how the L2 flush before each launch changes the time. Stand-alone (CUDA runtime only), on the H200:
 //
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc \
-//        benchmarks/tuning/w4a16_occupancy.cu -o /tmp/w4a16_occupancy && /tmp/w4a16_occupancy
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc -I benchmarks/tuning \
+//        benchmarks/tuning/w4a16_occupancy.cu -o /tmp/w4a16_occupancy && /tmp/w4a16_occupancy [REPS [SHAPES [ROWS]]]
+//   (SHAPES: K x N pairs, e.g. 4096x6144,4096x4096; ROWS: e.g. 1,4,16)
 //
 // Why: at M = 1 on 8192x28672 the automatic choice (1 split, 4 stages) ran 58.0 us and split 2 ran 50.3 us
 // (benchmarks/runs/2026-11-22-1616-h200-tuning.txt), while M = 2 ran 48.4 us on 1 split: at M = 1 a CTA's
@@ -61,9 +62,11 @@ int main(int argc, char** argv) {
   std::printf("%-11s %3s %3s %2s %6s %7s %9s %7s %9s %7s %s\n", "KxN", "M", "tpw", "S", "stages", "ctas/SM",
               "us_memset", "TB/s", "us_read", "TB/s", "check");
 
-  struct Shape { int K, N; };
-  for (const Shape sh : {Shape{8192, 28672}, Shape{4096, 14336}, Shape{28672, 8192}, Shape{8192, 10240}}) {
-    const int K = sh.K, N = sh.N, max_m = 64;
+  // argv[2]: shapes as K x N pairs (e.g. 4096x6144,4096x4096), argv[3]: rows (e.g. 1,16); else the defaults
+  const std::vector<int> kn = harness::sizes_arg(argc, argv, 2, {8192, 28672, 4096, 14336, 28672, 8192, 8192, 10240});
+  const std::vector<int> ms = harness::sizes_arg(argc, argv, 3, {1, 2, 4, 8, 16, 32, 64});
+  for (size_t s = 0; s + 1 < kn.size(); s += 2) {
+    const int K = kn[s], N = kn[s + 1], max_m = *std::max_element(ms.begin(), ms.end());
     std::mt19937 rng(1234);
     const Int4Problem pb(K, N, max_m, rng, [](std::mt19937&) { return 0x3C003C00u; });  // scales: bf16 2^-7 pairs
     const int groups = pb.groups, chunks = pb.chunks;
@@ -71,7 +74,7 @@ int main(int argc, char** argv) {
     void *blob = pb.blob, *ws = pb.ws;  // ws: the production choice runs the wide kernel from 17 rows
     bf16 *x = pb.x, *out = pb.out, *ref;
     CK(cudaMalloc(&ref, size_t(max_m) * N * sizeof(bf16)));
-    for (const int M : {1, 2, 4, 8, 16, 32, 64}) {
+    for (const int M : ms) {
       cublade::lowbit::GemmParams prm = {};
       prm.x = x; prm.x_stride = K; prm.M = M; prm.K = K; prm.w = static_cast<const unsigned char*>(blob);
       prm.tiles = (N + 15) / 16; prm.groups = groups; prm.chunks = chunks;

@@ -385,7 +385,9 @@ cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K
   prm.chunks = static_cast<int>(ceil_div(K, lowbit::kChunk * kPacketK));
   prm.out = out; prm.out_stride = out_stride; prm.N = static_cast<int>(N);
   prm.sms = sms;
-  const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups, prm.chunks, sms);
+  // Splits of 4 chunks on small grids: measured up to 16 rows (pick_split); more rows (group sizes the wide kernel
+  // does not take) keep 8.
+  const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups, prm.chunks, sms, M <= 16 ? 4 : 8);
   return dtype == InDtype::kBF16 ? launch_dtype<__nv_bfloat16>(prm, group_size, asym, S, stream)
                                  : launch_dtype<__half>(prm, group_size, asym, S, stream);
 }

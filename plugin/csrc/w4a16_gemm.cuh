@@ -626,9 +626,18 @@ cudaError_t launch_tpw(GemmParams prm, int E, int S, cudaStream_t stream) {
 // sweep, 2026-11-22, us after do_bench's flush, 1 / 2 splits at M = 1 / 16 / 32): K 28672 x N 8192 (128 groups,
 // 56 chunks) 52.2 / 42.2, 68.9 / 52.4, 113.2 / 79.7; 8192x10240 (160, 16) 25.1 / 21.1, 31.1 / 26.5, 46.7 / 47.3;
 // 4096x14336 (224, 8) 16.3 / 17.5; 8192x28672 (448, 16) 42.5 / 45.4, 58.5 / 55.8, 89.6 / 93.1.
-inline int pick_split(int64_t ctas, int chunks, int sms) {
+// `few_ctas_chunks`: the chunks a split must keep when the doubled grid still has at most 1.5 CTAs per SM. The int4
+// op passes 4 up to 16 rows. On Llama-3-8B's small layers (fourteenth session, w4a16_occupancy, us after a 256 MB
+// read, 1 split / 2 splits at 2 stages, M = 1 / 4 / 16): K 4096 x N 4096 (64 groups, 8 chunks) 12.2 / 10.0,
+// 12.2 / 10.1, 14.6 / 11.6; 4096x6144 (96 groups) 12.6 / 11.4, 12.5 / 11.6, 14.9 / 13.9. 14336x4096 (64 groups, 28
+// chunks) keeps its 2 splits: 4 won by 5-7% at M = 1-4 but lost 4% at 16.
+inline int pick_split(int64_t ctas, int chunks, int sms, int few_ctas_chunks = 8) {
   int S = 1;
-  while (S < kMaxSplit && 2 * ctas * S < 3 * static_cast<int64_t>(sms) && chunks >= 16 * S) S *= 2;
+  while (S < kMaxSplit && 2 * ctas * S < 3 * static_cast<int64_t>(sms)) {
+    const int keep = 4 * ctas * S <= 3 * static_cast<int64_t>(sms) ? few_ctas_chunks : 8;
+    if (chunks < 2 * S * keep) break;
+    S *= 2;
+  }
   return S;
 }
 

@@ -311,11 +311,14 @@ def test_kernel_real_decode_shapes():
 
 
 @GPU
-@pytest.mark.parametrize("groups_per_sm,K,splits", [(1, 8192, 2), (1, 4096, 1), (2, 8192, 1)])
+@pytest.mark.parametrize("groups_per_sm,K,splits", [(1, 8192, 2), (1, 4096, 1), (2, 8192, 1), (0.5, 4096, 2),
+                                                    (0.5, 2048, 1)])
 def test_automatic_splits(groups_per_sm, K, splits):
     """The launcher splits K in 2 when the grid has under 1.5 tile groups per SM and each split keeps >= 8 chunks
-    of 512 K, else not: the automatic call equals that split_k bit for bit (and stays within the bars)."""
-    N = 64 * groups_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+    of 512 K, or >= 4 while the split grid still has at most 1.5 tile groups per SM (up to 16 rows: the 0.5 cases,
+    half as many groups as SMs), else not: the automatic call equals that split_k bit for bit (and stays within the
+    bars). More rows than 16 keep the 8-chunk rule (group size 64, which the wide kernel does not take, at 32 rows)."""
+    N = int(64 * groups_per_sm * torch.cuda.get_device_properties(0).multi_processor_count)
     rp, w = gpu_case(N, K, 128, True)
     # 9-16 rows take the wide kernel on weights of 2^27 elements or more (the (2, 8192) case): 16 only below that
     for M in (1, 8) if N * K >= 2**27 else (1, 8, 16):
@@ -323,6 +326,11 @@ def test_automatic_splits(groups_per_sm, K, splits):
         y = check(x, rp, w)
         torch.testing.assert_close(y, torch.ops.cublade.w4a16_gemm(x, rp.packed, 128, True, N, splits), rtol=0,
                                    atol=0)
+    if groups_per_sm == 0.5 and splits == 2:
+        rp, w = gpu_case(N, K, 64, True)
+        x = torch.randn(32, K, device="cuda").to(torch.bfloat16)
+        y = check(x, rp, w)
+        torch.testing.assert_close(y, torch.ops.cublade.w4a16_gemm(x, rp.packed, 64, True, N, 1), rtol=0, atol=0)
 
 
 @GPU
