@@ -1,0 +1,60 @@
+"""benchmarks/bench_e2e.py's baseline checkpoint: cublade's w4a16 checkpoint relabelled as compressed-tensors must be
+the same tensors (hard links) plus the `weight_shape` entries that format has, under a config vLLM's own
+compressed-tensors method reads as int4 group-128 symmetric weight-only (its WNA16 scheme: Machete / Marlin)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+from safetensors import safe_open
+
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def bench_e2e():
+    spec = importlib.util.spec_from_file_location("bench_e2e", REPO / "benchmarks" / "bench_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def tensors(d):
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for f in sorted(set(index.values())):
+        with safe_open(str(d / f), "pt") as s:
+            out.update({k: s.get_tensor(k) for k in s.keys()})
+    return index, out
+
+
+def test_ct_w4a16_is_cublade_checkpoint_relabelled(bench_e2e, converted, tmp_path):
+    src = converted("w4a16")  # the converter always writes an index
+    dst = tmp_path / "ct-w4a16"
+    bench_e2e.make_ct_w4a16(src, dst)
+    assert not (tmp_path / "ct-w4a16.tmp").exists()
+
+    src_index, src_t = tensors(src)
+    dst_index, dst_t = tensors(dst)
+    for name, f in src_index.items():
+        assert dst_index[name] == f and os.path.samefile(src / f, dst / f)
+    packed = [n for n in src_t if n.endswith(".weight_packed")]
+    assert packed, "no int4 layer in the w4a16 fixture"
+    extra = set(dst_t) - set(src_t)
+    assert extra == {n.replace(".weight_packed", ".weight_shape") for n in packed}
+    for n in packed:
+        rows, k8 = src_t[n].shape
+        assert dst_t[n.replace("packed", "shape")].tolist() == [rows, 8 * k8]
+
+    pytest.importorskip("vllm.model_executor")
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig)
+
+    q = json.loads((dst / "config.json").read_text())["quantization_config"]
+    cfg = CompressedTensorsConfig.from_config(q)
+    scheme = cfg.target_scheme_map["Linear"]
+    w = scheme["weights"]
+    assert (w.num_bits, w.strategy, w.group_size, w.symmetric) == (4, "group", 128, True)
+    assert cfg._is_wNa16_group_channel(w, scheme.get("input_activations"))
