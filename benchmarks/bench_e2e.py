@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -106,7 +107,8 @@ def make_ct_w4a16(cublade_dir: Path, out: Path) -> None:
     from safetensors.torch import save_file
 
     tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
+    tmp.mkdir(parents=True)
     index = json.loads((cublade_dir / "model.safetensors.index.json").read_text())
     shapes = {}
     for fname in sorted(set(index["weight_map"].values())):
@@ -204,6 +206,12 @@ def cmd_run(args) -> None:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_e2e.py run needs a CUDA GPU and vLLM (make runs anywhere)")
+    missing = sorted({CONFIGS[n][0] for n in names} - {p.name for p in work.iterdir() if p.is_dir()}
+                     if work.is_dir() else {CONFIGS[n][0] for n in names})
+    if missing:
+        raise SystemExit(f"{work}: no {', '.join(missing)}; run `{Path(__file__).name} make {work}` first")
     results = {}
     for name in names:
         sub, quant, env = CONFIGS[name]
