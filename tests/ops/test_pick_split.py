@@ -1,0 +1,50 @@
+"""The W4A16 streaming kernel's K-split rule (`lowbit::pick_split`, plugin/csrc/w4a16_gemm.cuh) on the shapes it
+was measured on, compiled with nvcc and run on the host (no GPU needed, so CI checks it): a rule edit that moves
+one of these shapes' splits must come with new measurements. Llama-3-8B's layers from the fourteenth session's
+sweep (4-chunk splits on small grids, as the int4 op asks up to 16 rows), the Llama-70B-like shapes from the fifth
+(unchanged by the 4-chunk allowance)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import REPO
+
+SMS = 132  # the H200
+# (name, K, N, few_ctas_chunks, splits chosen from the measurements; 8B down_proj: 4 won at 1-4 rows, lost at 16):
+# tile groups = N / 64, chunks = K / 512
+CASES = [
+    ("8B o_proj", 4096, 4096, 4, 2), ("8B qkv_proj", 4096, 6144, 4, 2), ("8B down_proj", 14336, 4096, 4, 2),
+    ("8B gate_up_proj", 4096, 28672, 4, 1),
+    ("8B o_proj, 8-chunk rule (MXFP8, FP4, int4 above 16 rows)", 4096, 4096, 8, 1),
+    ("70B 28672x8192", 28672, 8192, 4, 2), ("70B 8192x10240", 8192, 10240, 4, 2),
+    ("70B 4096x14336", 4096, 14336, 4, 1), ("70B 8192x28672", 8192, 28672, 4, 1),
+    ("70B 28672x8192, 8-chunk rule", 28672, 8192, 8, 2), ("70B 8192x10240, 8-chunk rule", 8192, 10240, 8, 2),
+    ("K = 2048 keeps one split (4 chunks)", 2048, 4096, 4, 1),
+]
+
+
+@pytest.fixture(scope="module")
+def pick_split(tmp_path_factory):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc (the CUDA toolkit) to build the host driver")
+    exe = tmp_path_factory.mktemp("pick_split") / "pick_split"
+    src = REPO / "tests" / "ops" / "pick_split_main.cu"
+    subprocess.run([nvcc, "-std=c++17", "-O1", "-DCUBLADE_LAUNCHER_ONLY", "-gencode=arch=compute_90a,code=sm_90a",
+                    f"-I{REPO / 'plugin' / 'csrc'}", str(src), "-o", str(exe)], check=True, capture_output=True)
+
+    def run(cases):
+        args = [str(v) for _, K, N, few, _ in cases for v in (N // 64, K // 512, SMS, few)]
+        return [int(s) for s in subprocess.run([str(exe), *args], check=True, capture_output=True,
+                                               text=True).stdout.split()]
+    return run
+
+
+def test_pick_split_on_measured_shapes(pick_split):
+    got = pick_split(CASES)
+    wrong = [f"{name}: {g} splits, the measured choice is {want}"
+             for (name, *_, want), g in zip(CASES, got) if g != want]
+    assert not wrong, "; ".join(wrong)
