@@ -29,15 +29,27 @@ def valid_text() -> Path:
     return FIXTURES / "data" / "tinystories_valid_head30k.txt"
 
 
-@pytest.fixture(scope="session")
-def fixture_builder():
-    """examples/make_moe_fixture.py as a module (it is a script, not part of the package)."""
+def load_script(path: Path):
+    """A script that is not part of the package (examples/, benchmarks/) as a module named after its file."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_moe_fixture", REPO / "examples" / "make_moe_fixture.py")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="session")
+def script():
+    """script(path) -> that file as a module (load_script). A fixture, because a test module cannot import from
+    this conftest by name once tests/moe's conftest, also named `conftest`, has been imported."""
+    return load_script
+
+
+@pytest.fixture(scope="session")
+def fixture_builder():
+    """examples/make_moe_fixture.py as a module."""
+    return load_script(REPO / "examples" / "make_moe_fixture.py")
 
 
 @pytest.fixture(scope="session")

@@ -3,22 +3,19 @@ the same tensors (hard links) plus the `weight_shape` entries that format has, u
 compressed-tensors method reads as int4 group-128 symmetric weight-only (its WNA16 scheme: Machete / Marlin)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-from conftest import REPO
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def bench_e2e():
-    spec = importlib.util.spec_from_file_location("bench_e2e", REPO / "benchmarks" / "bench_e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench_e2e(script):
+    return script(REPO / "benchmarks" / "bench_e2e.py")
 
 
 def tensors(d):

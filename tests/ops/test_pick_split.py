@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-
+REPO = Path(__file__).resolve().parents[2]
 SMS = 132  # the H200
 # (name, K, N, few_ctas_chunks, splits chosen from the measurements; 8B down_proj: 4 won at 1-4 rows, lost at 16):
 # tile groups = N / 64, chunks = K / 512
