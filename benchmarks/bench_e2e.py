@@ -84,7 +84,8 @@ def make_source(out: Path, layers: int, seed: int = 0) -> None:
     shards = [{"model.embed_tokens.weight": (v, h)}] + [layer_shapes(cfg, i) for i in range(layers)]
     shards.append({"model.norm.weight": (h,), "lm_head.weight": (v, h)})
     tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
+    tmp.mkdir(parents=True)
     index = {}
     for n, shapes in enumerate(tqdm(shards, desc="source shards", unit="shard")):
         tensors = {}
@@ -208,8 +209,7 @@ def cmd_run(args) -> None:
         raise SystemExit(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e.py run needs a CUDA GPU and vLLM (make runs anywhere)")
-    missing = sorted({CONFIGS[n][0] for n in names} - {p.name for p in work.iterdir() if p.is_dir()}
-                     if work.is_dir() else {CONFIGS[n][0] for n in names})
+    missing = sorted({CONFIGS[n][0] for n in names if not (work / CONFIGS[n][0]).is_dir()})
     if missing:
         raise SystemExit(f"{work}: no {', '.join(missing)}; run `{Path(__file__).name} make {work}` first")
     results = {}
