@@ -179,8 +179,8 @@ int main(int argc, char** argv) {
       };
       if (M <= 64) row("stream", "-", 0, [&] {  // the streaming kernel, its automatic split
         return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N,
-                                          cublade::lowbit::pick_split((N + 63) / 64, chunks, sms, M <= 16 ? 4 : 8),
-                                          nullptr, sms, st);
+                                          cublade::w4a16_stream_split((N + 63) / 64, chunks, M, sms), nullptr, sms,
+                                          st);
       });
       // the production choice (split_k = 0: the wide kernel from 17 rows, from 9 on large weights)
       if (cublade::wide::pass_rows(M, N, K) > 0) row("wide", "-", 0, [&] {

@@ -342,6 +342,12 @@ size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_siz
   return static_cast<size_t>(wide::workspace_bytes(m, K, wide::ntok(m), false, sms));
 }
 
+// The streaming kernel's K splits for M rows: splits of 4 chunks on small grids, measured up to 16 rows (pick_split);
+// more rows (group sizes the wide kernel does not take) keep 8.
+inline int w4a16_stream_split(int64_t groups, int chunks, int64_t M, int sms) {
+  return lowbit::pick_split(groups, chunks, sms, M <= 16 ? 4 : 8);
+}
+
 // x: [M, K] (row stride x_stride elements, unit column stride, 16-byte aligned rows, K % 8 == 0); packed: the
 // repacked blob above; out: [M, N] with row stride out_stride. split_k: K splits per cluster (0 = pick; >= 1
 // forces the streaming kernel). workspace: w4a16_gemm_workspace_bytes(...) bytes, 16-byte aligned, or null when
@@ -385,9 +391,7 @@ cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K
   prm.chunks = static_cast<int>(ceil_div(K, lowbit::kChunk * kPacketK));
   prm.out = out; prm.out_stride = out_stride; prm.N = static_cast<int>(N);
   prm.sms = sms;
-  // Splits of 4 chunks on small grids: measured up to 16 rows (pick_split); more rows (group sizes the wide kernel
-  // does not take) keep 8.
-  const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups, prm.chunks, sms, M <= 16 ? 4 : 8);
+  const int S = split_k > 0 ? split_k : w4a16_stream_split(prm.groups, prm.chunks, M, sms);
   return dtype == InDtype::kBF16 ? launch_dtype<__nv_bfloat16>(prm, group_size, asym, S, stream)
                                  : launch_dtype<__half>(prm, group_size, asym, S, stream);
 }
