@@ -12,6 +12,7 @@
 #define CUBLADE_LOWBIT_ALL_TPW
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
+#include "null_policy.cuh"
 
 #include <algorithm>
 #include <cstdio>
@@ -23,22 +24,6 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 constexpr int kGS = 128;
-
-// The streaming kernel with the math taken out: the consumers wait for each stage and release it.
-struct NullPolicy {
-  using T = bf16;
-  static constexpr int NT = 1;
-  static constexpr int kPacketBytes = 512;
-  struct State {};
-  template <int kSliceK>
-  __device__ static const unsigned char* slice_records(const unsigned char* srec, int) { return srec; }
-  __device__ static const float* row_scale(const cublade::lowbit::GemmParams&, int) { return nullptr; }
-  template <int j, int kSliceK>
-  __device__ static void packet(State&, const uint4 (&q)[1], const unsigned char*, const uint4 (&)[2][1],
-                                float (&acc)[1][4], int) {
-    acc[0][0] += __uint_as_float(q[0].x & 1u);  // keeps the shared-memory read of the packet
-  }
-};
 
 }  // namespace
 

@@ -1,9 +1,9 @@
-// A profiler target: the production W4A16 kernel (8192x28672, int4 g128 sym, bf16) at the M given, launched a few
-// times with the L2 flushed between launches, for Nsight Compute on the H200:
+// A profiler target: the production W4A16 kernel (K x N, default 8192x28672; int4 g128 sym, bf16) at the M given,
+// launched a few times with the L2 flushed between launches, for Nsight Compute on the H200:
 //
 //   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc \
 //        benchmarks/tuning/w4a16_profile.cu -o /tmp/w4a16_profile
-//   ncu -k regex:stream_gemm --launch-skip 2 --launch-count 1 --set full /tmp/w4a16_profile 32
+//   ncu -k regex:stream_gemm --launch-skip 2 --launch-count 1 --set full /tmp/w4a16_profile 32 [K N]
 //
 // Why: the occupancy and pipeline sweeps say what the time is, not where it goes; M = 32 runs at 0.6x of Machete.
 #include "w4a16_gemm.cu"
@@ -14,7 +14,7 @@
 
 int main(int argc, char** argv) {
   const int M = argc > 1 ? std::atoi(argv[1]) : 1;
-  const int K = 8192, N = 28672, kGS = 128;
+  const int K = argc > 2 ? std::atoi(argv[2]) : 8192, N = argc > 3 ? std::atoi(argv[3]) : 28672, kGS = 128;
   const harness::Device device;
   const harness::Flushes flush(device);
   const size_t blob_bytes = size_t((N + 63) / 64) * (K / 512) * 4 * (4096 + cublade::int4_sbytes<kGS, false>());

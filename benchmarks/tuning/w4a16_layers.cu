@@ -1,0 +1,253 @@
+// A decode step's int4 GEMMs the way vLLM runs them: replayed from one CUDA graph, each GEMM right after a small
+// kernel that writes its x (standing in for the norm / attention / activation kernels between a model's GEMMs),
+// every layer with weights of its own (nothing is left in L2 by the previous replay). Stand-alone, on the H200:
+//
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc -I benchmarks/tuning \
+//        benchmarks/tuning/w4a16_layers.cu -o /tmp/w4a16_layers
+//   /tmp/w4a16_layers [REPS [SHAPES [ROWS [LAYERS [sweep]]]]]
+//   (SHAPES: K x N pairs, by default Llama-3-8B's qkv, o, gate_up, down; ROWS up to 16, by default 1; LAYERS 32;
+//   sweep: also every K split x ring depth x K slices of the streaming kernel, with the CTAs per SM each gives)
+//
+// Why: at one token an 8B model's int4 decode step in vLLM (2.75 ms, fourteenth session) is twice its weight
+// bytes' time, and the kernel-level rows (one launch between CUDA events after an L2 flush) put ~8 us above the
+// bytes' time on every 8B matrix, whatever the split or ring depth. This program times the GEMMs as a step runs
+// them, against the same graph with a plain read of the bytes in the GEMM's place, with the copy pipeline alone and
+// with no GEMM at all. (A first version also had the GEMM as a programmatic dependent launch, its first weight
+// stages requested before the x kernel ended: 0.5-0.9 us slower per GEMM on every shape, benchmarks/runs/
+// 2026-11-23-1410-*; the x kernels of a model do not release their dependents early either.)
+#define CUBLADE_LOWBIT_ALL_TPW
+#include "w4a16_gemm.cu"
+#include "harness.cuh"
+#include "null_policy.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int kGS = 128;
+
+// The stand-in for the kernels between two GEMMs: rewrites x, as a norm or an activation does at decode (a
+// different x per layer).
+__global__ void write_x(bf16* x, int n, int layer) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    x[i] = __float2bfloat16(float((i * 7 + layer * 3) % 17 - 8) * 0.0625f);
+}
+
+// One weight shape: a blob per layer (timing only: every byte 0x11, so codes 1 and small positive scales).
+struct Matrix {
+  int K, N, groups, chunks;
+  size_t bytes;  // one layer's blob
+  unsigned char* blobs = nullptr;
+  bf16* out = nullptr;
+  void* ws = nullptr;  // the wide kernel's, which the op runs from 9 rows on large weights
+  Matrix(int K_, int N_, int layers, int max_m)
+      : K(K_), N(N_), groups((N_ + 63) / 64), chunks((K_ + 511) / 512),
+        bytes(size_t(groups) * chunks * 4 * (4096 + cublade::int4_sbytes<kGS, false>())) {
+    CK(cudaMalloc(&blobs, bytes * layers));
+    CK(cudaMemset(blobs, 0x11, bytes * layers));
+    CK(cudaMalloc(&out, size_t(max_m) * N * sizeof(bf16)));
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    if (const size_t b = cublade::w4a16_gemm_workspace_bytes(max_m, K, N, kGS, 0, sms)) CK(cudaMalloc(&ws, b));
+  }
+  const unsigned char* blob(int layer) const { return blobs + bytes * layer; }
+};
+
+// Median microseconds of one replay of the graph that body() captures on stream s (3 replays first).
+double graph_us(cudaStream_t s, int reps, const std::function<void()>& body) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  body();
+  CK(cudaStreamEndCapture(s, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  std::vector<cudaEvent_t> e(reps + 1);
+  for (auto& ev : e) CK(cudaEventCreate(&ev));
+  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, s));
+  CK(cudaEventRecord(e[0], s));
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaGraphLaunch(ge, s));
+    CK(cudaEventRecord(e[i + 1], s));
+  }
+  CK(cudaStreamSynchronize(s));
+  std::vector<float> ms(reps);
+  for (int i = 0; i < reps; ++i) CK(cudaEventElapsedTime(&ms[i], e[i], e[i + 1]));
+  for (auto& ev : e) CK(cudaEventDestroy(ev));
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  return harness::median(ms) * 1e3;
+}
+
+// CTAs of the int4 streaming kernel (NT token tiles, TPW tiles per warp, KSL K slices) that one SM holds.
+template <int NT, int TPW, int KSL>
+int ctas_per_sm(int xrows, int stages) {
+  using P = cublade::Int4Policy<bf16, NT, kGS, false>;
+  const cublade::lowbit::Layout L{cublade::int4_sbytes<kGS, false>(), xrows, stages};
+  return cublade::lowbit::ctas_per_sm<P, TPW, KSL>(L.total(NT, KSL));
+}
+
+// The sweep's (tiles per warp, K slices) for NT token tiles: the production choice first, then more consumer warps.
+struct Warps {
+  int tpw, ksl;
+};
+std::vector<Warps> warp_choices(int nt) {
+  return nt == 1 ? std::vector<Warps>{{1, 1}, {1, 2}, {1, 4}} : std::vector<Warps>{{2, 2}, {2, 4}, {1, 1}};
+}
+int ctas_per_sm(int nt, Warps w, int xrows, int stages) {
+  if (nt == 1)
+    return w.ksl == 1 ? ctas_per_sm<1, 1, 1>(xrows, stages) : w.ksl == 2 ? ctas_per_sm<1, 1, 2>(xrows, stages)
+                                                                         : ctas_per_sm<1, 1, 4>(xrows, stages);
+  return w.tpw == 1 ? ctas_per_sm<2, 1, 1>(xrows, stages) : w.ksl == 2 ? ctas_per_sm<2, 2, 2>(xrows, stages)
+                                                                         : ctas_per_sm<2, 2, 4>(xrows, stages);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int reps = harness::reps_arg(argc, argv);
+  const harness::Device device;
+  const harness::Flushes flush(device);  // its sink serves the plain read
+  const int sms = device.sms;
+  cudaStream_t st = device.stream;
+  const std::vector<int> kn = harness::sizes_arg(argc, argv, 2, {4096, 6144, 4096, 4096, 4096, 28672, 14336, 4096});
+  const std::vector<int> ms = harness::sizes_arg(argc, argv, 3, {1});
+  const int layers = argc > 4 ? std::max(1, std::atoi(argv[4])) : 32;
+  const bool sweep = argc > 5 && std::strcmp(argv[5], "sweep") == 0;
+  const int max_m = *std::max_element(ms.begin(), ms.end());
+  int max_k = 0;
+  for (size_t i = 0; i < kn.size(); i += 2) max_k = std::max(max_k, kn[i]);
+  if (max_m > 16) {
+    std::fprintf(stderr, "rows up to 16 (the streaming kernel's range)\n");
+    return 1;
+  }
+  std::vector<Matrix> mats;
+  for (size_t i = 0; i + 1 < kn.size(); i += 2) mats.emplace_back(kn[i], kn[i + 1], layers, max_m);
+  bf16* x;
+  CK(cudaMalloc(&x, size_t(max_m) * max_k * sizeof(bf16)));
+  std::printf("device: %s, %d SMs; %d layers, a graph of (x kernel, GEMM) pairs per row, median of %d replays; "
+              "gemm_us: the row's pair minus the x kernel alone\n", device.prop.name, sms, layers, reps);
+  std::printf("%-11s %3s %-30s %9s %9s %7s %s\n", "KxN", "M", "variant", "pair_us", "gemm_us", "TB/s", "check");
+
+  // A variant launches one GEMM (or its stand-in) of matrix m, layer l, M rows on st.
+  using Launch = std::function<cudaError_t(const Matrix&, int, int)>;
+  auto params = [&](const Matrix& m, int l, int M) {
+    cublade::lowbit::GemmParams p = {};
+    p.x = x; p.x_stride = m.K; p.M = M; p.K = m.K; p.w = m.blob(l);
+    p.tiles = (m.N + 15) / 16; p.groups = m.groups; p.chunks = m.chunks;
+    p.out = m.out; p.out_stride = m.N; p.N = m.N; p.sms = sms;
+    return p;
+  };
+  auto split = [&](const Matrix& m, int M) { return cublade::w4a16_stream_split(m.groups, m.chunks, M, sms); };
+  // The streaming kernel with the op's split times split_mult (or S when given), tpw / ksl / stages (0: the op's).
+  auto stream = [&](int tpw, int ksl, int split_mult, int S = 0, int stages = 0) -> Launch {
+    return [=, &params, &split](const Matrix& m, int l, int M) {
+      cublade::lowbit::GemmParams p = params(m, l, M);
+      p.tpw = tpw; p.ksl = ksl; p.stages = stages;
+      const int s = S > 0 ? S : split(m, M) * split_mult;
+      if (s > cublade::lowbit::kMaxSplit || m.chunks < s) return cudaErrorInvalidValue;
+      return cublade::launch_nt<bf16, kGS, false>(p, s, st);
+    };
+  };
+  const Launch op = [&](const Matrix& m, int l, int M) {
+    return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, m.K, m.K, m.blob(l), kGS, false, m.out, m.N,
+                                      m.N, 0, m.ws, sms, st);
+  };
+  struct Variant {
+    std::string name;
+    Launch f;
+  };
+  std::vector<Variant> variants = {
+      {"x kernel only", [](const Matrix&, int, int) { return cudaSuccess; }},
+      {"plain read of the bytes", [&](const Matrix& m, int l, int) {
+         harness::plain_read<<<4 * sms, 512, 0, st>>>(reinterpret_cast<const uint4*>(m.blob(l)), m.bytes / 16,
+                                                     flush.sink);
+         return cudaGetLastError();
+       }},
+      {"copy pipeline only", [&](const Matrix& m, int l, int M) {
+         if (M > 8) return cudaErrorInvalidValue;
+         cublade::lowbit::GemmParams p = params(m, l, M);
+         p.xrows = M;
+         p.sbytes = cublade::int4_sbytes<kGS, false>();
+         return cublade::lowbit::launch_stream<NullPolicy, 1>(p, 1, split(m, M), st);
+       }},
+      {"op", op},
+      {"2 K slices", stream(0, 2, 1)},  // tpw 1 (M <= 8): 8 consumer warps; tpw 2 (9-16 rows): 4, as the op
+      {"4 K slices", stream(0, 4, 1)},
+      {"2x splits", stream(0, 0, 2)},
+  };
+
+  std::vector<bf16> ref, got;
+  for (const int M : ms) {
+    double x_only_layer = 0;
+    const int nt = cublade::lowbit::token_tiles(M);
+    for (const Matrix& m : mats) {
+      std::vector<Variant> rows = variants;
+      if (sweep)
+        for (const Warps w : warp_choices(nt))
+          for (const int S : {1, 2, 4, 8})
+            for (const int stages : {2, 3, 4, 6}) {
+              const int per_sm = ctas_per_sm(nt, w, std::min(M, 8 * nt), stages);
+              if (per_sm == 0) continue;
+              char name[64];
+              std::snprintf(name, sizeof name, "tpw %d ksl %d S %d stages %d (%d/SM)", w.tpw, w.ksl, S, stages,
+                            per_sm);
+              rows.push_back({name, stream(w.tpw, w.ksl, 0, S, stages)});
+            }
+      double x_only = 0;
+      for (const Variant& v : rows) {
+        CK(cudaStreamSynchronize(st));
+        if (v.f(m, 0, M) != cudaSuccess) {  // what the variant cannot launch here (probed outside the graph)
+          (void)cudaGetLastError();
+          continue;
+        }
+        const double us = graph_us(st, reps, [&] {
+          for (int l = 0; l < layers; ++l) {
+            write_x<<<64, 256, 0, st>>>(x, M * m.K, l);
+            CK(cudaGetLastError());
+            CK(v.f(m, l, M));
+          }
+        }) / layers;
+        // The outputs after the replays (the last layer's x): each GEMM row against the op's.
+        std::string check;
+        if (v.name != "x kernel only" && v.name != "plain read of the bytes" && v.name != "copy pipeline only") {
+          got.resize(size_t(M) * m.N);
+          CK(cudaMemcpy(got.data(), m.out, got.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+          if (v.name == "op") ref = got;
+          double num = 0, den = 0;
+          for (size_t i = 0; i < got.size(); ++i) {
+            num += std::fabs(double(__bfloat162float(got[i])) - __bfloat162float(ref[i]));
+            den += std::fabs(double(__bfloat162float(ref[i])));
+          }
+          char c[48];
+          std::snprintf(c, sizeof c, "%s rel %.1e", num <= 2e-3 * den ? "ok" : "FAIL", den > 0 ? num / den : num);
+          check = c;
+        }
+        if (v.name == "x kernel only") x_only = us;
+        const double g = us - x_only;
+        std::printf("%5dx%-5d %3d %-30s %9.2f %9.2f %7.2f %s\n", m.K, m.N, M, v.name.c_str(), us, g,
+                    g > 0 ? double(m.bytes) / g * 1e-6 : 0.0, check.c_str());
+      }
+      x_only_layer += x_only;
+    }
+    // A whole layer: the four matrices in a row, each after its x kernel.
+    const double us = graph_us(st, reps, [&] {
+      for (int l = 0; l < layers; ++l)
+        for (const Matrix& m : mats) {
+          write_x<<<64, 256, 0, st>>>(x, M * m.K, l);
+          CK(cudaGetLastError());
+          CK(op(m, l, M));
+        }
+    }) / layers;
+    std::printf("%-11s %3d %-30s %9.2f %9.2f\n", "layer", M, "all matrices, op", us, us - x_only_layer);
+  }
+  std::printf("done\n");
+  return 0;
+}
