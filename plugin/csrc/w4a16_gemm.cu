@@ -306,7 +306,12 @@ cudaError_t launch_nt(lowbit::GemmParams prm, int S, cudaStream_t stream) {
   const int nt = lowbit::token_tiles(prm.M);
   prm.xrows = std::min(8 * nt, prm.M);
   prm.sbytes = int4_sbytes<GS, ASYM>();
-  if (nt == 1) return lowbit::launch_tpw<Int4Policy<T, 1, GS, ASYM>>(prm, 1, S, stream);
+  if (nt == 1) {
+    using P = Int4Policy<T, 1, GS, ASYM>;
+    if constexpr (GS > 0)  // small grids (w4a16_small_grid)
+      if (prm.tpw <= 1 && prm.ksl == 2) return lowbit::launch_stream<P, 1, 2>(prm, 1, S, stream);
+    return lowbit::launch_tpw<P>(prm, 1, S, stream);
+  }
   if (nt == 2) return lowbit::launch_tpw<Int4Policy<T, 2, GS, ASYM>>(prm, 1, S, stream);
   return lowbit::launch_tpw<Int4Policy<T, 4, GS, ASYM>>(prm, 1, S, stream);
 }
@@ -346,6 +351,22 @@ size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_siz
 // more rows (group sizes the wide kernel does not take) keep 8.
 inline int w4a16_stream_split(int64_t groups, int chunks, int64_t M, int sms) {
   return lowbit::pick_split(groups, chunks, sms, M <= 16 ? 4 : 8);
+}
+
+// Small grids: when the streaming kernel's grid (tile groups x splits) has at most 2 CTAs per SM, up to 16 rows, a
+// ring of 3 stages instead of pick_stages' 2, and up to 8 rows two K slices per chunk (8 consumer warps instead of
+// 4). At most 2 CTAs share an SM there, so the deeper ring costs no CTAs, and the consumers, not the copies, set the
+// pace. Measured as a decode step runs the GEMMs (benchmarks/tuning/w4a16_layers.cu: 32 layers' weights replayed
+// from one CUDA graph, each GEMM after a kernel that writes its x; us per GEMM, fifteenth session, 2 stages and 1
+// slice / this): M = 1 Llama-3-8B o (4096x4096) 6.91 / 6.31, down (14336x4096) 16.15 / 13.25, qkv (4096x6144)
+// 8.26 / 8.15; Llama-70B-like 28672x8192 37.04 / 35.62, 8192x8192 13.23 / 13.14. M = 16 (3 stages): down 19.81 /
+// 19.40, 28672x8192 48.90 / 48.23, o 8.49 / 8.36, qkv and 8192x8192 within 0.2%. Larger grids lost with them
+// (8192x10240, 2.4 CTAs per SM at M = 1: 16.60 / 17.67; gate_up 4096x28672, 3.4: 20.97 / 23.48): pick_stages' choice.
+// Per-channel scales keep one slice (their two-slice kernels spilled 4-8 bytes; not measured).
+inline void w4a16_small_grid(lowbit::GemmParams& prm, int S, int group_size) {
+  if (prm.M > 16 || static_cast<int64_t>(prm.groups) * S > 2 * static_cast<int64_t>(prm.sms)) return;
+  prm.stages = 3;
+  if (lowbit::token_tiles(prm.M) == 1 && group_size > 0) prm.ksl = 2;
 }
 
 // x: [M, K] (row stride x_stride elements, unit column stride, 16-byte aligned rows, K % 8 == 0); packed: the
@@ -392,6 +413,7 @@ cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K
   prm.out = out; prm.out_stride = out_stride; prm.N = static_cast<int>(N);
   prm.sms = sms;
   const int S = split_k > 0 ? split_k : w4a16_stream_split(prm.groups, prm.chunks, M, sms);
+  w4a16_small_grid(prm, S, group_size);
   return dtype == InDtype::kBF16 ? launch_dtype<__nv_bfloat16>(prm, group_size, asym, S, stream)
                                  : launch_dtype<__half>(prm, group_size, asym, S, stream);
 }

@@ -334,6 +334,24 @@ def test_automatic_splits(groups_per_sm, K, splits):
 
 
 @GPU
+@pytest.mark.parametrize("groups_per_sm,G,M,slices", [(0.5, 128, 1, 2), (0.5, 64, 8, 2), (0.5, -1, 1, 1),
+                                                      (0.5, 128, 16, 2), (3, 128, 1, 1)])
+def test_small_grids_take_two_k_slices(groups_per_sm, G, M, slices):
+    """When the streaming kernel's grid has at most 2 CTAs per SM (0.5 tile groups per SM in 2 splits here) and up
+    to 8 rows, it runs two K slices per chunk (8 consumer warps: stream_gemm_kernel<..., TPW 1, KSL 2>) and a ring of
+    3 stages; per-channel scales keep one slice; 16 rows keep their 2 tiles per warp (KSL 2 = TPW 2); 3 tile groups
+    per SM keep one slice. The kernel launched says which, and the outputs stay within the bars."""
+    N = int(64 * groups_per_sm * torch.cuda.get_device_properties(0).multi_processor_count)
+    rp, w = gpu_case(N, 4096, G, True)
+    x = torch.randn(M, 4096, device="cuda").to(torch.bfloat16)
+    names = kernels_run(lambda: check(x, rp, w))
+    # the int4 streaming kernel's last template argument (KSL), demangled or not
+    ksl = r"stream_gemm_kernel<.*Int4Policy<[^>]*>, \d, (\d)>|stream_gemm_kernel\w*Int4Policy\w*Li\dELi(\d)EEEv"
+    ran = [re.search(ksl, n) for n in names]
+    assert [int(r.group(1) or r.group(2)) for r in ran if r] == [slices], names
+
+
+@GPU
 def test_kernel_strided_and_batched_inputs():
     rp, w = gpu_case(96, 512, 64, True)
     big = torch.randn(12, 640, device="cuda").to(torch.bfloat16)
