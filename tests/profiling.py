@@ -1,5 +1,8 @@
-"""Which CUDA kernels a call launches: the tests that check a kernel choice (wide vs streaming) read it here."""
+"""Which CUDA kernels a call launches: the tests that check a kernel choice (wide vs streaming, K slices) read it
+here."""
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -11,3 +14,12 @@ def kernels_run(fn) -> list[str]:
         fn()
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+# The streaming kernel's K slices per chunk: its last template argument, in the demangled or the mangled name.
+_STREAM_KSL = re.compile(r"stream_gemm_kernel<.*Policy<[^>]*>, \d, (\d)>|stream_gemm_kernel\w*Policy\w*Li\dELi(\d)EEEv")
+
+
+def stream_k_slices(names: list[str]) -> list[int]:
+    """K slices (stream_gemm_kernel's KSL) of each streaming-kernel launch among the kernel names, in order."""
+    return [int(m.group(1) or m.group(2)) for m in map(_STREAM_KSL.search, names) if m]

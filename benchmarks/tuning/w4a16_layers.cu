@@ -1,9 +1,9 @@
-// A decode step's int4 GEMMs the way vLLM runs them: replayed from one CUDA graph, each GEMM right after a small
-// kernel that writes its x (standing in for the norm / attention / activation kernels between a model's GEMMs),
-// every layer with weights of its own (nothing is left in L2 by the previous replay). Stand-alone, on the H200:
+// A decode step's int4 (or MXFP8) GEMMs the way vLLM runs them: replayed from one CUDA graph, each GEMM right after
+// a small kernel that writes its x (standing in for the norm / attention / activation kernels between a model's
+// GEMMs), every layer with weights of its own (nothing is left in L2 by the previous replay). Stand-alone, on the H200:
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc -I benchmarks/tuning \
-//        benchmarks/tuning/w4a16_layers.cu -o /tmp/w4a16_layers
+//        benchmarks/tuning/w4a16_layers.cu -o /tmp/w4a16_layers        (add -DCUBLADE_LAYERS_MXFP8 for MXFP8)
 //   /tmp/w4a16_layers [REPS [SHAPES [ROWS [LAYERS [sweep]]]]]
 //   (SHAPES: K x N pairs, by default Llama-3-8B's qkv, o, gate_up, down; ROWS up to 16, by default 1; LAYERS 32;
 //   sweep: also every K split x ring depth x K slices of the streaming kernel, with the CTAs per SM each gives)
@@ -11,14 +11,18 @@
 // Why: at one token an 8B model's int4 decode step in vLLM (2.75 ms, fourteenth session) is twice its weight
 // bytes' time, and the kernel-level rows (one launch between CUDA events after an L2 flush) put ~8 us above the
 // bytes' time on every 8B matrix, whatever the split or ring depth. This program times the GEMMs as a step runs
-// them, against the same graph with a plain read of the bytes in the GEMM's place, with the copy pipeline alone and
-// with no GEMM at all. (A first version also had the GEMM as a programmatic dependent launch, its first weight
-// stages requested before the x kernel ended: 0.5-0.9 us slower per GEMM on every shape, benchmarks/runs/
+// them, against the same graph with a plain read of the bytes in the GEMM's place, with the copy pipeline alone
+// (int4) and with no GEMM at all. (A first version also had the GEMM as a programmatic dependent launch, its first
+// weight stages requested before the x kernel ended: 0.5-0.9 us slower per GEMM on every shape, benchmarks/runs/
 // 2026-11-23-1410-*; the x kernels of a model do not release their dependents early either.)
 #define CUBLADE_LOWBIT_ALL_TPW
+#ifdef CUBLADE_LAYERS_MXFP8
+#include "mxfp8_gemm.cu"
+#else
 #include "w4a16_gemm.cu"
-#include "harness.cuh"
 #include "null_policy.cuh"
+#endif
+#include "harness.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -29,10 +33,45 @@
 #include <string>
 #include <vector>
 
+// The weight format: its streaming-kernel policy, blob layout and the op's own launch and choices.
+namespace fmt {
+using bf16 = __nv_bfloat16;
+#ifdef CUBLADE_LAYERS_MXFP8
+constexpr const char* kName = "MXFP8";
+constexpr int kPacketBytes = 1024, kRecordBytes = cublade::kMxfp8RecordBytes;
+template <int NT> using Policy = cublade::Mxfp8Policy<NT>;
+inline size_t workspace_bytes(int M, int K, int, int sms) { return cublade::mxfp8_gemm_workspace_bytes(M, K, 0, sms); }
+inline int split(int groups, int chunks, int, int sms) { return cublade::lowbit::pick_split(groups, chunks, sms); }
+inline cudaError_t op(const bf16* x, int M, int K, const void* w, bf16* out, int N, void* ws, int sms,
+                      cudaStream_t st) {
+  return cublade::launch_mxfp8_gemm(x, M, K, K, w, out, N, N, 0, ws, sms, st);
+}
+#else
+constexpr const char* kName = "int4 g128 sym";
+constexpr int kGS = 128;
+constexpr int kPacketBytes = 512, kRecordBytes = cublade::int4_sbytes<kGS, false>();
+template <int NT> using Policy = cublade::Int4Policy<bf16, NT, kGS, false>;
+inline size_t workspace_bytes(int M, int K, int N, int sms) {
+  return cublade::w4a16_gemm_workspace_bytes(M, K, N, kGS, 0, sms);
+}
+inline int split(int groups, int chunks, int M, int sms) { return cublade::w4a16_stream_split(groups, chunks, M, sms); }
+inline cudaError_t op(const bf16* x, int M, int K, const void* w, bf16* out, int N, void* ws, int sms,
+                      cudaStream_t st) {
+  return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, w, kGS, false, out, N, N, 0, ws, sms, st);
+}
+#endif
+// The streaming kernel as configured in p (tpw, ksl, stages), S splits.
+template <int NT>
+cudaError_t stream(cublade::lowbit::GemmParams p, int S, cudaStream_t st) {
+  p.xrows = std::min(8 * NT, p.M);
+  p.sbytes = kRecordBytes;
+  return cublade::lowbit::launch_tpw<Policy<NT>>(p, 1, S, st);
+}
+}  // namespace fmt
+
 namespace {
 
 using bf16 = __nv_bfloat16;
-constexpr int kGS = 128;
 
 // The stand-in for the kernels between two GEMMs: rewrites x, as a norm or an activation does at decode (a
 // different x per layer).
@@ -50,13 +89,13 @@ struct Matrix {
   void* ws = nullptr;  // the wide kernel's, which the op runs from 9 rows on large weights
   Matrix(int K_, int N_, int layers, int max_m)
       : K(K_), N(N_), groups((N_ + 63) / 64), chunks((K_ + 511) / 512),
-        bytes(size_t(groups) * chunks * 4 * (4096 + cublade::int4_sbytes<kGS, false>())) {
+        bytes(size_t(groups) * chunks * 4 * (8 * fmt::kPacketBytes + fmt::kRecordBytes)) {
     CK(cudaMalloc(&blobs, bytes * layers));
     CK(cudaMemset(blobs, 0x11, bytes * layers));
     CK(cudaMalloc(&out, size_t(max_m) * N * sizeof(bf16)));
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    if (const size_t b = cublade::w4a16_gemm_workspace_bytes(max_m, K, N, kGS, 0, sms)) CK(cudaMalloc(&ws, b));
+    if (const size_t b = fmt::workspace_bytes(max_m, K, N, sms)) CK(cudaMalloc(&ws, b));
   }
   const unsigned char* blob(int layer) const { return blobs + bytes * layer; }
 };
@@ -86,12 +125,11 @@ double graph_us(cudaStream_t s, int reps, const std::function<void()>& body) {
   return harness::median(ms) * 1e3;
 }
 
-// CTAs of the int4 streaming kernel (NT token tiles, TPW tiles per warp, KSL K slices) that one SM holds.
+// CTAs of the streaming kernel (NT token tiles, TPW tiles per warp, KSL K slices) that one SM holds.
 template <int NT, int TPW, int KSL>
 int ctas_per_sm(int xrows, int stages) {
-  using P = cublade::Int4Policy<bf16, NT, kGS, false>;
-  const cublade::lowbit::Layout L{cublade::int4_sbytes<kGS, false>(), xrows, stages};
-  return cublade::lowbit::ctas_per_sm<P, TPW, KSL>(L.total(NT, KSL));
+  const cublade::lowbit::LayoutOf<fmt::kPacketBytes> L{fmt::kRecordBytes, xrows, stages};
+  return cublade::lowbit::ctas_per_sm<fmt::Policy<NT>, TPW, KSL>(L.total(NT, KSL));
 }
 
 // The sweep's (tiles per warp, K slices) for NT token tiles: the production choice first, then more consumer warps.
@@ -132,8 +170,8 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i + 1 < kn.size(); i += 2) mats.emplace_back(kn[i], kn[i + 1], layers, max_m);
   bf16* x;
   CK(cudaMalloc(&x, size_t(max_m) * max_k * sizeof(bf16)));
-  std::printf("device: %s, %d SMs; %d layers, a graph of (x kernel, GEMM) pairs per row, median of %d replays; "
-              "gemm_us: the row's pair minus the x kernel alone\n", device.prop.name, sms, layers, reps);
+  std::printf("%s; device: %s, %d SMs; %d layers, a graph of (x kernel, GEMM) pairs per row, median of %d replays; "
+              "gemm_us: the row's pair minus the x kernel alone\n", fmt::kName, device.prop.name, sms, layers, reps);
   std::printf("%-11s %3s %-30s %9s %9s %7s %s\n", "KxN", "M", "variant", "pair_us", "gemm_us", "TB/s", "check");
 
   // A variant launches one GEMM (or its stand-in) of matrix m, layer l, M rows on st.
@@ -145,7 +183,7 @@ int main(int argc, char** argv) {
     p.out = m.out; p.out_stride = m.N; p.N = m.N; p.sms = sms;
     return p;
   };
-  auto split = [&](const Matrix& m, int M) { return cublade::w4a16_stream_split(m.groups, m.chunks, M, sms); };
+  auto split = [&](const Matrix& m, int M) { return fmt::split(m.groups, m.chunks, M, sms); };
   // The streaming kernel with the op's split times split_mult (or S when given), tpw / ksl / stages (0: the op's).
   auto stream = [&](int tpw, int ksl, int split_mult, int S = 0, int stages = 0) -> Launch {
     return [=, &params, &split](const Matrix& m, int l, int M) {
@@ -153,12 +191,12 @@ int main(int argc, char** argv) {
       p.tpw = tpw; p.ksl = ksl; p.stages = stages;
       const int s = S > 0 ? S : split(m, M) * split_mult;
       if (s > cublade::lowbit::kMaxSplit || m.chunks < s) return cudaErrorInvalidValue;
-      return cublade::launch_nt<bf16, kGS, false>(p, s, st);
+      const int nt = cublade::lowbit::token_tiles(M);
+      return nt == 1 ? fmt::stream<1>(p, s, st) : fmt::stream<2>(p, s, st);
     };
   };
   const Launch op = [&](const Matrix& m, int l, int M) {
-    return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, m.K, m.K, m.blob(l), kGS, false, m.out, m.N,
-                                      m.N, 0, m.ws, sms, st);
+    return fmt::op(x, M, m.K, m.blob(l), m.out, m.N, m.ws, sms, st);
   };
   struct Variant {
     std::string name;
@@ -171,18 +209,20 @@ int main(int argc, char** argv) {
                                                      flush.sink);
          return cudaGetLastError();
        }},
-      {"copy pipeline only", [&](const Matrix& m, int l, int M) {
-         if (M > 8) return cudaErrorInvalidValue;
-         cublade::lowbit::GemmParams p = params(m, l, M);
-         p.xrows = M;
-         p.sbytes = cublade::int4_sbytes<kGS, false>();
-         return cublade::lowbit::launch_stream<NullPolicy, 1>(p, 1, split(m, M), st);
-       }},
       {"op", op},
       {"2 K slices", stream(0, 2, 1)},  // tpw 1 (M <= 8): 8 consumer warps; tpw 2 (9-16 rows): 4, as the op
       {"4 K slices", stream(0, 4, 1)},
       {"2x splits", stream(0, 0, 2)},
   };
+#ifndef CUBLADE_LAYERS_MXFP8
+  variants.insert(variants.begin() + 2, {"copy pipeline only", [&](const Matrix& m, int l, int M) {
+                    if (M > 8) return cudaErrorInvalidValue;
+                    cublade::lowbit::GemmParams p = params(m, l, M);
+                    p.xrows = M;
+                    p.sbytes = fmt::kRecordBytes;
+                    return cublade::lowbit::launch_stream<NullPolicy, 1>(p, 1, split(m, M), st);
+                  }});
+#endif
 
   std::vector<bf16> ref, got;
   for (const int M : ms) {

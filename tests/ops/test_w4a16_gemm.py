@@ -26,7 +26,7 @@ from cublade.ops.int4 import pack_int4
 from cublade.ops.w4a16_gemm import (record_words, w4a16_dequant_repacked, w4a16_gemm, w4a16_gemm_ref,
                                     w4a16_repack)
 from numerics import assert_one_rounding, rel_err
-from profiling import kernels_run
+from profiling import kernels_run, stream_k_slices
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 BAR = 2e-3
@@ -345,10 +345,7 @@ def test_small_grids_take_two_k_slices(groups_per_sm, G, M, slices):
     rp, w = gpu_case(N, 4096, G, True)
     x = torch.randn(M, 4096, device="cuda").to(torch.bfloat16)
     names = kernels_run(lambda: check(x, rp, w))
-    # the int4 streaming kernel's last template argument (KSL), demangled or not
-    ksl = r"stream_gemm_kernel<.*Int4Policy<[^>]*>, \d, (\d)>|stream_gemm_kernel\w*Int4Policy\w*Li\dELi(\d)EEEv"
-    ran = [re.search(ksl, n) for n in names]
-    assert [int(r.group(1) or r.group(2)) for r in ran if r] == [slices], names
+    assert stream_k_slices(names) == [slices], names
 
 
 @GPU
