@@ -360,8 +360,9 @@ inline int w4a16_stream_split(int64_t groups, int chunks, int64_t M, int sms) {
 // from one CUDA graph, each GEMM after a kernel that writes its x; us per GEMM, fifteenth session, 2 stages and 1
 // slice / this): M = 1 Llama-3-8B o (4096x4096) 6.91 / 6.31, down (14336x4096) 16.15 / 13.25, qkv (4096x6144)
 // 8.26 / 8.15; Llama-70B-like 28672x8192 37.04 / 35.62, 8192x8192 13.23 / 13.14. M = 16 (3 stages): down 19.81 /
-// 19.40, 28672x8192 48.90 / 48.23, o 8.49 / 8.36, qkv and 8192x8192 within 0.2%. Larger grids lost with them
-// (8192x10240, 2.4 CTAs per SM at M = 1: 16.60 / 17.67; gate_up 4096x28672, 3.4: 20.97 / 23.48): pick_stages' choice.
+// 19.40, o 8.49 / 8.36, qkv and 8192x8192 within 0.2% (weights of 2^27 elements or more take the wide kernel
+// there). Larger grids lost with them (8192x10240, 2.4 CTAs per SM at M = 1: 16.60 / 17.67; gate_up 4096x28672,
+// 3.4: 20.97 / 23.48): pick_stages' choice.
 // Per-channel scales keep one slice (their two-slice kernels spilled 4-8 bytes; not measured).
 inline void w4a16_small_grid(lowbit::GemmParams& prm, int S, int group_size) {
   if (prm.M > 16 || static_cast<int64_t>(prm.groups) * S > 2 * static_cast<int64_t>(prm.sms)) return;
