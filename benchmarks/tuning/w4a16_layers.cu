@@ -86,7 +86,8 @@ struct Matrix {
   size_t bytes;  // one layer's blob
   unsigned char* blobs = nullptr;
   bf16* out = nullptr;
-  void* ws = nullptr;  // the wide kernel's, which the op runs from 9 rows on large weights
+  void* ws = nullptr;       // the wide kernel's, which the op runs from 9 rows on large weights
+  void* wide_ws = nullptr;  // int4: for a wide pass of 9-16 rows on any weight (the "wide pass" row)
   Matrix(int K_, int N_, int layers, int max_m)
       : K(K_), N(N_), groups((N_ + 63) / 64), chunks((K_ + 511) / 512),
         bytes(size_t(groups) * chunks * 4 * (8 * fmt::kPacketBytes + fmt::kRecordBytes)) {
@@ -96,6 +97,11 @@ struct Matrix {
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     if (const size_t b = fmt::workspace_bytes(max_m, K, N, sms)) CK(cudaMalloc(&ws, b));
+#ifndef CUBLADE_LAYERS_MXFP8
+    namespace wd = cublade::wide;
+    if (max_m >= wd::kMinSmallRows)
+      CK(cudaMalloc(&wide_ws, wd::workspace_bytes(max_m, K, wd::ntok(max_m), false, sms)));
+#endif
   }
   const unsigned char* blob(int layer) const { return blobs + bytes * layer; }
 };
@@ -222,6 +228,12 @@ int main(int argc, char** argv) {
                     p.sbytes = fmt::kRecordBytes;
                     return cublade::lowbit::launch_stream<NullPolicy, 1>(p, 1, split(m, M), st);
                   }});
+  // The wide kernel's pass at 9-16 rows, which the op takes only on weights of 2^27 elements or more.
+  variants.push_back({"wide pass", [&](const Matrix& m, int l, int M) {
+                        if (M < cublade::wide::kMinSmallRows) return cudaErrorInvalidValue;
+                        return cublade::wide::launch_pass<bf16>(fmt::kGS, false, x, m.K, M, m.K, m.blob(l), m.out, m.N,
+                                                                m.N, m.wide_ws, sms, st);
+                      }});
 #endif
 
   std::vector<bf16> ref, got;
