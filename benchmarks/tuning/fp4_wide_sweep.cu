@@ -122,12 +122,7 @@ int main(int argc, char** argv) {
         }
         CK(cudaStreamSynchronize(st));
         CK(cudaMemcpy(ho.data(), out, ho.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
-        double num = 0, den = 0;
-        for (size_t i = 0; i < ho.size(); ++i) {
-          num += std::fabs(double(__bfloat162float(ho[i])) - __bfloat162float(hr[i]));
-          den += std::fabs(double(__bfloat162float(hr[i])));
-        }
-        const double rel = den > 0 ? num / den : num;
+        const double rel = harness::rel_diff(ho, hr);
         const double us = harness::time_us(f, flush.memset, reps, st);
         auto num_or = [](int v) { return v ? std::to_string(v) : std::string("-"); };
         std::printf("%-4s %5d %5d %-12s %4s %3s %4s %9.2f %s rel %.1e\n", sh.name, T, M, kernel, num_or(ntok).c_str(),

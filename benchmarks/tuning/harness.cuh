@@ -3,9 +3,11 @@
 // pass the flush they want).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +30,17 @@ inline double median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// mean|got - ref| / mean|ref|: how the sweeps check a configuration's output against the production choice's, read
+// back to the host (an all-zero ref gives 0 when got is all zero too, else infinity).
+inline double rel_diff(const std::vector<__nv_bfloat16>& got, const std::vector<__nv_bfloat16>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    num += std::fabs(double(__bfloat162float(got[i])) - __bfloat162float(ref[i]));
+    den += std::fabs(double(__bfloat162float(ref[i])));
+  }
+  return den > 0 ? num / den : num > 0 ? INFINITY : 0.0;
 }
 
 // Median microseconds of `reps` launches of f() on stream s, each after flush() (3 warm-up launches first, also

@@ -98,12 +98,7 @@ int main(int argc, char** argv) {
         }
         CK(cudaStreamSynchronize(st));
         CK(cudaMemcpy(ho.data(), out, ho.size() * 2, cudaMemcpyDeviceToHost));
-        double num = 0, den = 0;
-        for (size_t i = 0; i < ho.size(); ++i) {
-          num += std::fabs(double(__bfloat162float(ho[i])) - __bfloat162float(hr[i]));
-          den += std::fabs(double(__bfloat162float(hr[i])));
-        }
-        const double rel = den > 0 ? num / den : num;
+        const double rel = harness::rel_diff(ho, hr);
         const double us = harness::time_us(f, flush.memset, reps, st);
         std::printf("%5dx%-5d %4d %-34s %9.2f %6.2f %s rel %.1e\n", K, N, M, name.c_str(), us, bytes / us * 1e-6,
                     rel <= 2e-3 ? "ok" : "FAIL", rel);

@@ -273,13 +273,9 @@ int main(int argc, char** argv) {
           got.resize(size_t(M) * m.N);
           CK(cudaMemcpy(got.data(), m.out, got.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
           if (v.name == "op") ref = got;
-          double num = 0, den = 0;
-          for (size_t i = 0; i < got.size(); ++i) {
-            num += std::fabs(double(__bfloat162float(got[i])) - __bfloat162float(ref[i]));
-            den += std::fabs(double(__bfloat162float(ref[i])));
-          }
+          const double rel = harness::rel_diff(got, ref);
           char c[48];
-          std::snprintf(c, sizeof c, "%s rel %.1e", num <= 2e-3 * den ? "ok" : "FAIL", den > 0 ? num / den : num);
+          std::snprintf(c, sizeof c, "%s rel %.1e", rel <= 2e-3 ? "ok" : "FAIL", rel);
           check = c;
         }
         if (v.name == "x kernel only") x_only = us;

@@ -105,12 +105,7 @@ int main(int argc, char** argv) {
         CK(f());
         CK(cudaStreamSynchronize(st));
         CK(cudaMemcpy(ho.data(), out, ho.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
-        double num = 0, den = 0;
-        for (size_t i = 0; i < ho.size(); ++i) {
-          num += std::fabs(double(__bfloat162float(ho[i])) - __bfloat162float(hr[i]));
-          den += std::fabs(double(__bfloat162float(hr[i])));
-        }
-        const double rel = den > 0 ? num / den : num;
+        const double rel = harness::rel_diff(ho, hr);
         const double a = harness::time_us(f, flush.memset, reps, st), b = harness::time_us(f, flush.read, reps, st);
         std::printf("%5dx%-5d %3d %3s %2s %6s %7s %9.2f %7.2f %9.2f %7.2f %s rel %.1e\n", K, N, M,
                     tpw ? std::to_string(tpw).c_str() : "-", S ? std::to_string(S).c_str() : "-",
