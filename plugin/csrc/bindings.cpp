@@ -12,9 +12,10 @@ TORCH_LIBRARY(cublade, m) {
   // MXFP8: x [..., K] -> (e4m3 [..., K], uint8 E8M0 [..., K/32]); rceil picks the scale rule.
   m.def("mxfp8_quant(Tensor x, bool rceil) -> (Tensor, Tensor)");
   m.def("mxfp8_dequant(Tensor q, Tensor codes, ScalarType dtype) -> Tensor");
-  // FP8 KV-cache write into vLLM's paged cache (reshape_and_cache_flash layout), in place.
+  // FP8 KV-cache write into vLLM's paged cache (reshape_and_cache_flash layout), in place; with the token's
+  // query [T, num_heads, D], K is rounded query-aware (plugin/ops/fp8_kv_cache_write.py).
   m.def("fp8_kv_cache_write(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> ()");
+        "Tensor slot_mapping, Tensor k_scale, Tensor v_scale, Tensor? query=None) -> ()");
   // Part B (W4A16 decode GEMM, FP4 dequant GEMM) appends its m.def lines below.
   // W4A16 GEMM: x [..., K] bf16/fp16 @ int4 weights in w4a16_repack's layout -> [..., size_n] (x's dtype).
   m.def("w4a16_gemm(Tensor x, Tensor packed, int group_size, bool symmetric, int size_n, int split_k=0) -> Tensor");

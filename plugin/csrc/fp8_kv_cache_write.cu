@@ -145,6 +145,210 @@ cudaError_t launch_typed(const KvArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// ---- Query-aware K rounding (a query given) ---------------------------------------------------------------
+// Bit-exact to fp8_kv_quant_query_aware_ref (plugin/ops/fp8_kv_cache_write.py): one warp per (token, KV head),
+// lane l holds elements d = l + 32 j (j < J), the layout the reference's order of sums is written for. Every
+// product and sum is a separate __fmul_rn / __fadd_rn / __fsub_rn: the reference rounds each torch op to fp32,
+// and nvcc would otherwise contract a * b + c into one FFMA (one rounding).
+constexpr int kQaWarps = 4;     // warps per block (128 threads): a decode batch of T * H warps spreads over SMs
+constexpr int kQaMaxFlips = 8;  // KV_QUERY_AWARE_MAX_FLIPS
+
+struct QaArgs {
+  KvArgs kv;
+  const void* query;
+  int64_t q_ts, q_hs, q_ds;  // query strides (elements)
+  int R;                     // query heads per KV head: heads g*R .. g*R+R-1 read KV head g
+};
+
+// One element as fp32 (exact): of kind T, or an E4M3 byte when kFp8.
+template <InDtype T, bool kFp8>
+__device__ __forceinline__ float qa_load(const void* base, int64_t off) {
+  if constexpr (kFp8) {
+    return e4m3x2_to_f32x2(__ldg(static_cast<const uint8_t*>(base) + off)).x;
+  } else {
+    using E = typename Elem<T>::type;
+    return Elem<T>::to_float(__ldg(static_cast<const E*>(base) + off));
+  }
+}
+
+// True when lane + 32 j is an element: D > 32 (J - 1) (the launcher picks J so), so only the last j has lanes
+// past D.
+template <int J>
+__device__ __forceinline__ bool qa_in(int j, int lane, int64_t D) { return j < J - 1 || lane + 32 * j < D; }
+
+// The warp's loads: key and value [J] and its query heads [RP][J], zero past D and past R. All are issued before
+// the caller looks at the slot (no address depends on it): a decode launch waits for memory once.
+template <InDtype T, bool kQ8, int J, int RP>
+__device__ __forceinline__ void qa_load_all(const QaArgs& a, int64_t t, int64_t g, int lane, float (&k)[J],
+                                            float (&v)[J], float (&q)[RP][J]) {
+  const KvArgs& kv = a.kv;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int64_t d = lane + 32 * j;
+    const bool in = qa_in<J>(j, lane, kv.D);
+    k[j] = in ? qa_load<T, false>(kv.key, t * kv.k_ts + g * kv.k_hs + d * kv.k_ds) : 0.0f;
+    v[j] = in ? qa_load<T, false>(kv.value, t * kv.v_ts + g * kv.v_hs + d * kv.v_ds) : 0.0f;
+#pragma unroll
+    for (int h = 0; h < RP; ++h)
+      q[h][j] = in && h < a.R ? qa_load<T, kQ8>(a.query, t * a.q_ts + (g * a.R + h) * a.q_hs + d * a.q_ds) : 0.0f;
+  }
+}
+
+// sum_h v[h]^2 in order of h (the reference's norm). Heads R .. RP-1 (padding up to the kernel's RP) hold +-0
+// or NaN (their query is 0; NaN only from a NaN e0, which makes every real head NaN too): their +0 squares leave
+// every sum as it was.
+template <int RP>
+__device__ __forceinline__ float qa_norm(const float (&v)[RP]) {
+  float acc = __fmul_rn(v[0], v[0]);
+#pragma unroll
+  for (int h = 1; h < RP; ++h) acc = __fadd_rn(acc, __fmul_rn(v[h], v[h]));
+  return acc;
+}
+
+// A candidate's norm n (>= 0, or NaN) as an ordered key, as the reference orders them: NaN reads as +inf. Floats
+// >= 0 order like their bits.
+__device__ __forceinline__ uint32_t qa_key(float n) { return isnan(n) ? 0x7F800000u : __float_as_uint(n); }
+
+// The search, for one (token, KV head) per warp. The reference's new[h] = res[h] + q[h, d] * delta[d] takes the
+// product p[h][j] = q * delta, which a flip of d negates exactly (RN is symmetric), so the warp keeps p instead
+// of q: a step is then per lane J * RP additions and J norms (RP products, RP - 1 sums), a lane-local argmin, two
+// redux.sync (the least key, then the least d holding it) and RP shuffles of the winner's column. That chain of at
+// most 8 steps bounds the time at decode; no shared memory.
+template <int J, int RP>
+__device__ __forceinline__ void qa_warp(const QaArgs& a, int lane, int64_t slot, int64_t g, float ks, float vs,
+                                        const float (&k)[J], const float (&v)[J], const float (&q)[RP][J]) {
+  const KvArgs& kv = a.kv;
+  constexpr uint32_t kAll = 0xFFFFFFFFu;
+  const int64_t blk = slot / kv.block_size, off = slot - blk * kv.block_size;
+  uint8_t* kdst = kv.key_cache + blk * kv.c_bs + off * kv.c_ps + g * kv.c_hs + lane * kv.c_ds;
+  uint8_t* vdst = kv.value_cache + blk * kv.c_bs + off * kv.c_ps + g * kv.c_hs + lane * kv.c_ds;
+  // V first (round to nearest: the RTN kernels' bytes), which frees its registers before the search.
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+    if (qa_in<J>(j, lane, kv.D)) vdst[32 * j * kv.c_ds] = f32_to_e4m3(__fdiv_rn(v[j], vs));
+
+  // Per element, with xs = clamp(k / ks, +-448): r = the nearest code, o = _other_neighbour, e0 = r - xs,
+  // e1 = o - xs, delta = e1 - e0 (past D: the reference's zero padding, so products of +0).
+  uint32_t codes[J];  // r | o << 8
+  float e0[J], delta[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    float xs = __fdiv_rn(k[j], ks);
+    xs = xs > kF8E4M3Max ? kF8E4M3Max : (xs < -kF8E4M3Max ? -kF8E4M3Max : xs);  // torch.clamp: NaN stays NaN
+    const uint32_t rc = f32_to_e4m3(xs);  // torch's .to(float8_e4m3fn) after the clamp (a NaN's sign aside)
+    const float rf = e4m3x2_to_f32x2(static_cast<uint16_t>(rc)).x;
+    // E4M3 magnitudes are ordered like their 7-bit codes: the neighbour is the code +-1, 0x7E (448) the last.
+    const uint32_t mag = rc & 0x7Fu;
+    const uint32_t oc = (fabsf(rf) < fabsf(xs) ? min(mag + 1u, 0x7Eu) : (mag == 0u ? 0u : mag - 1u)) | (rc & 0x80u);
+    codes[j] = rc | oc << 8;
+    const float e1 = __fsub_rn(e4m3x2_to_f32x2(static_cast<uint16_t>(oc)).x, xs);
+    const bool in = qa_in<J>(j, lane, kv.D);
+    e0[j] = in ? __fsub_rn(rf, xs) : 0.0f;
+    delta[j] = in ? __fsub_rn(e1, e0[j]) : 0.0f;
+  }
+  // res[h]: the lane's products in order of j, then the xor butterfly; a + b is commutative, so every lane ends
+  // with the same bits.
+  float res[RP], p[RP][J];
+#pragma unroll
+  for (int h = 0; h < RP; ++h) {
+    float acc = __fmul_rn(q[h][0], e0[0]);
+#pragma unroll
+    for (int j = 1; j < J; ++j) acc = __fadd_rn(acc, __fmul_rn(q[h][j], e0[j]));
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(kAll, acc, m));
+    res[h] = acc;
+#pragma unroll
+    for (int j = 0; j < J; ++j) p[h][j] = __fmul_rn(q[h][j], delta[j]);
+  }
+  float cur = qa_norm<RP>(res);
+  uint32_t flips = 0;  // bit j: element lane + 32 j holds o
+#pragma unroll 1       // a step is J * RP wide already
+  for (int step = 0; step < kQaMaxFlips; ++step) {
+    uint32_t best = kAll;  // above every key: elements past D never win
+    int jb = 0;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      float nw[RP];
+#pragma unroll
+      for (int h = 0; h < RP; ++h) nw[h] = __fadd_rn(res[h], p[h][j]);
+      const uint32_t key = qa_in<J>(j, lane, kv.D) ? qa_key(qa_norm<RP>(nw)) : kAll;
+      if (key < best) best = key, jb = j;  // strict: the lowest j among the lane's least keys
+    }
+    const uint32_t least = __reduce_min_sync(kAll, best);
+    const uint32_t dstar = __reduce_min_sync(kAll, best == least ? static_cast<uint32_t>(lane + 32 * jb) : kAll);
+    if (!(__uint_as_float(least) < cur)) break;  // uniform: every lane holds the same least and cur
+    const int src = dstar & 31, js = dstar >> 5;
+    float pb[RP];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      if (j == js) {  // uniform: js is the same in every lane (J branches instead of RP * J selects)
+#pragma unroll
+        for (int h = 0; h < RP; ++h) pb[h] = __shfl_sync(kAll, p[h][j], src);
+        if (lane == src) {
+          // The flipped element's delta is now e0 - e1: -(e1 - e0) but for a zero's sign (e1 == e0 gives +0 both
+          // ways), which reaches res only as the sign of a zero sum, never a square, a key or a choice.
+#pragma unroll
+          for (int h = 0; h < RP; ++h) p[h][j] = -p[h][j];
+          flips ^= 1u << j;
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < RP; ++h) res[h] = __fadd_rn(res[h], pb[h]);  // new[h] of d*: the winner's own sums
+    cur = __uint_as_float(least);
+  }
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+    if (qa_in<J>(j, lane, kv.D)) kdst[32 * j * kv.c_ds] = static_cast<uint8_t>(codes[j] >> (flips >> j & 1u ? 8 : 0));
+}
+
+// Min 1 block per SM in the bounds: with the thread count alone ptxas aimed at occupancy steps (64, 72, 80
+// registers) and spilled 4-176 bytes in a third of the instantiations.
+template <int J, int RP>
+__global__ void __launch_bounds__(kQaWarps * 32, 1) kv_write_query_aware_kernel(const QaArgs a, InDtype dtype,
+                                                                              bool q_fp8) {
+  const int lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kQaWarps + (threadIdx.x >> 5);
+  if (w >= a.kv.T * a.kv.H) return;  // whole warps
+  const int64_t t = w / a.kv.H, g = w - t * a.kv.H;
+  const int64_t slot = __ldg(a.kv.slots + t);
+  const float ks = __ldg(a.kv.k_scale), vs = __ldg(a.kv.v_scale);
+  float k[J], v[J], q[RP][J];
+  // Uniform over the launch. Only the loads depend on the dtypes (the rest is fp32), so the dtypes are not
+  // template parameters of the kernel: 5 x 8 instantiations rather than 30 x 8.
+  switch (dtype) {
+    case InDtype::kBF16:
+      q_fp8 ? qa_load_all<InDtype::kBF16, true, J, RP>(a, t, g, lane, k, v, q)
+            : qa_load_all<InDtype::kBF16, false, J, RP>(a, t, g, lane, k, v, q);
+      break;
+    case InDtype::kF16:
+      q_fp8 ? qa_load_all<InDtype::kF16, true, J, RP>(a, t, g, lane, k, v, q)
+            : qa_load_all<InDtype::kF16, false, J, RP>(a, t, g, lane, k, v, q);
+      break;
+    default:
+      q_fp8 ? qa_load_all<InDtype::kF32, true, J, RP>(a, t, g, lane, k, v, q)
+            : qa_load_all<InDtype::kF32, false, J, RP>(a, t, g, lane, k, v, q);
+      break;
+  }
+  if (slot < 0 || slot >= a.kv.num_slots) return;  // padding (vLLM's -1) or past the cache, as the RTN kernels
+  qa_warp<J, RP>(a, lane, slot, g, ks, vs, k, v, q);
+}
+
+template <int J>
+cudaError_t launch_query_aware_j(const QaArgs& a, InDtype dtype, bool q_fp8, cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>(ceil_div(a.kv.T * a.kv.H, kQaWarps));
+  const int threads = kQaWarps * 32;
+  // Heads per KV head rounded up to a power of two (the extra heads get a zero query, which changes no sum):
+  // 1, 2, 4, 8 cover MHA and the usual GQA ratios exactly (Llama-3 8B/70B: 4 and 8); 3, 5-7 and 9-16 pay
+  // for the padding.
+  if (a.R <= 1) kv_write_query_aware_kernel<J, 1><<<blocks, threads, 0, stream>>>(a, dtype, q_fp8);
+  else if (a.R <= 2) kv_write_query_aware_kernel<J, 2><<<blocks, threads, 0, stream>>>(a, dtype, q_fp8);
+  else if (a.R <= 4) kv_write_query_aware_kernel<J, 4><<<blocks, threads, 0, stream>>>(a, dtype, q_fp8);
+  else if (a.R <= 8) kv_write_query_aware_kernel<J, 8><<<blocks, threads, 0, stream>>>(a, dtype, q_fp8);
+  else kv_write_query_aware_kernel<J, 16><<<blocks, threads, 0, stream>>>(a, dtype, q_fp8);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 // key/value: [T, H, D] with strides (token, head, dim) in elements; caches: [num_blocks, block_size, H, D] bytes
@@ -155,15 +359,45 @@ cudaError_t launch_fp8_kv_cache_write(const void* key, const void* value, InDtyp
                                       int64_t num_blocks, int64_t block_size, int64_t c_bs, int64_t c_ps,
                                       int64_t c_hs, int64_t c_ds, const int64_t* slots, const float* k_scale,
                                       const float* v_scale, cudaStream_t stream) {
+  return launch_fp8_kv_cache_write_query_aware(key, value, dtype, T, H, D, k_ts, k_hs, k_ds, v_ts, v_hs, v_ds,
+                                               nullptr, false, 0, 0, 0, 0, key_cache, value_cache, num_blocks,
+                                               block_size, c_bs, c_ps, c_hs, c_ds, slots, k_scale, v_scale, stream);
+}
+
+// As launch_fp8_kv_cache_write, K rounded query-aware when query is not null: query [>= T, H * R, D] with strides
+// (q_ts, q_hs, q_ds), of key's dtype or E4M3 bytes (q_fp8); 1 <= R <= kKvQueryAwareMaxR, D <= kKvQueryAwareMaxD.
+cudaError_t launch_fp8_kv_cache_write_query_aware(const void* key, const void* value, InDtype dtype, int64_t T,
+                                                  int64_t H, int64_t D, int64_t k_ts, int64_t k_hs, int64_t k_ds,
+                                                  int64_t v_ts, int64_t v_hs, int64_t v_ds, const void* query,
+                                                  bool q_fp8, int64_t R, int64_t q_ts, int64_t q_hs, int64_t q_ds,
+                                                  uint8_t* key_cache, uint8_t* value_cache, int64_t num_blocks,
+                                                  int64_t block_size, int64_t c_bs, int64_t c_ps, int64_t c_hs,
+                                                  int64_t c_ds, const int64_t* slots, const float* k_scale,
+                                                  const float* v_scale, cudaStream_t stream) {
   if (T == 0 || H == 0 || D == 0) return cudaSuccess;
-  const KvArgs a{key, value, T, H, D, k_ts, k_hs, k_ds, v_ts, v_hs, v_ds, key_cache, value_cache,
-                 num_blocks * block_size, block_size, c_bs, c_ps, c_hs, c_ds, slots, k_scale, v_scale};
-  switch (dtype) {
-    case InDtype::kBF16: return launch_typed<InDtype::kBF16>(a, stream);
-    case InDtype::kF16: return launch_typed<InDtype::kF16>(a, stream);
-    case InDtype::kF32: return launch_typed<InDtype::kF32>(a, stream);
+  const KvArgs kv{key, value, T, H, D, k_ts, k_hs, k_ds, v_ts, v_hs, v_ds, key_cache, value_cache,
+                  num_blocks * block_size, block_size, c_bs, c_ps, c_hs, c_ds, slots, k_scale, v_scale};
+  if (dtype != InDtype::kBF16 && dtype != InDtype::kF16 && dtype != InDtype::kF32) return cudaErrorInvalidValue;
+  if (query == nullptr) {
+    switch (dtype) {
+      case InDtype::kBF16: return launch_typed<InDtype::kBF16>(kv, stream);
+      case InDtype::kF16: return launch_typed<InDtype::kF16>(kv, stream);
+      case InDtype::kF32: return launch_typed<InDtype::kF32>(kv, stream);
+    }
   }
-  return cudaErrorInvalidValue;
+  if (R < 1 || R > kKvQueryAwareMaxR || D > kKvQueryAwareMaxD) return cudaErrorInvalidValue;
+  const QaArgs a{kv, query, q_ts, q_hs, q_ds, static_cast<int>(R)};
+  // J = elements per lane: every D up to 256 runs the J that fits it exactly (lanes past D idle in the last j).
+  switch ((D + 31) / 32) {
+    case 1: return launch_query_aware_j<1>(a, dtype, q_fp8, stream);
+    case 2: return launch_query_aware_j<2>(a, dtype, q_fp8, stream);
+    case 3: return launch_query_aware_j<3>(a, dtype, q_fp8, stream);
+    case 4: return launch_query_aware_j<4>(a, dtype, q_fp8, stream);
+    case 5: return launch_query_aware_j<5>(a, dtype, q_fp8, stream);
+    case 6: return launch_query_aware_j<6>(a, dtype, q_fp8, stream);
+    case 7: return launch_query_aware_j<7>(a, dtype, q_fp8, stream);
+    default: return launch_query_aware_j<8>(a, dtype, q_fp8, stream);
+  }
 }
 
 }  // namespace cublade

@@ -1,6 +1,6 @@
-// Torch wrapper of the FP8 KV-cache write: validates the inputs (errors name the op and the
-// bad value), allocates the outputs, runs the framework-free launcher from fp8_kv_cache_write.cu on the current
-// stream. Compiled by the host C++ compiler (README.md, "Why the wrappers are .cpp").
+// Torch wrapper of the FP8 KV-cache write (K rounded query-aware when a query is given): validates the inputs
+// (errors name the op and the bad value), runs the framework-free launcher from fp8_kv_cache_write.cu on the
+// current stream. Compiled by the host C++ compiler (README.md, "Why the wrappers are .cpp").
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -11,7 +11,7 @@ namespace {
 
 void fp8_kv_cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                         at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& k_scale,
-                        const at::Tensor& v_scale) {
+                        const at::Tensor& v_scale, const std::optional<at::Tensor>& query) {
   constexpr const char* op = "fp8_kv_cache_write";
   const InDtype in_dt = in_dtype_of(op, "key", key);
   CUBLADE_CHECK_VALUE(value.scalar_type() == key.scalar_type(), op, "value dtype ", dt(value.scalar_type()),
@@ -43,12 +43,37 @@ void fp8_kv_cache_write(const at::Tensor& key, const at::Tensor& value, at::Tens
                       ", got ", dev(slot_mapping.device()));
   check_scale_tensor(op, "k_scale", k_scale, key);
   check_scale_tensor(op, "v_scale", v_scale, key);
+  // Query-aware K rounding: the token's queries [>= slots, num_heads, head_size], num_heads = R * key's heads.
+  int64_t R = 0;
+  if (query.has_value()) {
+    const at::Tensor& q = *query;
+    const int64_t H = key.size(1);
+    CUBLADE_CHECK_VALUE(q.dim() == 3 && q.size(0) >= slot_mapping.size(0) && q.size(2) == key.size(2) &&
+                            (H == 0 || (q.size(1) >= H && q.size(1) % H == 0)),
+                        op, "query must be [num_tokens >= ", num(slot_mapping.size(0)), ", a multiple of ", num(H),
+                        " heads, ", num(key.size(2)), "] for key of shape ", shape(key.sizes()), ", got ",
+                        shape(q.sizes()));
+    R = H == 0 ? 1 : q.size(1) / H;  // no heads: nothing to write
+    CUBLADE_CHECK_NOT_IMPLEMENTED(R <= kKvQueryAwareMaxR, op, "query-aware K rounding takes at most ",
+                                  num(kKvQueryAwareMaxR), " query heads per KV head, got ", num(q.size(1)), " / ",
+                                  num(H), " = ", num(R));
+    CUBLADE_CHECK_NOT_IMPLEMENTED(key.size(2) <= kKvQueryAwareMaxD, op, "query-aware K rounding takes head_size <= ",
+                                  num(kKvQueryAwareMaxD), ", got ", num(key.size(2)));
+    CUBLADE_CHECK_VALUE(q.scalar_type() == key.scalar_type() || q.scalar_type() == at::kFloat8_e4m3fn, op,
+                        "query dtype must be key's (", dt(key.scalar_type()), ") or float8_e4m3fn, got ",
+                        dt(q.scalar_type()));
+    CUBLADE_CHECK_VALUE(q.device() == key.device(), op, "query must be on ", dev(key.device()), ", got ",
+                        dev(q.device()));
+  }
   check_arch(op, key);
   const c10::cuda::CUDAGuard guard(key.device());
   const at::Tensor slots = slot_mapping.contiguous();
-  check_launch(op, launch_fp8_kv_cache_write(
+  const at::Tensor* q = query.has_value() ? &*query : nullptr;
+  check_launch(op, launch_fp8_kv_cache_write_query_aware(
                        key.data_ptr(), value.data_ptr(), in_dt, slots.size(0), key.size(1), key.size(2), key.stride(0),
                        key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+                       q ? q->data_ptr() : nullptr, q && q->scalar_type() == at::kFloat8_e4m3fn, R,
+                       q ? q->stride(0) : 0, q ? q->stride(1) : 0, q ? q->stride(2) : 0,
                        static_cast<uint8_t*>(key_cache.data_ptr()), static_cast<uint8_t*>(value_cache.data_ptr()),
                        key_cache.size(0), key_cache.size(1), key_cache.stride(0), key_cache.stride(1),
                        key_cache.stride(2), key_cache.stride(3), slots.data_ptr<int64_t>(),

@@ -42,6 +42,20 @@ cudaError_t launch_fp8_kv_cache_write(const void* key, const void* value, InDtyp
                                       int64_t num_blocks, int64_t block_size, int64_t c_bs, int64_t c_ps,
                                       int64_t c_hs, int64_t c_ds, const int64_t* slots, const float* k_scale,
                                       const float* v_scale, cudaStream_t stream);
+// The same write with K rounded query-aware (plugin/ops/fp8_kv_cache_write.py, fp8_kv_quant_query_aware_ref) when
+// query is not null: query [>= T, H * R, D] with strides (q_ts, q_hs, q_ds) in elements, of key's dtype or E4M3
+// bytes (q_fp8); query heads g*R .. g*R+R-1 read KV head g. V is rounded to nearest either way; a null query is
+// launch_fp8_kv_cache_write. Bounds: 1 <= R <= kKvQueryAwareMaxR, D <= kKvQueryAwareMaxD (one warp holds a head).
+constexpr int64_t kKvQueryAwareMaxR = 16;
+constexpr int64_t kKvQueryAwareMaxD = 256;
+cudaError_t launch_fp8_kv_cache_write_query_aware(const void* key, const void* value, InDtype dtype, int64_t T,
+                                                  int64_t H, int64_t D, int64_t k_ts, int64_t k_hs, int64_t k_ds,
+                                                  int64_t v_ts, int64_t v_hs, int64_t v_ds, const void* query,
+                                                  bool q_fp8, int64_t R, int64_t q_ts, int64_t q_hs, int64_t q_ds,
+                                                  uint8_t* key_cache, uint8_t* value_cache, int64_t num_blocks,
+                                                  int64_t block_size, int64_t c_bs, int64_t c_ps, int64_t c_hs,
+                                                  int64_t c_ds, const int64_t* slots, const float* k_scale,
+                                                  const float* v_scale, cudaStream_t stream);
 
 // moe_glue.cu (the MoE routing around fp4_gemm). route: ids [n = T*k] (int32, or int64 with ids64), entries
 // outside [0, E) dropped; x [T, row_bytes] rows x_stride_bytes apart (both multiples of 16); writes xs [n,
