@@ -25,11 +25,12 @@ convert w4a16-gptq --scheme w4a16 "${SPLIT[@]}"
 convert w4a16-g32-gptq --scheme w4a16 --group-size 32 "${SPLIT[@]}"
 convert fp8-static --scheme fp8-static "${SPLIT[@]}"
 convert fp8-dynamic-kv --scheme fp8-dynamic --kv-cache fp8 "${SPLIT[@]}"
+convert fp8-dynamic-kv-qa --scheme fp8-dynamic --kv-cache fp8 --kv-rounding query-aware "${SPLIT[@]}"
 
 echo
 echo "held-out split (stories 6-18; calibration used stories 0-5):"
 cublade ppl "$MODEL" "$OUT"/w4a16 "$OUT"/w4a16-gptq "$OUT"/w4a16-g32 "$OUT"/w4a16-g32-gptq "$OUT"/fp8-dynamic \
-  "$OUT"/fp8-static "$OUT"/fp8-dynamic-kv --text "$TEXT" --lines 6:
+  "$OUT"/fp8-static "$OUT"/fp8-dynamic-kv "$OUT"/fp8-dynamic-kv-qa --text "$TEXT" --lines 6:
 
 # MoE: a Mixtral (8 experts, top-2) built from the dense model with permuted experts (its loss equals the
 # dense model's), then FP4 experts + FP8 dense layers; the perturbed variant exercises a real router.

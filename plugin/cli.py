@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "fp4-experts-fp8-dense (default mxfp4)")
     g.add_argument("--kv-cache", choices=["fp8"], help="add an FP8 KV cache with calibrated per-layer "
                    "k_scale/v_scale (needs --calib-text)")
+    g.add_argument("--kv-rounding", choices=["nearest", "query-aware"], help="how the FP8 cache write rounds "
+                   "K (default nearest: vLLM's bytes). query-aware steers each key's rounding error away from "
+                   "its own token's queries: on the bundled model the FP8 KV cost falls from +0.038 to +0.005 "
+                   "loss. Same cache format; vLLM serves it with cublade's cache write (--attention-backend "
+                   "CUSTOM); `cublade ppl` scores it")
     k = c.add_argument_group("calibration (GPTQ for w4a16, static FP8 input scales, FP8 KV-cache scales)")
     k.add_argument("--calib-text", type=Path, help="text file, one sample per line; with w4a16 this runs GPTQ "
                    "instead of round-to-nearest")
@@ -104,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     q.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: float32 for reference, bfloat16 for vllm)")
+    q.add_argument("--attention-backend", metavar="NAME", help="vllm backend: vLLM's attention backend (default: "
+                   "vLLM's choice; CUSTOM, cublade's FP8 cache write, for a checkpoint whose FP8 KV cache rounds K "
+                   "query-aware)")
 
     sub.add_parser("presets", help="list the preset policies")
     return p
@@ -133,7 +141,7 @@ def _convert(args) -> int:
     from cublade.convert import convert
 
     overrides = {k: getattr(args, k) for k in ("group_size", "symmetric", "weight_strategy", "activations",
-                                               "scale_rule", "format", "kv_cache")}
+                                               "scale_rule", "format", "kv_cache", "kv_rounding")}
     if args.policy is not None:
         given = sorted(k for k, v in overrides.items() if v is not None)
         if given:
@@ -166,9 +174,12 @@ def _ppl(args) -> int:
     from cublade.ppl import evaluate, format_table
 
     dtype = args.dtype or ("float32" if args.backend == "reference" else "bfloat16")
+    if args.attention_backend and args.backend != "vllm":
+        raise ValueError("--attention-backend is for --backend vllm")
+    extra = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     results = []
     for m in args.models:
-        r = evaluate(m, args.text, backend=args.backend, lines=args.lines, window=args.window, dtype=dtype)
+        r = evaluate(m, args.text, backend=args.backend, lines=args.lines, window=args.window, dtype=dtype, **extra)
         print(f"{m}: loss {r.loss:.4f}  ppl {r.ppl:.3f}  ({r.n_tokens} tokens, {r.backend}, {dtype})", flush=True)
         results.append(r)
     if len(results) > 1:

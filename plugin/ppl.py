@@ -92,6 +92,13 @@ def _reference_nll(model_dir, wins: list[list[int]], dtype: torch.dtype, batch: 
     return total
 
 
+def _kv_rounding(model_dir) -> str | None:
+    import json
+
+    qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
+    return (qc.get("kv_cache") or {}).get("rounding", "nearest") if qc.get("quant_method") == "cublade" else None
+
+
 def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> float:
     import os
 
@@ -102,6 +109,10 @@ def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> flo
     from vllm.inputs import TokensPrompt
 
     max_len = max(len(w) for w in wins) + 1
+    if llm_kwargs.get("attention_backend") is None and _kv_rounding(model_dir) == "query-aware":
+        # the cache write that rounds K query-aware is cublade's (cublade.vllm.kv_cache): score what serving
+        # the checkpoint as intended gives
+        llm_kwargs["attention_backend"] = "CUSTOM"
     llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_len, enforce_eager=True, **llm_kwargs)
     try:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)

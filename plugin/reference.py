@@ -3,7 +3,8 @@ quantized tensors through the reference ops (never through a dequantized copy wr
 
 Every linear the checkpoint's policy quantized becomes a `QuantLinearRef`; with an FP8 KV cache
 (`kv_cache: fp8` and per-layer k_scale / v_scale in the checkpoint), K (after RoPE) and V go through the
-FP8 cache quantization before attention, as vLLM's cache write does.
+FP8 cache quantization before attention, as vLLM's cache write does (K query-aware when the checkpoint's
+kv_cache asks for it: each token's key rounded against that token's queries, as cublade's cache write does).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import nn
 from cublade.checkpoint import check_tensors, load_all
 from cublade.config import Policy, Scheme, parse_quantization_config
 from cublade.experts import prepare_moe_reference
-from cublade.ops.fp8_kv_cache_write import fp8_kv_quant_ref
+from cublade.ops.fp8_kv_cache_write import fp8_kv_quant_query_aware_ref, fp8_kv_quant_ref
 
 FP8_KV_ATTENTION = "cublade_fp8_kv"
 
@@ -50,7 +51,14 @@ def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
     scales = getattr(module, "cublade_kv_scales", None)
     if scales is not None:
         k_scale, v_scale = scales
-        key = (fp8_kv_quant_ref(key, k_scale).float() * k_scale).to(key.dtype)
+        if module.cublade_kv_rounding == "query-aware":  # per token: [B, heads, T, D] -> [B * T, heads, D]
+            B, G, T, D = key.shape
+            k = fp8_kv_quant_query_aware_ref(key.transpose(1, 2).reshape(B * T, G, D),
+                                             query.transpose(1, 2).reshape(B * T, -1, D), k_scale)
+            k = k.reshape(B, T, G, D).transpose(1, 2)
+        else:
+            k = fp8_kv_quant_ref(key, k_scale)
+        key = (k.float() * k_scale).to(key.dtype)
         value = (fp8_kv_quant_ref(value, v_scale).float() * v_scale).to(value.dtype)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -97,7 +105,7 @@ def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, kv_cache
                                None if bias is None else bias.to(dtype))
             model.set_submodule(name, q)
         if use_kv:
-            _attach_kv_scales(model, tensors)
+            _attach_kv_scales(model, tensors, policy.kv_cache.rounding)
 
     # MoE experts: quantized ones become QuantExpertsRef, per-expert unquantized ones are stacked (cublade.experts).
     prepare_moe_reference(model, tensors, policy, cfg_dict)
@@ -117,8 +125,9 @@ def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, kv_cache
     return model.eval(), policy
 
 
-def _attach_kv_scales(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Move each `<attn>.k_scale` / `.v_scale` from the checkpoint onto its attention module."""
+def _attach_kv_scales(model: nn.Module, tensors: dict[str, torch.Tensor], rounding: str) -> None:
+    """Move each `<attn>.k_scale` / `.v_scale` from the checkpoint onto its attention module, with the
+    rounding of K (KVCacheScheme.rounding)."""
     found = 0
     for name, mod in model.named_modules():
         if hasattr(mod, "k_proj") and hasattr(mod, "v_proj"):
@@ -127,6 +136,7 @@ def _attach_kv_scales(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Non
             except KeyError as e:
                 raise ValueError(f"kv_cache fp8: checkpoint has no {e.args[0]}") from None
             mod.cublade_kv_scales = (k.float(), v.float())
+            mod.cublade_kv_rounding = rounding
             found += 1
     if not found:
         raise ValueError("kv_cache fp8: the model has no attention modules with k_proj/v_proj")

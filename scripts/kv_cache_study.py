@@ -16,11 +16,17 @@ Converts the model with fp8-dynamic + `--kv-cache fp8` calibrated on lines [0:6)
   GPU), this study only sizes the gain;
 - a Hadamard rotation of Q and K per head (q.k unchanged), which spreads channels that are large in both;
 - where the cost sits: K rounded in one layer at a time, and K's per-layer scale times 0.75 .. 2 (abs-max / 448 is
-  x1; larger scales clip nothing and only move values within E4M3's binades, smaller ones clip).
+  x1; larger scales clip nothing and only move values within E4M3's binades, smaller ones clip);
+- which way each element of K rounds: an oracle that picks, per key, the E4M3 neighbours (nearest or the other one
+  of each element, all 2^8 choices of the 8 real channels) minimising the logit error weighted by the attention
+  each later query actually pays the key (not servable: it sees the future), the same with every later query
+  weighted alike, and what cublade ships, `--kv-rounding query-aware` (the key's own token's queries, at most 8
+  flips from nearest: cublade.ops.fp8_kv_cache_write).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 from pathlib import Path
 
@@ -28,7 +34,7 @@ import torch
 
 from cublade.config import preset
 from cublade.convert import convert
-from cublade.ops.fp8_kv_cache_write import fp8_kv_quant_ref
+from cublade.ops.fp8_kv_cache_write import _other_neighbour, fp8_kv_quant_query_aware_ref, fp8_kv_quant_ref
 from cublade.ppl import tokenize, windows
 from cublade.reference import FP8_KV_ATTENTION, load_reference_model
 
@@ -48,10 +54,39 @@ def hadamard(n: int) -> torch.Tensor:
     return h / n**0.5
 
 
-LABELS = {"none": "not rounded (fp8-dynamic alone)", "per-layer": "abs-max scale per layer (shipped)",
+LABELS = {"none": "not rounded (fp8-dynamic alone)", "per-layer": "abs-max scale per layer, K to nearest (shipped default)",
           "K only": "K only, per layer", "V only": "V only, per layer", "per-head": "K scale per head",
           "per-channel": "K scale per channel", "K smoothed": "K - calibrated mean, scale per layer",
-          "K rotated": "Q and K rotated (Hadamard per head), scale per layer"}
+          "K rotated": "Q and K rotated (Hadamard per head), scale per layer",
+          "oracle attention": "K rounded per key for the attention later queries pay it (oracle)",
+          "oracle uniform": "K rounded per key for every later query alike (oracle)",
+          "query-aware": "K rounded query-aware (shipped: --kv-rounding query-aware)"}
+
+
+def oracle_round(query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor, weights: str) -> torch.Tensor:
+    """query [H, T, D], key [G, T, D] (one window, after RoPE) -> key rounded per key vector to the E4M3 choice
+    (nearest or other neighbour per element) minimising sum_i w_ij (q_i . e_j)^2 over the later queries i of
+    its group; w: the attention probabilities (weights="attention") or 1 (weights="uniform")."""
+    H, T, D = query.shape
+    G, R = key.shape[0], H // key.shape[0]
+    xs = (key / scale).clamp(-448, 448)
+    r = xs.to(torch.float8_e4m3fn)
+    near, other = r.float(), _other_neighbour(r, xs).float()
+    e0, e1 = near - xs, other - xs
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    if weights == "attention":
+        logits = query @ key.repeat_interleave(R, 0).transpose(1, 2) / D**0.5
+        w = logits.masked_fill(~causal, float("-inf")).softmax(-1)  # [H, i, j]
+    else:
+        w = causal.float().expand(H, T, T)
+    C = torch.einsum("hij,hid,hie->hjde", w, query, query).reshape(G, R, T, D, D).sum(1)
+    live = (e0 != e1).any(dim=(0, 1)).nonzero().flatten()  # channels that can move (not the zero padding)
+    combos = torch.tensor(list(itertools.product([0, 1], repeat=len(live))), dtype=torch.bool)
+    e = torch.where(combos, e1[..., None, live], e0[..., None, live])  # [G, T, choices, live]
+    cost = torch.einsum("gtmd,gtde,gtme->gtm", e, C[..., live, :][..., live], e)
+    pick = torch.zeros_like(near, dtype=torch.bool)
+    pick[..., live] = combos[cost.argmin(-1)]
+    return torch.where(pick, other, near) * scale
 
 
 class Study:
@@ -92,6 +127,12 @@ class Study:
         elif self.mode == "K rotated":
             h = hadamard(key.shape[-1]).to(key.dtype)
             query, key, value = query @ h, fp8_round(key @ h, self.k_scales[i]), fp8_round(value, v_scale)
+        elif self.mode.startswith("oracle"):
+            key = oracle_round(query[0], key[0], k_scale, self.mode.split()[1])[None]
+            value = fp8_round(value, v_scale)
+        elif self.mode == "query-aware":
+            k = fp8_kv_quant_query_aware_ref(key[0].transpose(0, 1), query[0].transpose(0, 1), k_scale)
+            key, value = (k.float() * k_scale).transpose(0, 1)[None], fp8_round(value, v_scale)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     @torch.inference_mode()
@@ -120,7 +161,8 @@ class Study:
     def run(self) -> list[tuple[str, float]]:
         """(row label, loss) for every way of rounding; the first row is fp8-dynamic alone."""
         self.calibrate()
-        rows = [(LABELS[mode], self.loss(mode)) for mode in ("none", "per-layer", "K only", "V only")]
+        rows = [(LABELS[mode], self.loss(mode)) for mode in ("none", "per-layer", "K only", "V only",
+                                                              "oracle attention", "oracle uniform", "query-aware")]
         for mode in ("per-head", "per-channel", "K smoothed", "K rotated"):
             self.k_scales = [(a / 448).clamp_min(1e-12) for a in self.amax[mode]]
             rows.append((LABELS[mode], self.loss(mode)))
@@ -141,8 +183,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = convert(args.model, Path(tmp) / "fp8-kv", preset("fp8-dynamic", kv_cache="fp8"),
                        calib_text=args.text, calib_lines=CALIB, progress=False)
-        rows = Study(ckpt, args.text).run()
+        study = Study(ckpt, args.text)
+        rows = study.run()
     base = rows[0][1]
+    print("K's rms per RoPE channel pair (after RoPE, calibration text), fastest to slowest rotating of the 4 real "
+          "pairs (HF pairs i, i + 8; 1, 0.1, 0.01, 0.001 rad per token):")
+    for layer, keys in enumerate(study.keys):
+        k = torch.cat(keys, dim=1)
+        pairs = (k[..., :8] ** 2 + k[..., 8:] ** 2).mean(dim=(0, 1)).sqrt()[:4]
+        print(f"  layer {layer}: " + " / ".join(f"{v:.1f}" for v in pairs.tolist()))
     print("fp8-dynamic weights/activations, K/V rounded through E4M3; loss on lines [6:), calibrated on [0:6)")
     print("| K/V in the cache | loss | cost over fp8-dynamic |\n|---|---|---|")
     for label, loss in rows:

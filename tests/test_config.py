@@ -90,6 +90,22 @@ def test_unsupported_shapes_say_why(scheme, N, K, why):
     assert "model.layers.0.mlp.up_proj" in str(e.value)
 
 
+def test_kv_cache_rounding_round_trips_and_defaults_to_nearest():
+    from cublade.config import KVCacheScheme, Policy
+
+    qa = preset("fp8-dynamic", kv_cache="fp8", kv_rounding="query-aware")
+    assert qa.kv_cache == KVCacheScheme("fp8", "query-aware")
+    assert Policy.from_dict(qa.to_dict()) == qa
+    assert preset("fp8-dynamic", kv_cache="fp8").kv_cache.rounding == "nearest"
+    old = preset("fp8-dynamic", kv_cache="fp8").to_dict()
+    old["kv_cache"] = {"dtype": "fp8"}  # written before the field existed
+    assert Policy.from_dict(old).kv_cache.rounding == "nearest"
+    with pytest.raises(ValueError, match="rounding='stochastic' is not one of 'nearest', 'query-aware'"):
+        KVCacheScheme("fp8", "stochastic")
+    with pytest.raises(ValueError, match="kv_rounding='query-aware' needs an FP8 KV cache"):
+        preset("fp8-dynamic", kv_rounding="query-aware")
+
+
 def test_calibration_needs_are_reported():
     assert preset("fp8-dynamic").needs_calibration() == []
     assert "static FP8" in preset("fp8-static").needs_calibration()[0]

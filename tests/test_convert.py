@@ -221,9 +221,22 @@ def test_cli_errors_and_help():
     help_text = _cli("convert", "--help").stdout
     for opt in ("--scheme", "--overwrite", "--max-shard-size", "--skip-unsupported", "--dtype", "--group-size",
                 "--asymmetric", "--weight-strategy", "--activations", "--scale-rule", "--fp4-format",
-                "--kv-cache", "--calib-text", "--calib-tokens", "--calib-lines", *PRESETS):
+                "--kv-cache", "--kv-rounding", "query-aware", "--calib-text", "--calib-tokens", "--calib-lines",
+                *PRESETS):
         assert opt in help_text, opt
     assert "ppl" in _cli("--help").stdout
+
+
+def test_cli_kv_rounding(tmp_path, padded_model_dir, valid_text):
+    r = _cli("convert", padded_model_dir, tmp_path / "x", "--scheme", "fp8-dynamic", "--kv-rounding", "query-aware")
+    assert r.returncode == 2 and "kv_rounding='query-aware' needs an FP8 KV cache" in r.stderr
+    r = _cli("convert", padded_model_dir, tmp_path / "kv", "--scheme", "fp8-dynamic", "--kv-cache", "fp8",
+             "--kv-rounding", "query-aware", "--calib-text", valid_text, "--calib-lines", ":2")
+    assert r.returncode == 0, r.stderr
+    qc = json.loads((tmp_path / "kv" / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache"] == {"dtype": "fp8", "rounding": "query-aware"}
+    r = _cli("ppl", tmp_path / "kv", "--text", valid_text, "--attention-backend", "CUSTOM")
+    assert r.returncode == 2 and "--attention-backend is for --backend vllm" in r.stderr
 
 
 def test_cli_convert_end_to_end(tmp_path, padded_model_dir):

@@ -118,12 +118,16 @@ PRESETS = {
 
 def preset(name: str, **overrides) -> Policy:
     """The named preset, with scheme fields overridden where a scheme has them (e.g. group_size=64 for
-    w4a16, scale_rule='floor' for mxfp8/fp4, format='nvfp4' for fp4) and `kv_cache='fp8'` to add an FP8
-    KV cache. An override no scheme of the preset takes is an error."""
+    w4a16, scale_rule='floor' for mxfp8/fp4, format='nvfp4' for fp4), `kv_cache='fp8'` to add an FP8
+    KV cache and `kv_rounding='query-aware'` to round its K query-aware. An override no scheme of the preset
+    takes is an error."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
     policy = PRESETS[name]()
     kv = overrides.pop("kv_cache", None)
+    kv_rounding = overrides.pop("kv_rounding", None)
+    if kv_rounding is not None and kv is None:
+        raise ValueError(f"kv_rounding={kv_rounding!r} needs an FP8 KV cache (kv_cache='fp8')")
     used = set()
     schemes = []
     for n, s in policy.schemes:
@@ -135,4 +139,4 @@ def preset(name: str, **overrides) -> Policy:
     if unused:
         raise ValueError(f"preset {name!r} has no scheme with option(s) {', '.join(sorted(unused))}")
     return dataclasses.replace(policy, schemes=tuple(schemes),
-                               kv_cache=KVCacheScheme(kv) if kv else None)
+                               kv_cache=KVCacheScheme(kv, kv_rounding or "nearest") if kv else None)

@@ -222,17 +222,27 @@ class FP4Scheme(Scheme):
         return linear_ops.fp4_linear_ref(x, t, self.format, bias)
 
 
+KV_ROUNDINGS = ("nearest", "query-aware")
+
+
 @dataclass(frozen=True)
 class KVCacheScheme:
     """FP8 KV cache with per-layer k_scale / v_scale (calibrated: abs-max of K and V over the calibration
-    text / 448), stored as `<attention module>.k_scale` / `.v_scale` fp32 scalars."""
+    text / 448), stored as `<attention module>.k_scale` / `.v_scale` fp32 scalars.
+
+    rounding: how the cache write rounds K to E4M3 (V is always rounded to nearest); the cache format is the
+    same either way. "nearest": vLLM's bytes, any attention backend writes them. "query-aware": each key's
+    rounding error is steered away from its own token's queries (cublade.ops.fp8_kv_cache_write); served by
+    cublade's cache write (`--attention-backend CUSTOM`), and what the reference backend scores."""
     dtype: str = "fp8"
+    rounding: str = "nearest"
 
     def __post_init__(self):
         _choice("kv_cache", "dtype", self.dtype, ("fp8",))
+        _choice("kv_cache", "rounding", self.rounding, KV_ROUNDINGS)
 
     def to_dict(self) -> dict:
-        return {"dtype": self.dtype}
+        return {"dtype": self.dtype, "rounding": self.rounding}
 
 
 SCHEMES: dict[str, type[Scheme]] = {c.kind: c for c in (Fp8Scheme, W4A16Scheme, MXFP8Scheme, FP4Scheme)}

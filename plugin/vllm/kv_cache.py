@@ -14,11 +14,14 @@ The cache dtype follows the checkpoint: CubladeConfig.kv_cache_scheme makes `--k
 The cache write. vLLM 0.26 has a registry for attention backends with one slot for third parties,
 `AttentionBackendEnum.CUSTOM` (vllm.v1.attention.backends.registry.register_backend); a backend there is
 picked with `--attention-backend CUSTOM`. cublade.vllm.register() puts CubladeFlashAttentionBackend in that
-slot: vLLM's FlashAttention backend, unchanged but for `do_kv_cache_update`, which writes the FP8 cache with
-cublade's CUDA op `fp8_kv_cache_write` instead of vLLM's `reshape_and_cache_flash` (vLLM's op still runs where
-cublade's extension lacks the kernel). The two produce the same bytes (the op's contract). Nothing in vLLM is patched;
-without the flag vLLM's own backend and cache write run. It cannot be made the default without the flag:
-the backend is chosen from the attention config before any quantization config is consulted, and
+slot: vLLM's FlashAttention backend, unchanged but for the FP8 cache write, done by cublade's CUDA op
+`fp8_kv_cache_write` instead of vLLM's `reshape_and_cache_flash` (vLLM's op still runs where cublade's
+extension lacks the kernel). The backend writes the cache in its `forward` (forward_includes_kv_cache_update),
+where the layer's query is at hand: a checkpoint whose kv_cache has `rounding: query-aware` has K rounded
+against its token's queries (cublade.ops.fp8_kv_cache_write); with `rounding: nearest` the op writes the bytes
+vLLM's op writes. Nothing in vLLM is patched; without the flag vLLM's own backend and cache write run (a
+query-aware checkpoint is then rounded to nearest, with a warning). It cannot be made the default without the
+flag: the backend is chosen from the attention config before any quantization config is consulted, and
 overriding vLLM's FLASH_ATTN entry would change every model served in a process that has cublade installed.
 """
 from __future__ import annotations
@@ -41,15 +44,20 @@ def checkpoint_module(prefix: str) -> str:
 
 
 class CubladeKVCacheMethod(BaseKVCacheMethod):
+    _warned_rounding = False
+
     def __init__(self, quant_config, prefix: str = ""):
         super().__init__(quant_config)
         self.prefix = prefix
+        kv = quant_config.policy.kv_cache
+        self.rounding = kv.rounding if kv is not None else "nearest"
 
     def create_weights(self, layer: torch.nn.Module):
         super().create_weights(layer)
         for name in SCALE_NAMES:  # fp32, whatever the model dtype (see the module docstring)
             p = getattr(layer, name)
             p.data = p.data.float()
+        layer.cublade_kv_rounding = self.rounding  # read by CubladeFlashAttentionImpl's cache write
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if (hasattr(layer, "k_scale") and is_quantized_kv_cache(layer.kv_cache_dtype)
@@ -61,6 +69,14 @@ class CubladeKVCacheMethod(BaseKVCacheMethod):
                     raise ValueError(f"{checkpoint_module(self.prefix)}.{name} {what}: the checkpoint's "
                                      f"quantization_config has kv_cache fp8, which needs a positive finite "
                                      f"per-layer {name} (cublade convert --kv-cache fp8 writes it)")
+            if (self.rounding == "query-aware" and not isinstance(getattr(layer, "impl", None),
+                                                                  CubladeFlashAttentionImpl)
+                    and not CubladeKVCacheMethod._warned_rounding):
+                CubladeKVCacheMethod._warned_rounding = True
+                logger.warning("cublade: the checkpoint's FP8 KV cache asks for query-aware K rounding, but the "
+                               "attention backend is %s, whose cache write rounds to nearest (on the bundled "
+                               "model +0.038 loss instead of +0.005); serve with --attention-backend CUSTOM for "
+                               "cublade's cache write", type(getattr(layer, "impl", None)).__name__)
         super().process_weights_after_loading(layer)
 
 
@@ -73,12 +89,33 @@ def _flash_attention():
 _FlashAttentionBackend, _FlashAttentionImpl = _flash_attention()
 
 
+def _slot_mapping(layer) -> torch.Tensor | None:
+    """The layer's slot mapping for this step, where vLLM's unified_kv_cache_update reads it."""
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context().slot_mapping.get(layer.layer_name)
+
+
 class CubladeFlashAttentionImpl(_FlashAttentionImpl):
-    """vLLM's FlashAttention, with the FP8 KV-cache write done by cublade.ops.fp8_kv_cache_write."""
+    """vLLM's FlashAttention, with the FP8 KV-cache write done by cublade.ops.fp8_kv_cache_write in forward."""
 
     _logged = False
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        # What vLLM's Attention.forward does before calling a backend without the update in forward: no write
+        # for the profiling run, for a layer sharing an earlier layer's cache, or without K / V.
+        if (attn_metadata is not None and key is not None and value is not None
+                and getattr(layer, "kv_sharing_target_layer_name", None) is None):
+            slot_mapping = _slot_mapping(layer)
+            if slot_mapping is not None:
+                self.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping, query=query)
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                               output_scale=output_scale, output_block_scale=output_block_scale)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping, query=None) -> None:
+        """query: the layer's query for these tokens (FP8 when vLLM quantized it for FlashAttention 3), used
+        when the layer's cache rounds K query-aware."""
         from vllm.v1.attention.backend import AttentionType
 
         from cublade.ops import fp8_kv_cache_write
@@ -87,6 +124,7 @@ class CubladeFlashAttentionImpl(_FlashAttentionImpl):
         if self.kv_cache_dtype not in ("fp8", "fp8_e4m3") or self.attn_type in (AttentionType.ENCODER_ONLY,
                                                                                   AttentionType.ENCODER):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        query_aware = getattr(layer, "cublade_kv_rounding", "nearest") == "query-aware"
         # On a GPU without cublade's kernel, vLLM's own write: the reference's boolean indexing syncs with
         # the host, which CUDA-graph capture forbids. (The reference runs here only on CPU, for tests.)
         if use_kernel(key, "fp8_kv_cache_write"):
@@ -97,7 +135,8 @@ class CubladeFlashAttentionImpl(_FlashAttentionImpl):
             how = "the PyTorch reference of fp8_kv_cache_write (CPU)"
         if not CubladeFlashAttentionImpl._logged:
             CubladeFlashAttentionImpl._logged = True
-            logger.info("cublade: FP8 KV-cache write runs %s", how)
+            logger.info("cublade: FP8 KV-cache write runs %s, K rounded %s", how,
+                        "to nearest" if how.startswith("vLLM's") or not query_aware else "query-aware")
         if how.startswith("vLLM's"):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         # The same views of the cache as vLLM's FlashAttention backend: [num_blocks, H, block_size, 2*D]
@@ -106,12 +145,15 @@ class CubladeFlashAttentionImpl(_FlashAttentionImpl):
         # key/value may be padded past the real tokens (CUDA graphs); slot_mapping is not.
         n = slot_mapping.shape[0]
         fp8_kv_cache_write(key[:n], value[:n], key_cache, value_cache, slot_mapping, layer._k_scale,
-                           layer._v_scale)
+                           layer._v_scale, query=query[:n] if query_aware and query is not None else None)
         return None
 
 
 class CubladeFlashAttentionBackend(_FlashAttentionBackend):
-    """Registered as AttentionBackendEnum.CUSTOM by cublade.vllm.register()."""
+    """Registered as AttentionBackendEnum.CUSTOM by cublade.vllm.register(). It writes the cache in forward
+    (the query-aware write needs the query), so vLLM calls no separate cache update."""
+
+    forward_includes_kv_cache_update = True
 
     @staticmethod
     def get_name() -> str:

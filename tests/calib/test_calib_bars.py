@@ -99,14 +99,17 @@ def kv_model(calibrated, valid_text):
     return ckpt, loss
 
 
-@pytest.mark.xfail(strict=True, reason="measured +0.038 > 0.01: E4M3 rounding of K costs that on this model "
-                                       "whatever the scale (see test_kv_scales_are_the_best_per_tensor_choice "
-                                       "and scripts/kv_cache_study.py)")
-def test_fp8_kv_cache_costs_at_most_0_01(converted, kv_model, score):
-    ckpt, _ = kv_model
-    dyn, kv = score(converted("fp8-dynamic")), score(ckpt)
-    print(f"\nfp8-dynamic {dyn:.4f}  + FP8 KV cache {kv:.4f}  delta {kv - dyn:+.4f}")
-    assert kv - dyn <= 0.01
+def test_fp8_kv_cache_costs_at_most_0_01(converted, calibrated, kv_model, score):
+    """The bar, with K rounded query-aware (`--kv-rounding query-aware`); rounded to nearest (vLLM's own cache
+    write) K costs nearly four times the bar on this model, whatever the scale (next test, and
+    scripts/kv_cache_study.py)."""
+    nearest, _ = kv_model
+    dyn = score(converted("fp8-dynamic"))
+    query_aware = score(calibrated("fp8-dynamic", kv_cache="fp8", kv_rounding="query-aware"))
+    print(f"\nfp8-dynamic {dyn:.4f}  + FP8 KV cache, K query-aware {query_aware - dyn:+.4f}, "
+          f"K to nearest {score(nearest) - dyn:+.4f}")
+    assert query_aware - dyn <= 0.01  # measured +0.0047
+    assert score(nearest) - dyn > 0.03  # measured +0.0383: the rounding, not the scales, is the cost
 
 
 def test_kv_scales_are_the_best_per_tensor_choice(converted, kv_model, score):

@@ -14,6 +14,7 @@ flip an FP8 rounding of an activation, hence the margin).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -89,11 +90,12 @@ def test_converted_checkpoint_through_vllm_matches_reference(vllm_dist, cpu_atte
                 assert m.input_scale.item() == want, (n, m.input_scale.item(), want)
 
 
-def with_kv_scales(src, dst, scales: dict[int, tuple[float, float]]):
-    """A copy of a converted checkpoint with kv_cache fp8 and the given per-layer (k_scale, v_scale)."""
+def with_kv_scales(src, dst, scales: dict[int, tuple[float, float]], **kv_cache):
+    """A copy of a converted checkpoint with kv_cache fp8 (and the given kv_cache fields) and the given per-layer
+    (k_scale, v_scale)."""
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"]["kv_cache"] = {"dtype": "fp8"}
+    cfg["quantization_config"]["kv_cache"] = {"dtype": "fp8", **kv_cache}
     (dst / "config.json").write_text(json.dumps(cfg))
     t = load_file(str(dst / "model.safetensors"))
     for i, (k, v) in scales.items():
@@ -119,6 +121,22 @@ def test_kv_cache_scales_reach_the_attention_layers(vllm_dist, cpu_attention, co
     model, loss_vllm, loss_ref, rel = compare(ckpt, valid_text, kv_fp8=True)
     assert abs(loss_vllm - loss_ref) < 1e-4, (loss_vllm, loss_ref)
     assert rel < 1e-5
+
+
+def test_query_aware_rounding_reaches_the_attention_layers(vllm_dist, cpu_attention, converted, tmp_path, caplog):
+    """The checkpoint's kv_cache rounding reaches each Attention layer, where cublade's cache write reads it;
+    served by another backend (here the CPU tests' Triton class), a warning says the cache is rounded to nearest."""
+    from cublade.vllm.kv_cache import CubladeKVCacheMethod
+
+    CubladeKVCacheMethod._warned_rounding = False
+    for rounding in ("nearest", "query-aware"):
+        ckpt = with_kv_scales(converted("fp8-dynamic"), tmp_path / rounding, KV_SCALES, rounding=rounding)
+        with caplog.at_level(logging.WARNING, logger="vllm.cublade"):
+            model, _ = load_vllm(ckpt, dtype="bfloat16")
+        assert [layer.self_attn.attn.cublade_kv_rounding for layer in model.model.layers] == [rounding] * 5
+        warned = [r.getMessage() for r in caplog.records if "query-aware K rounding" in r.getMessage()]
+        assert len(warned) == (rounding == "query-aware"), warned
+        assert all("TritonAttentionImpl" in w and "--attention-backend CUSTOM" in w for w in warned)
 
 
 def test_missing_kv_scale_is_an_error_naming_it(vllm_dist, cpu_attention, converted, tmp_path):
