@@ -566,9 +566,14 @@ def test_query_aware_opcheck(qdtype):
     key, value = _qa_kv(8, 2, 64, torch.bfloat16, g, 0, "plain")
     query = _qa_query(torch.randn(8, 4, 64, generator=g), qdtype, "strided")
     kc = torch.zeros(2, 16, 2, 64, dtype=torch.uint8, device="cuda")
+    # opcheck's test_schema compares every argument before and after the call with torch.allclose, which torch
+    # 2.11 lacks for float8 on CUDA ("mul_cuda" not implemented for 'Float8_e4m3fn', H100, 2026-11-25): with an
+    # FP8 query the schema's mutation claims are checked by the bf16 case, the other opcheck tests run as usual.
+    utils = ["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
     torch.library.opcheck(torch.ops.cublade.fp8_kv_cache_write.default,
                           (key, value, kc, torch.zeros_like(kc), torch.arange(8, device="cuda"),
-                           torch.ones(1, device="cuda"), torch.ones(1, device="cuda"), query))
+                           torch.ones(1, device="cuda"), torch.ones(1, device="cuda"), query),
+                          test_utils=utils[1:] if qdtype == FP8 else utils)
 
 
 @gpu
