@@ -197,12 +197,18 @@ namespace wide {
 constexpr int kMinRows = 17;       // from this many rows the wide kernel, on every shape
 constexpr int kMinSmallRows = 9;   // from this many on large weights (kSmallPassMinWeights)
 
-// Passes of 9-16 rows (16 tokens) run the wide kernel when the weight has at least this many elements (64 MiB of
-// int4). Measured (w4a16_wide.cu, 2026-11-22 eighth session, M = 16, us, prep included, streaming kernel / wide):
-// 8192x28672 59.4 / 47.6, 28672x8192 53.6 / 50.5, but 8192x10240 26.8 / 29.5 and 4096x14336 20.2 / 21.4 (the wide
-// kernel's fixed costs, the x prep and the pipeline's fill, weigh more on a shorter call). At 1-8 rows the
-// streaming kernel was faster on all four (8192x28672 M = 8: 43.4 against 46.6 with 8 tokens per pass).
-constexpr int64_t kSmallPassMinWeights = kLargeWeightElements;
+// Passes of 9-16 rows (16 tokens) run the wide kernel when the weight has at least this many elements (96 Mi: 48
+// MiB of int4). Measured (w4a16_wide.cu, 2026-11-22 eighth session, M = 16, us, prep included, streaming kernel /
+// wide): 8192x28672 59.4 / 47.6, 28672x8192 53.6 / 50.5, but 8192x10240 26.8 / 29.5 and 4096x14336 20.2 / 21.4 (the
+// wide kernel's fixed costs, the x prep and the pipeline's fill, weigh more on a shorter call). At 1-8 rows the
+// streaming kernel was faster on all four (8192x28672 M = 8: 43.4 against 46.6 with 8 tokens per pass). The
+// threshold was 2^27 until the fifteenth session timed Llama-3-8B's gate_up (4096x28672, 1.17e8 elements) as a
+// decode step runs it (benchmarks/tuning/w4a16_layers.cu, CUDA graph, us at M = 9 / 12 / 16): streaming 30.12 /
+// 30.54 / 30.93, wide 24.68 / 24.79 / 24.95; the same run kept the smaller ones on the streaming kernel (M = 16:
+// 8192x10240, 8.4e7 elements, 22.88 / 25.01; 4096x14336 16.61 / 17.05; Llama-3-8B qkv, o, down 10.77 / 14.09,
+// 8.41 / 12.32, 19.63 / 22.34). On an H100 (sixteenth session, bench_w4a16_gemm.py, one launch after an L2 clear,
+// us at M = 9 / 12 / 16) gate_up's op took 34.9 / 35.2 / 35.3 against the streaming kernel's 36.4 / 35.6 / 35.6.
+constexpr int64_t kSmallPassMinWeights = int64_t(96) << 20;
 
 // Rows of the next wide pass when `left` rows remain (0: the streaming kernel takes them).
 constexpr int64_t pass_rows(int64_t left, int64_t N, int64_t K) {

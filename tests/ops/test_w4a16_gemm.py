@@ -186,13 +186,15 @@ def test_wide_kernel_four_warpgroups_on_large_n():
 @pytest.mark.parametrize("G,dtype", [(128, torch.bfloat16), (-1, torch.float16)])
 def test_wide_kernel_takes_9_to_16_rows_on_large_weights(G, dtype):
     """At 9-16 rows (a call's, or the last pass's of a larger call) the wide kernel runs 16 tokens a pass when the
-    weight has 2^27 elements or more (4096 x 32768 here), the streaming kernel below that (the same rows on
-    4096 x 16384) and at 1-8 rows: the kernels launched say which, and every output is within the bars."""
+    weight has 96 Mi elements or more (4096 x 32768 and Llama-3-8B's gate_up 4096 x 28672 here), the streaming kernel
+    below that (the same rows on 4096 x 16384) and at 1-8 rows: the kernels launched say which, and every output is
+    within the bars."""
     K = 4096
     big, w_big = gpu_case(32768, K, G, True, seed=11)
     small, w_small = gpu_case(16384, K, G, True, seed=12)
+    gate_up, w_gate_up = gpu_case(28672, K, G, True, seed=13)
     for rp, w, M, wide in [(big, w_big, 9, True), (big, w_big, 16, True), (big, w_big, 8, False),
-                           (big, w_big, 128 + 12, True), (small, w_small, 16, False)]:
+                           (big, w_big, 128 + 12, True), (small, w_small, 16, False), (gate_up, w_gate_up, 12, True)]:
         x = torch.randn(M, K, device="cuda").to(dtype)
         names = kernels_run(lambda: check_wide(x, rp, w))
         gemm = [n for n in names if "cublade" in n and "gemm_kernel" in n]  # in launch order
@@ -320,8 +322,8 @@ def test_automatic_splits(groups_per_sm, K, splits):
     bars). More rows than 16 keep the 8-chunk rule (group size 64, which the wide kernel does not take, at 32 rows)."""
     N = int(64 * groups_per_sm * torch.cuda.get_device_properties(0).multi_processor_count)
     rp, w = gpu_case(N, K, 128, True)
-    # 9-16 rows take the wide kernel on weights of 2^27 elements or more (the (2, 8192) case): 16 only below that
-    for M in (1, 8) if N * K >= 2**27 else (1, 8, 16):
+    # 9-16 rows take the wide kernel on weights of 96 Mi elements or more (the (2, 8192) case): 16 only below that
+    for M in (1, 8) if N * K >= 96 * 2**20 else (1, 8, 16):
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
         y = check(x, rp, w)
         torch.testing.assert_close(y, torch.ops.cublade.w4a16_gemm(x, rp.packed, 128, True, N, splits), rtol=0,
