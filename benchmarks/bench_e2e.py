@@ -14,6 +14,11 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
                           tensors: cublade writes that layout), served by vLLM's own WNA16 method (Machete on
                           Hopper; `VLLM_DISABLED_KERNELS=MacheteLinearKernel` gives Marlin)
     cublade-w4a16         `cublade convert ... --scheme w4a16` (RTN, group 128, symmetric)
+    cublade-fp8-kv-vllm   cublade-fp8 with an FP8 KV cache (k_scale = v_scale = KV_SCALE in every layer: the
+                          step's time does not depend on them), K rounded to nearest, vLLM's FlashAttention and
+                          its own cache write
+    cublade-fp8-kv        the same under --attention-backend CUSTOM: the cache written by cublade's op
+    cublade-fp8-kv-qa     the same checkpoint with `rounding: query-aware`, under CUSTOM: K rounded query-aware
 
 Each configuration runs in a process of its own (one vLLM engine, CUDA graphs at the measured batch sizes). A
 decode step's time is (time of a generate of 1 + S tokens - time of a generate of 1 token) / S for B requests
@@ -47,17 +52,21 @@ LLAMA3_8B = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
     "attention_bias": False, "mlp_bias": False,
 }
-CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization, extra environment)
-    "bf16": ("src", None, {}),
-    "vllm-fp8": ("src", "fp8_per_channel", {}),
-    "cublade-fp8": ("cublade-fp8-dynamic", None, {}),
-    "vllm-mxfp8": ("src", "mxfp8", {}),
-    "cublade-mxfp8": ("cublade-mxfp8", None, {}),
-    "vllm-w4a16": ("ct-w4a16", None, {}),
-    "vllm-w4a16-marlin": ("ct-w4a16", None, {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}),
-    "cublade-w4a16": ("cublade-w4a16", None, {}),
+CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization, extra environment, attention backend)
+    "bf16": ("src", None, {}, None),
+    "vllm-fp8": ("src", "fp8_per_channel", {}, None),
+    "cublade-fp8": ("cublade-fp8-dynamic", None, {}, None),
+    "vllm-mxfp8": ("src", "mxfp8", {}, None),
+    "cublade-mxfp8": ("cublade-mxfp8", None, {}, None),
+    "vllm-w4a16": ("ct-w4a16", None, {}, None),
+    "vllm-w4a16-marlin": ("ct-w4a16", None, {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}, None),
+    "cublade-w4a16": ("cublade-w4a16", None, {}, None),
+    "cublade-fp8-kv-vllm": ("cublade-fp8-kv-nearest", None, {}, None),
+    "cublade-fp8-kv": ("cublade-fp8-kv-nearest", None, {}, "CUSTOM"),
+    "cublade-fp8-kv-qa": ("cublade-fp8-kv-query-aware", None, {}, "CUSTOM"),
 }
 PRESETS = ("fp8-dynamic", "mxfp8", "w4a16")
+KV_SCALE = 0.02  # K and V of these random weights are about N(0, 1.3): abs-max about 9 = 448 * 0.02
 
 
 # ---- make: the synthetic source checkpoint and its conversions ------------------------------------------------
@@ -137,6 +146,28 @@ def make_ct_w4a16(cublade_dir: Path, out: Path) -> None:
     tmp.rename(out)
 
 
+def make_fp8_kv(fp8_dir: Path, out: Path, rounding: str) -> None:
+    """cublade's fp8-dynamic checkpoint with an FP8 KV cache: the same shards (hard links), a shard of per-layer
+    k_scale / v_scale (KV_SCALE), and kv_cache {dtype: fp8, rounding} in the config."""
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
+    tmp.mkdir(parents=True)
+    index = json.loads((fp8_dir / "model.safetensors.index.json").read_text())
+    for fname in sorted(set(index["weight_map"].values())):
+        os.link(fp8_dir / fname, tmp / fname)
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    scales = {f"model.layers.{i}.self_attn.{n}": torch.tensor(KV_SCALE, dtype=torch.float32)
+              for i in range(cfg["num_hidden_layers"]) for n in ("k_scale", "v_scale")}
+    save_file(scales, str(tmp / "kv-scales.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(scales, "kv-scales.safetensors"))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    cfg["quantization_config"]["kv_cache"] = {"dtype": "fp8", "rounding": rounding}
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    tmp.rename(out)
+
+
 def cmd_make(args) -> None:
     work = Path(args.workdir)
     src = work / "src"
@@ -154,11 +185,15 @@ def cmd_make(args) -> None:
         print(f"{preset}: {out} in {time.perf_counter() - t0:.0f} s", flush=True)
     if not (work / "ct-w4a16").exists():
         make_ct_w4a16(work / "cublade-w4a16", work / "ct-w4a16")
+    for rounding in ("nearest", "query-aware"):
+        if not (work / f"cublade-fp8-kv-{rounding}").exists():
+            make_fp8_kv(work / "cublade-fp8-dynamic", work / f"cublade-fp8-kv-{rounding}", rounding)
 
 
 # ---- run: decode step time per configuration ------------------------------------------------------------------
 
-def measure(model: str, quantization: str | None, batches: list[int], prompt: int, steps: int, reps: int) -> dict:
+def measure(model: str, quantization: str | None, batches: list[int], prompt: int, steps: int, reps: int,
+            attention_backend: str | None = None) -> dict:
     """Runs in the configuration's own process: one engine, every batch size."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -166,7 +201,8 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
     t0 = time.perf_counter()
     llm = LLM(model=model, quantization=quantization, skip_tokenizer_init=True, max_model_len=prompt + steps + 8,
               max_num_seqs=max(batches), gpu_memory_utilization=0.5, enable_prefix_caching=False, seed=0,
-              compilation_config={"cudagraph_capture_sizes": sorted(set(batches))})
+              compilation_config={"cudagraph_capture_sizes": sorted(set(batches))},
+              **({"attention_backend": attention_backend} if attention_backend else {}))
     startup = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -197,7 +233,8 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
 
 
 def cmd_measure(args) -> None:
-    res = measure(args.model, args.quantization, args.batches, args.prompt, args.steps, args.reps)
+    res = measure(args.model, args.quantization, args.batches, args.prompt, args.steps, args.reps,
+                  args.attention_backend)
     Path(args.result).write_text(json.dumps(res))
 
 
@@ -214,13 +251,15 @@ def cmd_run(args) -> None:
         raise SystemExit(f"{work}: no {', '.join(missing)}; run `{Path(__file__).name} make {work}` first")
     results = {}
     for name in names:
-        sub, quant, env = CONFIGS[name]
+        sub, quant, env, backend = CONFIGS[name]
         result = work / f"result-{name}.json"
         cmd = [sys.executable, __file__, "measure", str(work / sub), "--result", str(result),
                "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt),
-               "--steps", str(args.steps), "--reps", str(args.reps)] + (["--quantization", quant] if quant else [])
+               "--steps", str(args.steps), "--reps", str(args.reps)] + (["--quantization", quant] if quant else []) \
+            + (["--attention-backend", backend] if backend else [])
         log = work / f"log-{name}.txt"
         print(f"{name}: {work / sub}" + (f" --quantization {quant}" if quant else "") +
+              (f" --attention-backend {backend}" if backend else "") +
               "".join(f" {k}={v}" for k, v in env.items()) + f" (log {log})", flush=True)
         with open(log, "w") as f:
             r = subprocess.run(cmd, env=dict(os.environ, **env), stdout=f, stderr=subprocess.STDOUT)
@@ -230,7 +269,7 @@ def cmd_run(args) -> None:
             continue
         results[name] = json.loads(result.read_text())
         kernels = sorted({line.split("] ", 1)[-1].strip()[:200] for line in log.read_text(errors="replace").splitlines()
-                          if re.search(r"Using \w+Kernel|cublade: .* run on ", line)})
+                          if re.search(r"Using \w+Kernel|cublade: .* run on |KV-cache write runs", line)})
         for k in kernels:
             print(f"  log: {k}")
         print(f"  startup {results[name]['startup_s']:.0f} s; " + ", ".join(
@@ -251,7 +290,9 @@ def report(results: dict, batches: list[int]) -> None:
             f"{r['prefill_ms']:.1f}" for r in res["rows"]]
         print(f"| {name} | " + " | ".join(cells) + " |")
     pairs = [("cublade-fp8", "vllm-fp8"), ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),
-             ("cublade-w4a16", "vllm-w4a16-marlin")] + [(n, "bf16") for n in results if n != "bf16"]
+             ("cublade-w4a16", "vllm-w4a16-marlin"), ("cublade-fp8-kv", "cublade-fp8-kv-vllm"),
+             ("cublade-fp8-kv-qa", "cublade-fp8-kv-vllm"), ("cublade-fp8-kv-qa", "cublade-fp8-kv")] + [
+                 (n, "bf16") for n in results if n != "bf16"]
     print("\nspeed-up, decode step (baseline's time / ours):")
     for ours, base in pairs:
         if ours in results and base in results:
@@ -277,6 +318,7 @@ def main() -> None:
     r.add_argument("--json", help="append the results as one JSON line to this file")
     me.add_argument("model")
     me.add_argument("--quantization")
+    me.add_argument("--attention-backend")
     me.add_argument("--result", required=True)
     args = p.parse_args()
     {"make": cmd_make, "run": cmd_run, "measure": cmd_measure}[args.cmd](args)

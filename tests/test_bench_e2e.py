@@ -55,3 +55,23 @@ def test_ct_w4a16_is_cublade_checkpoint_relabelled(bench_e2e, converted, tmp_pat
     w = scheme["weights"]
     assert (w.num_bits, w.strategy, w.group_size, w.symmetric) == (4, "group", 128, True)
     assert cfg._is_wNa16_group_channel(w, scheme.get("input_activations"))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "query-aware"])
+def test_fp8_kv_is_cublade_fp8_checkpoint_with_kv_scales(bench_e2e, converted, tmp_path, rounding):
+    """The KV configurations' checkpoint: cublade's fp8-dynamic tensors (hard links), one k_scale / v_scale per
+    layer, and a kv_cache the reference backend loads (so does vLLM: it reads the same config and tensors)."""
+    from cublade.reference import load_reference_model
+
+    src = converted("fp8-dynamic")
+    dst = tmp_path / "kv"
+    bench_e2e.make_fp8_kv(src, dst, rounding)
+    src_index, src_t = tensors(src)
+    dst_index, dst_t = tensors(dst)
+    for name, f in src_index.items():
+        assert dst_index[name] == f and os.path.samefile(src / f, dst / f)
+    extra = set(dst_t) - set(src_t)
+    assert extra == {f"model.layers.{i}.self_attn.{n}" for i in range(5) for n in ("k_scale", "v_scale")}
+    assert all(dst_t[n].item() == pytest.approx(bench_e2e.KV_SCALE) for n in extra)
+    _, policy = load_reference_model(dst)
+    assert policy.kv_cache.rounding == rounding

@@ -256,6 +256,25 @@ def test_kv_cache_fp8_with_cublade_cache_write(plugin_installed, checkpoint, log
     assert f"FP8 KV-cache write runs {expect}" in text, tail(log)
 
 
+def test_kv_cache_query_aware_compiled_matches_eager(plugin_installed, checkpoint, logs):
+    """A query-aware FP8 KV checkpoint under --attention-backend CUSTOM: the backend writes the cache in its
+    forward, which CUDA graphs capture when vLLM compiles (the slot mapping is then padded with -1, which the
+    write skips). Compiled, it must give the eager greedy text up to token 16, both written query-aware."""
+    ckpt = checkpoint("fp8-dynamic", kv_cache="fp8", kv_rounding="query-aware")
+    outs, texts = {}, {}
+    for mode, extra in (("eager", ("--enforce-eager",)), ("compiled", ())):
+        log = logs / f"serve-fp8-kv-query-aware-{mode}.log"
+        with vllm_server(ckpt, log, *extra, "--attention-backend", "CUSTOM") as url:
+            outs[mode] = greedy(url)
+        texts[mode] = log.read_text(errors="replace")
+        record(test="kv-query-aware-custom", model=f"fp8-dynamic+kv-qa-{mode}", **outs[mode])
+        assert "K rounded query-aware" in texts[mode], tail(log)
+    assert "Capturing CUDA graphs" in texts["compiled"] or "Graph capturing finished" in texts["compiled"], \
+        tail(logs / "serve-fp8-kv-query-aware-compiled.log")
+    assert outs["compiled"]["tokens"][:16] == outs["eager"]["tokens"][:16], (outs["compiled"]["text"],
+                                                                               outs["eager"]["text"])
+
+
 def test_compressed_tensors_checkpoint_with_quantization_flag(plugin_installed, checkpoint, logs, tmp_path, served):
     """The fp8-dynamic checkpoint rewritten in compressed-tensors' FP8_DYNAMIC layout, served with
     --quantization cublade, gives the same greedy text as cublade's own checkpoint."""
