@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: float32 for reference, bfloat16 for vllm)")
     q.add_argument("--attention-backend", metavar="NAME", help="vllm backend: vLLM's attention backend (default: "
-                   "vLLM's choice; CUSTOM, cublade's FP8 cache write, for a checkpoint whose FP8 KV cache rounds K "
-                   "query-aware)")
+                   "CUSTOM, cublade's FP8 cache write, for a checkpoint whose FP8 KV cache rounds K query-aware; "
+                   "vLLM's choice for any other)")
 
     sub.add_parser("presets", help="list the preset policies")
     return p
