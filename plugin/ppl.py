@@ -93,10 +93,14 @@ def _reference_nll(model_dir, wins: list[list[int]], dtype: torch.dtype, batch: 
 
 
 def _kv_rounding(model_dir) -> str | None:
+    """The K rounding of a cublade checkpoint's FP8 KV cache (None: no such cache, or not a cublade checkpoint)."""
     import json
 
+    from cublade.config import QUANT_METHOD, parse_quantization_config
+
     qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
-    return (qc.get("kv_cache") or {}).get("rounding", "nearest") if qc.get("quant_method") == "cublade" else None
+    kv = parse_quantization_config(qc).kv_cache if qc.get("quant_method") == QUANT_METHOD else None
+    return kv.rounding if kv is not None else None
 
 
 def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> float:

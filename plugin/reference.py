@@ -44,6 +44,19 @@ class QuantLinearRef(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.scheme.describe()}"
 
 
+def fp8_kv_round_key(query: torch.Tensor, key: torch.Tensor, k_scale: torch.Tensor, rounding: str) -> torch.Tensor:
+    """K in transformers' layout [B, kv heads, T, D] (after RoPE) through the FP8 cache and back, rounded as
+    KVCacheScheme.rounding says (query-aware: each token's key against its queries, [B, heads, T, D])."""
+    if rounding == "query-aware":  # per token: [B, heads, T, D] -> [B * T, heads, D]
+        B, G, T, D = key.shape
+        k = fp8_kv_quant_query_aware_ref(key.transpose(1, 2).reshape(B * T, G, D),
+                                         query.transpose(1, 2).reshape(B * T, -1, D), k_scale)
+        k = k.reshape(B, T, G, D).transpose(1, 2)
+    else:
+        k = fp8_kv_quant_ref(key, k_scale)
+    return (k.float() * k_scale).to(key.dtype)
+
+
 def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
     """SDPA over K/V rounded through the FP8 cache (quantize with the layer's scale, dequantize)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -51,14 +64,7 @@ def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
     scales = getattr(module, "cublade_kv_scales", None)
     if scales is not None:
         k_scale, v_scale = scales
-        if module.cublade_kv_rounding == "query-aware":  # per token: [B, heads, T, D] -> [B * T, heads, D]
-            B, G, T, D = key.shape
-            k = fp8_kv_quant_query_aware_ref(key.transpose(1, 2).reshape(B * T, G, D),
-                                             query.transpose(1, 2).reshape(B * T, -1, D), k_scale)
-            k = k.reshape(B, T, G, D).transpose(1, 2)
-        else:
-            k = fp8_kv_quant_ref(key, k_scale)
-        key = (k.float() * k_scale).to(key.dtype)
+        key = fp8_kv_round_key(query, key, k_scale, module.cublade_kv_rounding)
         value = (fp8_kv_quant_ref(value, v_scale).float() * v_scale).to(value.dtype)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 

@@ -34,9 +34,9 @@ import torch
 
 from cublade.config import preset
 from cublade.convert import convert
-from cublade.ops.fp8_kv_cache_write import _other_neighbour, fp8_kv_quant_query_aware_ref, fp8_kv_quant_ref
+from cublade.ops.fp8_kv_cache_write import _other_neighbour, fp8_kv_quant_ref
 from cublade.ppl import tokenize, windows
-from cublade.reference import FP8_KV_ATTENTION, load_reference_model
+from cublade.reference import FP8_KV_ATTENTION, fp8_kv_round_key, load_reference_model
 
 REPO = Path(__file__).resolve().parents[1]
 CALIB, EVAL = slice(0, 6), slice(6, None)
@@ -131,8 +131,7 @@ class Study:
             key = oracle_round(query[0], key[0], k_scale, self.mode.split()[1])[None]
             value = fp8_round(value, v_scale)
         elif self.mode == "query-aware":
-            k = fp8_kv_quant_query_aware_ref(key[0].transpose(0, 1), query[0].transpose(0, 1), k_scale)
-            key, value = (k.float() * k_scale).transpose(0, 1)[None], fp8_round(value, v_scale)
+            key, value = fp8_kv_round_key(query, key, k_scale, "query-aware"), fp8_round(value, v_scale)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     @torch.inference_mode()
