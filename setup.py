@@ -44,7 +44,7 @@ setup(
     name="cublade",
     version="0.1.0",
     description="vLLM quantization plugin with CUDA kernels for NVIDIA Hopper: FP8, W4A16, MXFP8, FP4 experts",
-    packages=["cublade", "cublade.config", "cublade.ops", "cublade.vllm", "cublade.calib"],
+    packages=["cublade", "cublade.numerics", "cublade.config", "cublade.ops", "cublade.vllm", "cublade.calib"],
     package_dir={"cublade": "plugin"},
     package_data={"cublade": ["csrc/*.cu", "csrc/*.cuh", "csrc/*.cpp", "csrc/*.h", "csrc/README.md"]},
     python_requires=">=3.10",

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from cublade.constants import F8E4M3_MAX
+from cublade.numerics.constants import F8E4M3_MAX
+from cublade.numerics.fp8 import FP8_DTYPE
 from cublade.ops._dispatch import register_fake, use_kernel
-from cublade.ops.fp8_quant import FP8_DTYPE
 
 
 def fp8_kv_quant_ref(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

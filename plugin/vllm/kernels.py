@@ -30,7 +30,8 @@ from typing import Callable, ClassVar
 import torch
 
 from cublade.config import Fp8Scheme, MXFP8Scheme, Scheme, W4A16Scheme
-from cublade.ops import fp8_quant as fp8_ops
+from cublade.ops.fp8_quant_per_tensor import fp8_quant_per_tensor_ref
+from cublade.ops.fp8_quant_per_token import fp8_quant_per_token_ref
 from cublade.ops import mxfp8_gemm as mxfp8_ops
 from cublade.ops import w4a16_gemm as w4a16_ops
 from cublade.ops.mxfp8_quant import mxfp8_dequant_ref  # (`cublade.ops.mxfp8_quant` is the op, not the module)
@@ -125,9 +126,9 @@ class ReferenceKernel(LinearKernel):
 def _fp8_input_quant(scheme: Fp8Scheme, device: torch.device) -> tuple[Callable, str]:
     """(x2d, input_scale) -> (e4m3, fp32 scale [M, 1] or [1]), bound to cublade's op or its reference."""
     if scheme.activations == "dynamic-token":
-        fn, how = _op("fp8_quant_per_token", device, fp8_ops.fp8_quant_per_token_ref)
+        fn, how = _op("fp8_quant_per_token", device, fp8_quant_per_token_ref)
         return (lambda x, s: fn(x)), how
-    fn, how = _op("fp8_quant_per_tensor", device, fp8_ops.fp8_quant_per_tensor_ref)
+    fn, how = _op("fp8_quant_per_tensor", device, fp8_quant_per_tensor_ref)
     if scheme.activations == "dynamic-tensor":
         return (lambda x, s: fn(x, None)), how
     return (lambda x, s: fn(x, s.float())), how  # the op takes an fp32 scale
@@ -258,7 +259,7 @@ class _VllmMixedPrecision(LinearKernel):
         from vllm.model_executor.parameter import (ChannelQuantScaleParameter, GroupQuantScaleParameter,
                                                    PackedColumnParameter, PackedvLLMParameter)
 
-        from cublade.ops.int4 import pack_int4
+        from cublade.numerics.int4 import pack_int4
 
         s: W4A16Scheme = self.scheme
         act = layer.params_dtype

@@ -35,9 +35,9 @@ from vllm.model_executor.parameter import (BasevLLMParameter, ChannelQuantScaleP
 from vllm.model_executor.utils import set_weight_attrs
 
 from cublade.config import Fp8Scheme, MXFP8Scheme, Scheme, W4A16Scheme
-from cublade.constants import INT4_PER_INT32, MX_BLOCK
-from cublade.ops.fp8_quant import FP8_DTYPE
-from cublade.ops.int4 import unpack_int4
+from cublade.numerics.constants import INT4_PER_INT32, MX_BLOCK
+from cublade.numerics.fp8 import FP8_DTYPE
+from cublade.numerics.int4 import unpack_int4
 from cublade.vllm.config import CT_METHOD, CubladeConfig
 from cublade.vllm.kernels import replace_parameter, select_kernel
 

@@ -44,10 +44,10 @@ from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightSc
 from vllm.model_executor.utils import set_weight_attrs
 
 from cublade.config.schemes import FP4Scheme, UnsupportedShape
-from cublade.constants import E8M0_NAN
+from cublade.numerics.constants import E8M0_NAN
 from cublade.experts import experts_forward_ref
 from cublade.vllm.kernels import (add_to_compile_key, first_runnable, log_choice_once, replace_parameter,
-                                   why_no_kernel)
+                                  why_no_kernel)
 
 logger = logging.getLogger("vllm.cublade")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cublade.ops import _dispatch
-from cublade.constants import F8E4M3_MAX
+from cublade.numerics.constants import F8E4M3_MAX
 from cublade.ops.fp8_kv_cache_write import (KV_QUERY_AWARE_MAX_FLIPS, fp8_kv_cache_write, fp8_kv_cache_write_ref,
                                             fp8_kv_quant_query_aware_ref, fp8_kv_quant_ref)
 

@@ -20,12 +20,11 @@ import re
 import pytest
 import torch
 
-from cublade.ops.int4 import int4_dequant_weight, int4_quant_weight
-from cublade.ops.linear import w4a16_linear_ref
-from cublade.ops.int4 import pack_int4
+from cublade.numerics.int4 import int4_dequant_weight, int4_quant_weight, pack_int4
+from cublade.numerics.linear import w4a16_linear_ref
 from cublade.ops.w4a16_gemm import (record_words, w4a16_dequant_repacked, w4a16_gemm, w4a16_gemm_ref,
                                     w4a16_repack)
-from numerics import assert_one_rounding, rel_err
+from accuracy import assert_one_rounding, rel_err
 from profiling import kernels_run, stream_k_slices
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")

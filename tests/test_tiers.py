@@ -1,0 +1,36 @@
+"""The import tiers: the checkpoint format (cublade.config) and the format math (cublade.numerics) import no op
+module and load no extension, so `cublade presets`, the policy and the converter's planning never touch CUDA. Each
+check runs in a fresh interpreter (this one has long imported everything)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import importlib, json, pkgutil, sys
+{imports}
+print(json.dumps(sorted(m for m in sys.modules if m == "cublade._C" or m == "cublade.ops" or m.startswith("cublade.ops."))))
+"""
+ALL_NUMERICS = ("import cublade.numerics\n"
+                "for m in pkgutil.iter_modules(cublade.numerics.__path__): importlib.import_module(f'cublade.numerics.{m.name}')")
+
+
+def loaded_ops(imports: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", PROBE.format(imports=imports)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("imports", ["import cublade.config", ALL_NUMERICS,
+                                     "import cublade.cli; cublade.cli.main(['presets'])"],
+                         ids=["config", "numerics", "cli-presets"])
+def test_format_tiers_load_no_op_and_no_extension(imports):
+    assert loaded_ops(imports) == []
+
+
+def test_the_probe_sees_the_ops():
+    assert "cublade.ops._dispatch" in loaded_ops("import cublade.ops")
