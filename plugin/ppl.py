@@ -15,13 +15,19 @@ from pathlib import Path
 
 import torch
 
-BACKENDS = ("reference", "vllm")
+from cublade.config.schemes import KVRounding
+from cublade.numerics.choice import Choice
+
+
+class Backend(Choice):
+    REFERENCE = "reference"  # transformers on CPU through cublade's reference ops
+    VLLM = "vllm"  # vLLM prompt logprobs (GPU)
 
 
 @dataclass(frozen=True)
 class PplResult:
     model: str
-    backend: str
+    backend: Backend
     loss: float
     n_tokens: int  # predicted tokens
 
@@ -92,7 +98,7 @@ def _reference_nll(model_dir, wins: list[list[int]], dtype: torch.dtype, batch: 
     return total
 
 
-def _kv_rounding(model_dir) -> str | None:
+def _kv_rounding(model_dir) -> KVRounding | None:
     """The K rounding of a cublade checkpoint's FP8 KV cache (None: no such cache, or not a cublade checkpoint)."""
     import json
 
@@ -113,7 +119,7 @@ def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> flo
     from vllm.inputs import TokensPrompt
 
     max_len = max(len(w) for w in wins) + 1
-    if llm_kwargs.get("attention_backend") is None and _kv_rounding(model_dir) == "query-aware":
+    if llm_kwargs.get("attention_backend") is None and _kv_rounding(model_dir) is KVRounding.QUERY_AWARE:
         # the cache write that rounds K query-aware is cublade's (cublade.vllm.kv_cache): score what serving
         # the checkpoint as intended gives
         llm_kwargs["attention_backend"] = "CUSTOM"
@@ -133,10 +139,11 @@ def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> flo
     return total
 
 
-def evaluate(model_dir, text_path, backend: str = "reference", lines: slice | None = None, window: int = 512,
-             dtype: str = "float32", **backend_kwargs) -> PplResult:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+def evaluate(model_dir, text_path, backend: Backend | str = Backend.REFERENCE, lines: slice | None = None,
+             window: int = 512, dtype: str = "float32", **backend_kwargs) -> PplResult:
+    if backend not in Backend.values():
+        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(Backend.values())}")
+    backend = Backend(backend)
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")
@@ -144,7 +151,7 @@ def evaluate(model_dir, text_path, backend: str = "reference", lines: slice | No
     if not wins:
         raise ValueError(f"{text_path}: too little text to score (fewer than 2 tokens)")
     n = sum(len(w) - 1 for w in wins)
-    if backend == "reference":
+    if backend is Backend.REFERENCE:
         nll = _reference_nll(model_dir, wins, getattr(torch, dtype), **backend_kwargs)
     else:
         nll = _vllm_nll(model_dir, wins, dtype, **backend_kwargs)
