@@ -27,7 +27,7 @@ def _size(text: str) -> int:
 
 
 def _lines(text: str) -> slice:
-    from cublade.ppl import parse_lines
+    from cublade.text import parse_lines
 
     try:
         return parse_lines(text)

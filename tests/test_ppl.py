@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cublade.ppl import evaluate, format_table, parse_lines, tokenize, windows
+from cublade.ppl import evaluate, format_table
 from cublade.reference import QuantLinearRef, load_reference_model
+from cublade.text import parse_lines, tokenize, windows
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_LOSS = 1.6917  # fixtures/README.md: fp32, windows of 512, each line BOS + line

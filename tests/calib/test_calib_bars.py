@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cublade.ppl import evaluate, tokenize, windows
+from cublade.ppl import evaluate
 from cublade.reference import load_reference_model
+from cublade.text import tokenize, windows
 
 CALIB, EVAL = slice(0, 6), slice(6, None)
 

@@ -167,7 +167,7 @@ def test_fp4_experts_fp8_dense_loss(converted, moe_fixture, valid_text, unquanti
 
 def test_whole_model_in_vllm_matches_reference_backend(vllm_cpu, cpu_attention, converted, moe_fixture,
                                                        valid_text):
-    from cublade.ppl import tokenize
+    from cublade.text import tokenize
     from cublade.reference import load_reference_model
     from cublade.vllm.linear import CubladeLinearMethod
     from cublade.vllm.moe import CubladeFp4MoEMethod
