@@ -34,3 +34,14 @@ def test_format_tiers_load_no_op_and_no_extension(imports):
 
 def test_the_probe_sees_the_ops():
     assert "cublade.ops._dispatch" in loaded_ops("import cublade.ops")
+
+
+def test_vllm_layer_methods_do_not_import_the_vllm_config():
+    """Data flows config -> method: CubladeConfig hands each layer method its scheme, the methods import nothing of
+    cublade.vllm.config."""
+    pytest.importorskip("vllm.model_executor", reason="vLLM is not installed")
+    code = ("import json, sys, cublade.vllm.linear, cublade.vllm.moe, cublade.vllm.kv_cache\n"
+            "print(json.dumps('cublade.vllm.config' in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) is False

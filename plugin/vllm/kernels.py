@@ -259,7 +259,7 @@ class _VllmMixedPrecision(LinearKernel):
         from vllm.model_executor.parameter import (ChannelQuantScaleParameter, GroupQuantScaleParameter,
                                                    PackedColumnParameter, PackedvLLMParameter)
 
-        from cublade.numerics.int4 import pack_int4
+        from cublade.config.compressed_tensors import pack_zero_points
 
         s: W4A16Scheme = self.scheme
         act = layer.params_dtype
@@ -269,7 +269,7 @@ class _VllmMixedPrecision(LinearKernel):
             weight_loader=noop))
         scale = layer.weight_scale.data.to(act)
         zp = getattr(layer, "weight_zero_point", None)
-        zp = None if zp is None else pack_int4(zp.data.t().contiguous()).t().contiguous()  # [N/8, groups]
+        zp = None if zp is None else pack_zero_points(zp.data)  # [N/8, groups]
         if s.group_size == -1:
             replace_parameter(layer, "weight_scale", ChannelQuantScaleParameter(
                 data=scale, output_dim=0, weight_loader=noop))
