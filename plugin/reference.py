@@ -16,7 +16,7 @@ from torch import nn
 
 from cublade.checkpoint import check_tensors, load_all
 from cublade.config import Policy, Scheme, parse_quantization_config
-from cublade.experts import prepare_moe_reference
+from cublade.reference_experts import prepare_moe_reference
 from cublade.ops.fp8_kv_cache_write import fp8_kv_quant_query_aware_ref, fp8_kv_quant_ref
 
 FP8_KV_ATTENTION = "cublade_fp8_kv"
@@ -113,7 +113,7 @@ def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, kv_cache
         if use_kv:
             _attach_kv_scales(model, tensors, policy.kv_cache.rounding)
 
-    # MoE experts: quantized ones become QuantExpertsRef, per-expert unquantized ones are stacked (cublade.experts).
+    # MoE experts: quantized ones become QuantExpertsRef, per-expert unquantized ones are stacked (cublade.reference_experts).
     prepare_moe_reference(model, tensors, policy, cfg_dict)
     # Everything else (embeddings, norms, ignored layers) loads as plain weights, cast to `dtype`.
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}

@@ -108,7 +108,7 @@ class CubladeConfig(QuantizationConfig):
         from pathlib import Path
 
         if Path(model_name).is_dir():
-            from cublade.experts import check_checkpoint_experts
+            from cublade.vllm.moe import check_checkpoint_experts
 
             check_checkpoint_experts(model_name)
 

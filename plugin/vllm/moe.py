@@ -25,7 +25,7 @@ once per distinct choice with the reason; CUBLADE_DISABLED_KERNELS=name,... take
   vllm-marlin-moe    fallback: vLLM's fused Marlin MoE (FP4 weights, bf16/fp16 activations), CUDA; weights
                      repacked once into Marlin's layout. NVFP4 needs one global scale per expert for w1 and w3.
   reference          pure PyTorch: every expert linear is scheme.linear_ref on the stored FP4 tensors (the
-                     reference backend's numerics, cublade.experts.experts_forward_ref); the CPU path. On a GPU
+                     reference backend's numerics, cublade.numerics.moe.experts_forward_ref); the CPU path. On a GPU
                      it is the last resort: slow, and it syncs with the host, so it refuses CUDA-graph capture
                      (serve with --enforce-eager).
 """
@@ -43,13 +43,25 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
 from vllm.model_executor.utils import set_weight_attrs
 
+from cublade.checkpoint import tensor_infos
+from cublade.config.experts import expert_layout
 from cublade.config.schemes import FP4Scheme, UnsupportedShape
 from cublade.numerics.constants import E8M0_NAN
-from cublade.experts import experts_forward_ref
+from cublade.numerics.moe import experts_forward_ref
 from cublade.vllm.kernels import (add_to_compile_key, first_runnable, log_choice_once, replace_parameter,
                                   why_no_kernel)
 
 logger = logging.getLogger("vllm.cublade")
+
+
+def check_checkpoint_experts(model_dir) -> None:
+    """A cublade (or any per-expert) checkpoint's expert tensors against its config.json, from the safetensors
+    headers only: no expert id beyond the config's count, none missing. For loaders that would otherwise drop
+    an extra expert without a word (vLLM's FusedMoE loader maps ids 0..E-1 only)."""
+    layout = expert_layout(model_dir)
+    if layout is None:
+        return
+    layout.check_complete(name for _, name, _, _ in tensor_infos(model_dir))
 
 
 def _ckpt_proj(layer, shard_id: str) -> str:

@@ -17,8 +17,9 @@ from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.model_executor.layers.fused_moe import FusedMoE  # noqa: E402
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig  # noqa: E402
 
+from cublade.config.experts import ExpertLayout  # noqa: E402
 from cublade.config.schemes import Fp8Scheme, FP4Scheme, UnsupportedShape  # noqa: E402
-from cublade.experts import ExpertLayout, QuantExpertsRef  # noqa: E402
+from cublade.reference_experts import QuantExpertsRef  # noqa: E402
 from cublade.vllm.moe import CubladeFp4MoEMethod, ReferenceMoE  # noqa: E402
 
 PREFIX = "model.layers.{l}.block_sparse_moe.experts"
@@ -162,7 +163,7 @@ def test_load_places_every_expert_tensor(vllm_cpu, ckpt, fmt):
 
 
 def _reference(ckpt, fmt, x, logits):
-    """The reference backend's experts (cublade.experts.QuantExpertsRef) on the same checkpoint tensors."""
+    """The reference backend's experts (cublade.reference_experts.QuantExpertsRef) on the same checkpoint tensors."""
     layout = ExpertLayout.from_config(MIXTRAL)
     scheme = FP4Scheme(format=fmt)
     t: dict = {}
