@@ -39,7 +39,8 @@ from cublade.config import compressed_tensors as ct_format
 from cublade.config.format import QuantMethod
 from cublade.numerics.constants import INT4_PER_INT32, MX_BLOCK
 from cublade.numerics.fp8 import FP8_DTYPE
-from cublade.vllm.kernels import replace_parameter, select_kernel
+from cublade.vllm.kernels import select_kernel
+from cublade.vllm.kernels.base import replace_parameter
 
 logger = logging.getLogger("vllm.cublade")
 
