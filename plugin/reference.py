@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from cublade.checkpoint import check_tensors, load_all
-from cublade.config import Policy, Scheme, parse_quantization_config
+from cublade.config import KVRounding, Policy, Scheme, parse_quantization_config
 from cublade.reference_experts import prepare_moe_reference
 from cublade.ops.fp8_kv_cache_write import fp8_kv_quant_query_aware_ref, fp8_kv_quant_ref
 
@@ -44,10 +44,11 @@ class QuantLinearRef(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.scheme.describe()}"
 
 
-def fp8_kv_round_key(query: torch.Tensor, key: torch.Tensor, k_scale: torch.Tensor, rounding: str) -> torch.Tensor:
+def fp8_kv_round_key(query: torch.Tensor, key: torch.Tensor, k_scale: torch.Tensor,
+                     rounding: KVRounding | str) -> torch.Tensor:
     """K in transformers' layout [B, kv heads, T, D] (after RoPE) through the FP8 cache and back, rounded as
     KVCacheScheme.rounding says (query-aware: each token's key against its queries, [B, heads, T, D])."""
-    if rounding == "query-aware":  # per token: [B, heads, T, D] -> [B * T, heads, D]
+    if KVRounding(rounding) is KVRounding.QUERY_AWARE:  # per token: [B, heads, T, D] -> [B * T, heads, D]
         B, G, T, D = key.shape
         k = fp8_kv_quant_query_aware_ref(key.transpose(1, 2).reshape(B * T, G, D),
                                          query.transpose(1, 2).reshape(B * T, -1, D), k_scale)
@@ -131,7 +132,7 @@ def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, kv_cache
     return model.eval(), policy
 
 
-def _attach_kv_scales(model: nn.Module, tensors: dict[str, torch.Tensor], rounding: str) -> None:
+def _attach_kv_scales(model: nn.Module, tensors: dict[str, torch.Tensor], rounding: KVRounding) -> None:
     """Move each `<attn>.k_scale` / `.v_scale` from the checkpoint onto its attention module, with the
     rounding of K (KVCacheScheme.rounding)."""
     found = 0
