@@ -84,7 +84,7 @@ def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> flo
     finally:
         # vLLM 0.26's LLM has no close(): left to the finalizers at interpreter exit, the engine client's
         # threads aborted the process after the loss was printed (SIGABRT, "terminate called without an active
-        # exception", H200, 2026-11-22). Stop the engine core and its client threads here instead.
+        # exception", seen on an H200). Stop the engine core and its client threads here instead.
         llm.llm_engine.engine_core.shutdown()
     total = 0.0
     for w, out in zip(wins, outs):

@@ -12,10 +12,13 @@ import pytest
 PROBE = """
 import importlib, json, pkgutil, sys
 {imports}
-print(json.dumps(sorted(m for m in sys.modules if m == "cublade._C" or m == "cublade.ops" or m.startswith("cublade.ops."))))
+print(json.dumps(sorted(m for m in sys.modules if m in ("cublade._C", "cublade.ops") or m.startswith("cublade.ops."))))
 """
-ALL_NUMERICS = ("import cublade.numerics\n"
-                "for m in pkgutil.iter_modules(cublade.numerics.__path__): importlib.import_module(f'cublade.numerics.{m.name}')")
+
+
+def every_module(package: str) -> str:
+    return (f"import {package}\n"
+            f"for m in pkgutil.iter_modules({package}.__path__): importlib.import_module('{package}.' + m.name)")
 
 
 def loaded_ops(imports: str) -> list[str]:
@@ -25,9 +28,10 @@ def loaded_ops(imports: str) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("imports", ["import cublade.config", ALL_NUMERICS,
+@pytest.mark.parametrize("imports", ["import cublade.config", every_module("cublade.config"),
+                                     every_module("cublade.numerics"),
                                      "import cublade.cli; cublade.cli.main(['presets'])"],
-                         ids=["config", "numerics", "cli-presets"])
+                         ids=["config", "config-all", "numerics-all", "cli-presets"])
 def test_format_tiers_load_no_op_and_no_extension(imports):
     assert loaded_ops(imports) == []
 

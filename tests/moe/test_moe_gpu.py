@@ -20,7 +20,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 
 REPO = Path(__file__).resolve().parents[2]
-PPL_REL = 0.005  # vllm vs reference perplexity of the same checkpoint (issue 5)
+PPL_REL = 0.005  # vllm vs reference perplexity of the same checkpoint
 FORMATS = ["mxfp4", "nvfp4"]
 
 

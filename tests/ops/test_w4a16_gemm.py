@@ -4,7 +4,7 @@ Tolerance classes: the repack and the reference are exact (rtol=0, atol=0: same 
 the kernel is a GEMM (fp32 sums in another order, one rounding to bf16/fp16 at the end), so every output is held
 to one rounding of the fp32 product with the dequantized weights (|C - ref| <= 2^-8 |ref|, bf16's half ulp, plus
 1e-4 mean|ref| for the summation order), and outputs of 4096 elements or more also to mean|C - ref| / mean|ref|
-<= 2e-3 (the issue's bar; the final bf16 rounding alone is ~1.4e-3 on this metric, fp16's ~2e-4; on a few dozen
+<= 2e-3 (the accuracy bar; the final bf16 rounding alone is ~1.4e-3 on this metric, fp16's ~2e-4; on a few dozen
 outputs the mean is sample noise around that, 2.1e-3 was seen for 37). x is random but seeded per test. The
 kernel applies each group's scale to an fp32 partial sum, so the weights themselves are never rounded. From 128
 rows (448 at group size 128 or per channel, where the wide kernel runs from 17; 640 on weights of 2^27 elements or
