@@ -95,9 +95,7 @@ def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> flo
 
 def evaluate(model_dir, text_path, backend: Backend | str = Backend.REFERENCE, lines: slice | None = None,
              window: int = 512, dtype: str = "float32", **backend_kwargs) -> PplResult:
-    if backend not in Backend.values():
-        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(Backend.values())}")
-    backend = Backend(backend)
+    backend = Backend.lookup(backend, "backend")
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")

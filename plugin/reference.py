@@ -114,7 +114,8 @@ def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, kv_cache
         if use_kv:
             _attach_kv_scales(model, tensors, policy.kv_cache.rounding)
 
-    # MoE experts: quantized ones become QuantExpertsRef, per-expert unquantized ones are stacked (cublade.reference_experts).
+    # MoE experts: quantized ones become QuantExpertsRef, per-expert unquantized ones are stacked
+    # (cublade.reference_experts).
     prepare_moe_reference(model, tensors, policy, cfg_dict)
     # Everything else (embeddings, norms, ignored layers) loads as plain weights, cast to `dtype`.
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}

@@ -51,6 +51,7 @@ class KVRounding(Choice):
     NEAREST = "nearest"
     QUERY_AWARE = "query-aware"
 
+
 # FP8 tensor-core GEMMs (CUTLASS scaled-mm, cuBLASLt) need 16-element alignment of K and N.
 FP8_ALIGN = 16
 

@@ -17,8 +17,16 @@ class Choice(str, Enum):
 
     @classmethod
     def parse(cls, value, what: str):
-        """The member for `value` (a member or its string), else a ValueError naming `what` and the choices."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"{what}={value!r} is not one of {', '.join(map(repr, cls.values()))}") from None
+        """The member for `value` (a member or its string), else "<what>=<value> is not one of ..." (a field)."""
+        if value not in cls.values():
+            raise ValueError(f"{what}={value!r} is not one of {', '.join(map(repr, cls.values()))}")
+        return cls(value)
+
+    @classmethod
+    def lookup(cls, value, noun: str, where: str = ""):
+        """The member for `value` (a member or its string), else "<where>: unknown <noun> <value>; valid: ..."
+        (an argument)."""
+        if value not in cls.values():
+            where = f"{where}: " if where else ""
+            raise ValueError(f"{where}unknown {noun} {value!r}; valid: {', '.join(cls.values())}")
+        return cls(value)

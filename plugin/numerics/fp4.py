@@ -28,14 +28,6 @@ class Fp4Format(Choice):
     @property
     def block(self) -> int:
         return MX_BLOCK if self is Fp4Format.MXFP4 else NVFP4_BLOCK
-
-
-def check_format(fmt: Fp4Format | str, op: str = "") -> Fp4Format:
-    """The Fp4Format for `fmt`, else a ValueError (prefixed by `op`) listing the valid ones."""
-    if fmt not in Fp4Format.values():
-        where = f"{op}: " if op else ""
-        raise ValueError(f"{where}unknown FP4 format {fmt!r}; valid: {', '.join(Fp4Format.values())}")
-    return Fp4Format(fmt)
 # Midpoints between consecutive magnitudes; a tie goes to the even code (the lower one where the lower
 # code is even, i.e. at midpoints with index 0, 2, 4, 6 -> round down; 1, 3, 5 -> round up).
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -117,12 +109,12 @@ def nvfp4_dequant_weight(packed: torch.Tensor, scale: torch.Tensor, global_scale
 
 def fp4_quant_weight(w: torch.Tensor, fmt: Fp4Format | str, rule: ScaleRule | str = DEFAULT_SCALE_RULE
                      ) -> dict[str, torch.Tensor]:
-    if check_format(fmt) is Fp4Format.MXFP4:
+    if Fp4Format.lookup(fmt, "FP4 format") is Fp4Format.MXFP4:
         return mxfp4_quant_weight(w, rule)
     return nvfp4_quant_weight(w)
 
 
 def fp4_dequant_weight(t: dict[str, torch.Tensor], fmt: Fp4Format | str, dtype=torch.float32) -> torch.Tensor:
-    if check_format(fmt) is Fp4Format.MXFP4:
+    if Fp4Format.lookup(fmt, "FP4 format") is Fp4Format.MXFP4:
         return mxfp4_dequant_weight(t["weight_packed"], t["weight_scale"], dtype)
     return nvfp4_dequant_weight(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], dtype)

@@ -26,9 +26,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     e4m3 x e4m3 products summed in fp32, then both scales applied (the scaled-mm epilogue)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if activations not in Fp8Activations.values():
-        raise ValueError(f"unknown fp8 activation mode {activations!r}")
-    activations = Fp8Activations(activations)
+    activations = Fp8Activations.lookup(activations, "fp8 activation mode")
     if activations is Fp8Activations.DYNAMIC_TOKEN:
         xq, xs = quantize_per_token(x2)
     elif activations is Fp8Activations.DYNAMIC_TENSOR:

@@ -35,17 +35,9 @@ def _ceil_log2(v: torch.Tensor) -> torch.Tensor:
     return torch.where(m == 0.5, e - 1, e)
 
 
-def check_scale_rule(rule: ScaleRule | str, op: str = "") -> ScaleRule:
-    """The ScaleRule for `rule`, else a ValueError (prefixed by `op`) listing the valid ones."""
-    if rule not in ScaleRule.values():
-        where = f"{op}: " if op else ""
-        raise ValueError(f"{where}unknown MX scale rule {rule!r}; valid: {', '.join(ScaleRule.values())}")
-    return ScaleRule(rule)
-
-
 def e8m0_exponent(amax: torch.Tensor, rule: ScaleRule | str, max_elem: float, emax_elem: int) -> torch.Tensor:
     """int32 unbiased exponent of each block's scale (NaN blocks are handled by the caller)."""
-    rule = check_scale_rule(rule)
+    rule = ScaleRule.lookup(rule, "MX scale rule")
     a = amax.float()
     finite_pos = torch.isfinite(a) & (a > 0)
     safe = torch.where(finite_pos, a, torch.ones_like(a))

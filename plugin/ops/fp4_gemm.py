@@ -55,7 +55,7 @@ from typing import NamedTuple
 import torch
 
 from cublade.numerics.constants import MX_BLOCK, NVFP4_BLOCK
-from cublade.numerics.fp4 import Fp4Format, check_format, e2m1_decode, unpack_fp4
+from cublade.numerics.fp4 import Fp4Format, e2m1_decode, unpack_fp4
 from cublade.numerics.int4 import pack_nibbles, unpack_nibbles
 from cublade.numerics.mx import e8m0_to_float
 from cublade.ops._dispatch import register_fake, use_kernel
@@ -111,7 +111,7 @@ def fp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: Fp4
                    or [E, P]: P parts splitting the N rows equally (vLLM's fused w13 = [w1; w3] has P = 2).
     """
     op = "fp4_repack"
-    fmt = check_format(fmt, op)
+    fmt = Fp4Format.lookup(fmt, "FP4 format", op)
     dense = weight_packed.dim() == 2
     if dense:
         weight_packed, weight_scale = weight_packed.unsqueeze(0), weight_scale.unsqueeze(0)
@@ -179,7 +179,7 @@ def fp4_dequant_repacked(packed: torch.Tensor, row_scale: torch.Tensor | None, f
                          size_k: int) -> torch.Tensor:
     """The blob back to fp32 weights [E, N, K]: e2m1 * (the kernel's block scale * 2^-126) [* row_scale]: MXFP4
     (e2m1 * 2^(e-127-k)) * 2^k, NVFP4 (e2m1 * s * 2^-9) * (global * 2^9), each the checkpoint's value."""
-    fmt = check_format(fmt, "fp4_dequant_repacked")
+    fmt = Fp4Format.lookup(fmt, "FP4 format", "fp4_dequant_repacked")
     words, recs = from_blob(packed, torch.uint8)  # [E, T, P, 32, 4], [E, T, C, 512 bytes]
     E, T, C = recs.shape[0], recs.shape[1], recs.shape[2]
     P = C * CHUNK_PACKETS

@@ -18,8 +18,8 @@ the key's rounding error e small where it matters: in the logits q . e of its ow
 KV_QUERY_AWARE_MAX_FLIPS times: flip the one element that lowers sum_h (q_h . e)^2 the most, while one does.
 The cache keeps vLLM's format (E4M3 bytes, one scale per layer): any attention kernel reads it. Why it works,
 and what it buys (the FP8 KV cost on the bundled model falls from +0.038 to under +0.01): docs/decisions.md,
-query-aware K rounding. The arithmetic is spelled out in fp8_kv_quant_query_aware_ref so that the CUDA kernel can match it
-bit for bit (every product and sum rounded to fp32 in the stated order, no fused multiply-add).
+query-aware K rounding. The arithmetic is spelled out in fp8_kv_quant_query_aware_ref so that the CUDA kernel can
+match it bit for bit (every product and sum rounded to fp32 in the stated order, no fused multiply-add).
 """
 from __future__ import annotations
 

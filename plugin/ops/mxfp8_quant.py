@@ -10,7 +10,7 @@ import torch
 
 from cublade.numerics.constants import MX_BLOCK
 from cublade.numerics.fp8 import FP8_DTYPE
-from cublade.numerics.mx import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule
+from cublade.numerics.mx import DEFAULT_SCALE_RULE, ScaleRule
 from cublade.numerics.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from cublade.ops._dispatch import register_fake, use_kernel
 
@@ -20,7 +20,7 @@ mxfp8_dequant_ref = mxfp8_dequantize
 
 
 def mxfp8_quant(x: torch.Tensor, rule: ScaleRule | str = DEFAULT_SCALE_RULE) -> tuple[torch.Tensor, torch.Tensor]:
-    rule = check_scale_rule(rule, "mxfp8_quant")  # checked here: the kernel only takes rceil=True/False
+    rule = ScaleRule.lookup(rule, "MX scale rule", "mxfp8_quant")  # here too: the kernel takes rceil=True/False
     if use_kernel(x, "mxfp8_quant"):
         return torch.ops.cublade.mxfp8_quant(x, rule is ScaleRule.RCEIL)
     return mxfp8_quant_ref(x, rule)

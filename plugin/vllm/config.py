@@ -38,11 +38,8 @@ class CubladeConfig(QuantizationConfig):
 
     def __init__(self, policy: Policy, source: QuantMethod | str = QuantMethod.CUBLADE):
         super().__init__()
-        if source not in QuantMethod.values():
-            raise ValueError(f"cublade: unknown checkpoint source format {source!r}; valid: "
-                             f"{', '.join(QuantMethod.values())}")
         self.policy = policy
-        self.source = QuantMethod(source)
+        self.source = QuantMethod.lookup(source, "checkpoint source format", "cublade")
         # Read by vLLM's Attention layer: a declared KV-cache scheme makes `--kv-cache-dtype auto` mean fp8,
         # so the cache dtype follows the checkpoint (an explicit --kv-cache-dtype still wins).
         self.kv_cache_scheme = ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,

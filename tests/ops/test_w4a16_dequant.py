@@ -28,7 +28,8 @@ KS = (120, 200, 384, 544, 640, 1000, 1152)
 
 
 def checkpoint(N: int, K: int, G: int, sym: bool, seed: int = 0, scale: torch.Tensor | None = None):
-    """Random checkpoint tensors (cublade.numerics.int4's layout): every nibble value, scales ~0.02, zero points 0..15."""
+    """Random checkpoint tensors (cublade.numerics.int4's layout): every nibble value, scales ~0.02, zero points
+    0..15."""
     g = torch.Generator().manual_seed(seed)
     ng = 1 if G == -1 else K // G
     wp = pack_int4(torch.randint(0, 16, (N, K), generator=g))
