@@ -27,7 +27,7 @@ def _size(text: str) -> int:
 
 
 def _lines(text: str) -> slice:
-    from cublade.ppl import parse_lines
+    from cublade.text import parse_lines
 
     try:
         return parse_lines(text)
@@ -36,8 +36,12 @@ def _lines(text: str) -> slice:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cublade.config import PRESETS
-    from cublade.config.schemes import KV_ROUNDINGS
+    from cublade.checkpoint import FLOAT_DTYPES
+    from cublade.config import PRESETS, Fp4Format, Fp8Activations, KVCacheDtype, KVRounding, ScaleRule, WeightStrategy
+    from cublade.numerics.constants import W4A16_GROUP_SIZES
+    from cublade.ppl import Backend
+
+    dtypes = [str(d).removeprefix("torch.") for d in FLOAT_DTYPES.values()]
 
     p = argparse.ArgumentParser(prog="cublade", description="cublade: quantize Hugging Face checkpoints for "
                                 "vLLM (`vllm serve OUT` then serves them through the cublade plugin) and "
@@ -59,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"preset policy: {', '.join(PRESETS)}")
     which.add_argument("--policy", type=Path, metavar="FILE.json",
                        help="a custom policy: JSON with the quantization_config fields 'schemes', 'rules', "
-                       "'ignore' and 'kv_cache' (see README, Checkpoint format)")
+                       "'ignore' and 'kv_cache' (docs/format.md)")
     c.add_argument("--allow-quantized-router", action="store_true",
                    help="let a custom policy quantize MoE routers (refused by default: top-k routing is "
                    "sensitive to small logit changes, and vLLM's Mixtral cannot serve a quantized router)")
@@ -68,24 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-shard-size", type=_size, default="2GB", help="largest output shard (default 2GB)")
     c.add_argument("--skip-unsupported", action="store_true", help="leave layers whose shape the scheme "
                    "cannot serve unquantized (listed in the checkpoint's ignore list) instead of failing")
-    c.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+    c.add_argument("--dtype", choices=["auto", *dtypes], default="auto",
                    help="dtype of the tensors that stay unquantized (auto: keep the source's)")
     g = c.add_argument_group("scheme options (override the preset's defaults)")
-    g.add_argument("--group-size", type=int, choices=[32, 64, 128, -1], help="w4a16 group size along K (-1: "
+    g.add_argument("--group-size", type=int, choices=W4A16_GROUP_SIZES, help="w4a16 group size along K (-1: "
                    "per output channel; default 128)")
     g.add_argument("--asymmetric", action="store_const", const=False, dest="symmetric",
                    help="w4a16 with zero points (default symmetric)")
-    g.add_argument("--weight-strategy", choices=["channel", "tensor"], help="fp8 weight scale granularity "
+    g.add_argument("--weight-strategy", choices=WeightStrategy.values(), help="fp8 weight scale granularity "
                    "(default channel)")
-    g.add_argument("--activations", choices=["dynamic-token", "dynamic-tensor", "static-tensor"],
+    g.add_argument("--activations", choices=Fp8Activations.values(),
                    help="fp8 activation quantization (default dynamic-token; fp8-static: static-tensor)")
-    g.add_argument("--scale-rule", choices=["rceil", "floor"], help="MX scale rule for mxfp8/mxfp4: rceil "
+    g.add_argument("--scale-rule", choices=ScaleRule.values(), help="MX scale rule for mxfp8/mxfp4: rceil "
                    "(default, NVIDIA: 2^ceil(log2(amax/max)), never clips) or floor (OCP MX v1.0)")
-    g.add_argument("--fp4-format", choices=["mxfp4", "nvfp4"], dest="format", help="expert format for "
+    g.add_argument("--fp4-format", choices=Fp4Format.values(), dest="format", help="expert format for "
                    "fp4-experts-fp8-dense (default mxfp4)")
-    g.add_argument("--kv-cache", choices=["fp8"], help="add an FP8 KV cache with calibrated per-layer "
+    g.add_argument("--kv-cache", choices=KVCacheDtype.values(), help="add an FP8 KV cache with calibrated per-layer "
                    "k_scale/v_scale (needs --calib-text)")
-    g.add_argument("--kv-rounding", choices=list(KV_ROUNDINGS), help="how the FP8 cache write rounds "
+    g.add_argument("--kv-rounding", choices=KVRounding.values(), help="how the FP8 cache write rounds "
                    "K (default nearest: vLLM's bytes). query-aware steers each key's rounding error away from "
                    "its own token's queries: on the bundled model the FP8 KV cost falls from +0.038 to +0.005 "
                    "loss. Same cache format; vLLM serves it with cublade's cache write (--attention-backend "
@@ -103,12 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "row is the baseline.")
     q.add_argument("models", type=Path, nargs="+", metavar="MODEL", help="checkpoint directories")
     q.add_argument("--text", type=Path, required=True, help="text file, one sample per line")
-    q.add_argument("--backend", choices=["reference", "vllm"], default="reference",
+    q.add_argument("--backend", choices=Backend.values(), default=Backend.REFERENCE.value,
                    help="reference: transformers on CPU through cublade's reference ops (default); "
                    "vllm: vLLM prompt logprobs (GPU)")
     q.add_argument("--lines", type=_lines, metavar="START:END", help="score only these lines (python slice)")
     q.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
-    q.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    q.add_argument("--dtype", default=None, choices=dtypes,
                    help="compute dtype (default: float32 for reference, bfloat16 for vllm)")
     q.add_argument("--attention-backend", metavar="NAME", help="vllm backend: vLLM's attention backend (default: "
                    "CUSTOM, cublade's FP8 cache write, for a checkpoint whose FP8 KV cache rounds K query-aware; "
@@ -172,21 +176,22 @@ def _read_policy(path: Path):
 
 
 def _ppl(args) -> int:
-    from cublade.ppl import evaluate, format_table
+    from cublade.ppl import Backend, evaluate, format_table
 
-    dtype = args.dtype or ("float32" if args.backend == "reference" else "bfloat16")
-    if args.attention_backend and args.backend != "vllm":
+    backend = Backend(args.backend)
+    dtype = args.dtype or ("float32" if backend is Backend.REFERENCE else "bfloat16")
+    if args.attention_backend and backend is not Backend.VLLM:
         raise ValueError("--attention-backend is for --backend vllm")
     extra = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     results = []
     for m in args.models:
-        r = evaluate(m, args.text, backend=args.backend, lines=args.lines, window=args.window, dtype=dtype, **extra)
+        r = evaluate(m, args.text, backend=backend, lines=args.lines, window=args.window, dtype=dtype, **extra)
         print(f"{m}: loss {r.loss:.4f}  ppl {r.ppl:.3f}  ({r.n_tokens} tokens, {r.backend}, {dtype})", flush=True)
         results.append(r)
     if len(results) > 1:
         print()
         print(format_table(results))
-    if args.backend == "vllm":
+    if backend is Backend.VLLM:
         # Each engine was shut down after its run (ppl._vllm_nll); leave without the interpreter's teardown too,
         # where vLLM 0.26's leftover client threads have aborted a finished run (see _vllm_nll).
         sys.stdout.flush()

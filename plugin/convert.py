@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from cublade.checkpoint import FLOAT_DTYPES, INDEX_NAME, CheckpointError, iter_tensors, tensor_infos
 from cublade.config import Policy, UnsupportedShape, to_quantization_config
-from cublade.experts import ExpertLayout, check_router_policy, expert_tensor_infos, expert_tensors
+from cublade.config.experts import ExpertLayout
+from cublade.convert_experts import check_router_policy, expert_tensor_infos, expert_tensors
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt)$|.*\.safetensors\.index\.json$|.*\.bin\.index\.json$")
@@ -39,9 +40,9 @@ class Plan:
 
 def plan_conversion(src: Path, policy: Policy, skip_unsupported: bool, layout=None) -> Plan:
     """Check every tensor's name, shape and dtype against the policy without loading any data. `layout`: the
-    checkpoint's MoE expert layout (cublade.experts.ExpertLayout.from_config), None for a dense model."""
+    checkpoint's MoE expert layout (cublade.config.experts.ExpertLayout.from_config), None for a dense model."""
     plan = Plan()
-    # MoE experts: fused 3-D tensors are split per expert, expert count and shapes checked (cublade.experts).
+    # MoE experts: fused 3-D tensors are split per expert, expert count and shapes checked (cublade.convert_experts).
     for path, name, shape, dtype in expert_tensor_infos(tensor_infos(src), layout):
         plan.n_tensors += 1
         if not name.endswith(".weight"):

@@ -1,8 +1,7 @@
 """Perplexity over a text file, the same tokens and windows for every backend.
 
-Tokens: each (non-empty) line of the text is BOS + tokenizer(line) without special tokens, all lines
-concatenated; `lines` selects a slice of the lines (e.g. a held-out split). Windows: non-overlapping chunks of
-`window` tokens; the model scores each window on its own; loss = mean NLL over every predicted token
+Tokens and windows: cublade.text (each non-empty line BOS + its tokens, all lines concatenated, cut into
+non-overlapping windows); the model scores each window on its own; loss = mean NLL over every predicted token
 (a window of n tokens predicts n - 1).
   reference: transformers on CPU (cublade.reference: quantized layers through the reference ops)
   vllm:      vLLM prompt logprobs (a GPU machine with vLLM; cublade's plugin serves the checkpoint)
@@ -15,65 +14,26 @@ from pathlib import Path
 
 import torch
 
-BACKENDS = ("reference", "vllm")
+from cublade.config.schemes import KVRounding
+from cublade.numerics.choice import Choice
+from cublade.text import tokenize, windows
+
+
+class Backend(Choice):
+    REFERENCE = "reference"  # transformers on CPU through cublade's reference ops
+    VLLM = "vllm"  # vLLM prompt logprobs (GPU)
 
 
 @dataclass(frozen=True)
 class PplResult:
     model: str
-    backend: str
+    backend: Backend
     loss: float
     n_tokens: int  # predicted tokens
 
     @property
     def ppl(self) -> float:
         return math.exp(self.loss)
-
-
-def parse_lines(spec: str | None) -> slice | None:
-    """'A:B', 'A:', ':B' -> slice (python semantics), None -> None."""
-    if spec is None:
-        return None
-    try:
-        a, b = spec.split(":")
-        return slice(int(a) if a else None, int(b) if b else None)
-    except ValueError:
-        raise ValueError(f"--lines must look like START:END (python slice of the text's lines), got {spec!r}") from None
-
-
-def format_lines(lines: slice | None) -> str | None:
-    """slice -> 'A:B' (the inverse of parse_lines), None -> None."""
-    if lines is None:
-        return None
-    return f"{'' if lines.start is None else lines.start}:{'' if lines.stop is None else lines.stop}"
-
-
-def read_lines(text_path, lines: slice | None = None) -> list[str]:
-    text_path = Path(text_path)
-    if not text_path.is_file():
-        raise FileNotFoundError(f"text file {text_path} does not exist")
-    all_lines = [ln for ln in text_path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    chosen = all_lines[lines] if lines is not None else all_lines
-    if not chosen:
-        raise ValueError(f"{text_path}: no non-empty lines{f' in lines {format_lines(lines)}' if lines else ''}")
-    return chosen
-
-
-def tokenize(model_dir, text_path, lines: slice | None = None) -> list[int]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    tok.model_max_length = 1 << 30  # lines are tokenized whole and windowed here, not by the tokenizer
-    if tok.bos_token_id is None:
-        raise ValueError(f"{model_dir}: the tokenizer has no BOS token")
-    ids: list[int] = []
-    for line in read_lines(text_path, lines):
-        ids += [tok.bos_token_id] + tok.encode(line, add_special_tokens=False)
-    return ids
-
-
-def windows(ids: list[int], window: int) -> list[list[int]]:
-    return [w for w in (ids[i:i + window] for i in range(0, len(ids), window)) if len(w) >= 2]
 
 
 def _reference_nll(model_dir, wins: list[list[int]], dtype: torch.dtype, batch: int = 8) -> float:
@@ -92,7 +52,7 @@ def _reference_nll(model_dir, wins: list[list[int]], dtype: torch.dtype, batch: 
     return total
 
 
-def _kv_rounding(model_dir) -> str | None:
+def _kv_rounding(model_dir) -> KVRounding | None:
     """The K rounding of a cublade checkpoint's FP8 KV cache (None: no such cache, or not a cublade checkpoint)."""
     import json
 
@@ -113,7 +73,7 @@ def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> flo
     from vllm.inputs import TokensPrompt
 
     max_len = max(len(w) for w in wins) + 1
-    if llm_kwargs.get("attention_backend") is None and _kv_rounding(model_dir) == "query-aware":
+    if llm_kwargs.get("attention_backend") is None and _kv_rounding(model_dir) is KVRounding.QUERY_AWARE:
         # the cache write that rounds K query-aware is cublade's (cublade.vllm.kv_cache): score what serving
         # the checkpoint as intended gives
         llm_kwargs["attention_backend"] = "CUSTOM"
@@ -124,7 +84,7 @@ def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> flo
     finally:
         # vLLM 0.26's LLM has no close(): left to the finalizers at interpreter exit, the engine client's
         # threads aborted the process after the loss was printed (SIGABRT, "terminate called without an active
-        # exception", H200, 2026-11-22). Stop the engine core and its client threads here instead.
+        # exception", seen on an H200). Stop the engine core and its client threads here instead.
         llm.llm_engine.engine_core.shutdown()
     total = 0.0
     for w, out in zip(wins, outs):
@@ -133,10 +93,9 @@ def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> flo
     return total
 
 
-def evaluate(model_dir, text_path, backend: str = "reference", lines: slice | None = None, window: int = 512,
-             dtype: str = "float32", **backend_kwargs) -> PplResult:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+def evaluate(model_dir, text_path, backend: Backend | str = Backend.REFERENCE, lines: slice | None = None,
+             window: int = 512, dtype: str = "float32", **backend_kwargs) -> PplResult:
+    backend = Backend.lookup(backend, "backend")
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")
@@ -144,7 +103,7 @@ def evaluate(model_dir, text_path, backend: str = "reference", lines: slice | No
     if not wins:
         raise ValueError(f"{text_path}: too little text to score (fewer than 2 tokens)")
     n = sum(len(w) - 1 for w in wins)
-    if backend == "reference":
+    if backend is Backend.REFERENCE:
         nll = _reference_nll(model_dir, wins, getattr(torch, dtype), **backend_kwargs)
     else:
         nll = _vllm_nll(model_dir, wins, dtype, **backend_kwargs)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from cublade.checkpoint import check_tensors, load_all
-from cublade.config import Policy, Scheme, parse_quantization_config
-from cublade.experts import prepare_moe_reference
+from cublade.config import KVRounding, Policy, Scheme, parse_quantization_config
+from cublade.reference_experts import prepare_moe_reference
 from cublade.ops.fp8_kv_cache_write import fp8_kv_quant_query_aware_ref, fp8_kv_quant_ref
 
 FP8_KV_ATTENTION = "cublade_fp8_kv"
@@ -44,10 +44,11 @@ class QuantLinearRef(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.scheme.describe()}"
 
 
-def fp8_kv_round_key(query: torch.Tensor, key: torch.Tensor, k_scale: torch.Tensor, rounding: str) -> torch.Tensor:
+def fp8_kv_round_key(query: torch.Tensor, key: torch.Tensor, k_scale: torch.Tensor,
+                     rounding: KVRounding | str) -> torch.Tensor:
     """K in transformers' layout [B, kv heads, T, D] (after RoPE) through the FP8 cache and back, rounded as
     KVCacheScheme.rounding says (query-aware: each token's key against its queries, [B, heads, T, D])."""
-    if rounding == "query-aware":  # per token: [B, heads, T, D] -> [B * T, heads, D]
+    if KVRounding(rounding) is KVRounding.QUERY_AWARE:  # per token: [B, heads, T, D] -> [B * T, heads, D]
         B, G, T, D = key.shape
         k = fp8_kv_quant_query_aware_ref(key.transpose(1, 2).reshape(B * T, G, D),
                                          query.transpose(1, 2).reshape(B * T, -1, D), k_scale)
@@ -113,7 +114,8 @@ def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, kv_cache
         if use_kv:
             _attach_kv_scales(model, tensors, policy.kv_cache.rounding)
 
-    # MoE experts: quantized ones become QuantExpertsRef, per-expert unquantized ones are stacked (cublade.experts).
+    # MoE experts: quantized ones become QuantExpertsRef, per-expert unquantized ones are stacked
+    # (cublade.reference_experts).
     prepare_moe_reference(model, tensors, policy, cfg_dict)
     # Everything else (embeddings, norms, ignored layers) loads as plain weights, cast to `dtype`.
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
@@ -131,7 +133,7 @@ def load_reference_model(model_dir, dtype: torch.dtype = torch.float32, kv_cache
     return model.eval(), policy
 
 
-def _attach_kv_scales(model: nn.Module, tensors: dict[str, torch.Tensor], rounding: str) -> None:
+def _attach_kv_scales(model: nn.Module, tensors: dict[str, torch.Tensor], rounding: KVRounding) -> None:
     """Move each `<attn>.k_scale` / `.v_scale` from the checkpoint onto its attention module, with the
     rounding of K (KVCacheScheme.rounding)."""
     found = 0

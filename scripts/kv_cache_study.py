@@ -35,7 +35,7 @@ import torch
 from cublade.config import preset
 from cublade.convert import convert
 from cublade.ops.fp8_kv_cache_write import _other_neighbour, fp8_kv_quant_ref
-from cublade.ppl import tokenize, windows
+from cublade.text import tokenize, windows
 from cublade.reference import FP8_KV_ATTENTION, fp8_kv_round_key, load_reference_model
 
 REPO = Path(__file__).resolve().parents[1]

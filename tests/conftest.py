@@ -1,5 +1,5 @@
 """Shared fixtures: the bundled model and text (fixtures/, copied from ../shared), and converted checkpoints
-of the padded model, converted once per session and cached per (preset, options)."""
+of the padded model, converted once per test run and cached per (preset, options)."""
 from __future__ import annotations
 
 from pathlib import Path

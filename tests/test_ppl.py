@@ -1,4 +1,4 @@
-"""Perplexity harness and the accuracy bars of the foundation issue, on the real stories260K model
+"""Perplexity harness and the accuracy bars of the FP8 and MXFP8 presets, on the real stories260K model
 (reference backend, fp32, all 19 stories of the bundled validation text, windows of 512)."""
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cublade.ppl import evaluate, format_table, parse_lines, tokenize, windows
+from cublade.ppl import evaluate, format_table
 from cublade.reference import QuantLinearRef, load_reference_model
+from cublade.text import parse_lines, tokenize, windows
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_LOSS = 1.6917  # fixtures/README.md: fp32, windows of 512, each line BOS + line
@@ -33,7 +34,7 @@ def test_baseline_matches_published_reference(baseline):
     assert baseline.n_tokens == 15526 - 31  # each of the 31 windows predicts all but its first token
 
 
-# Bars of the foundation issue (delta loss vs the fp32 baseline); a fake-quant simulation gave +0.0114 (fp8 W8A8)
+# Accuracy bars (delta loss vs the fp32 baseline); a fake-quant simulation gave +0.0114 (fp8 W8A8)
 # and +0.0088 (MXFP8 weights).
 BARS = {("fp8-dynamic", ()): 0.013, ("mxfp8", ()): 0.012, ("mxfp8", (("scale_rule", "floor"),)): 0.012}
 

@@ -44,9 +44,9 @@ from tqdm import tqdm
 from cublade.calib.capture import LayerwiseModel, QuantizedLinear, linear_groups, observe_kv, observe_linears
 from cublade.calib.gptq import GPTQConfig, gptq_quantize, weighted_error
 from cublade.config import Fp8Scheme, Policy, UnsupportedShape, W4A16Scheme
-from cublade.ops.fp8_quant import dynamic_scale
-from cublade.ppl import format_lines, tokenize
-from cublade.ppl import windows as make_windows
+from cublade.numerics.fp8 import dynamic_scale
+from cublade.text import format_lines, tokenize
+from cublade.text import windows as make_windows
 
 __all__ = ["calibrate", "CalibResult", "GPTQConfig", "MIN_CALIB_TOKENS", "DEFAULT_WINDOW"]
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from cublade.checkpoint import CheckpointError, open_shard, tensor_infos
-from cublade.experts import ExpertLayout
+from cublade.config.experts import ExpertLayout
 
 CALIB_ATTENTION = "cublade_calib"
 
@@ -163,7 +163,7 @@ class LayerwiseModel:
 
     Supports the Llama-style layout transformers uses for Llama, Mistral, Qwen2/3, Mixtral and similar
     models: `model.embed_tokens`, `model.rotary_emb`, `model.layers[i]`, with checkpoint tensor names equal to
-    the module names, except MoE experts, read in the layouts cublade.experts knows. Other layouts get a
+    the module names, except MoE experts, read in the layouts cublade.config.experts knows. Other layouts get a
     NotImplementedError naming what is missing."""
 
     def __init__(self, src_dir: Path, device: torch.device, dtype: torch.dtype = torch.float32):
@@ -221,7 +221,7 @@ class LayerwiseModel:
 
     def load_layer(self, i: int, policy=None) -> nn.Module:
         """Layer i with its weights from the checkpoint. MoE experts (read in either layout, see
-        cublade.experts) are quantized with `policy`'s schemes and run through the reference experts, as the
+        cublade.config.experts) are quantized with `policy`'s schemes and run through the reference experts, as the
         converted checkpoint will run them; their weights are not calibrated."""
         layer = self.layers[i]
         prefix = self.layer_name(i)
@@ -237,7 +237,8 @@ class LayerwiseModel:
         return layer.eval()
 
     def _prepare_experts(self, prefix: str, layer: nn.Module, tensors: dict[str, torch.Tensor], policy) -> None:
-        from cublade.experts import expert_tensors, prepare_moe_reference
+        from cublade.convert_experts import expert_tensors
+        from cublade.reference_experts import prepare_moe_reference
 
         split = dict(expert_tensors(list(tensors.items()), self.experts))
         tensors.clear()

@@ -14,7 +14,7 @@ inverse Hessian, so that the layer's output on the calibration inputs moves as l
 column to that block only; the rest of W gets the block's accumulated errors in one matmul at the end of
 the block (same result, far fewer memory passes).
 
-Quantization grid: the checkpoint's, through `cublade.ops.int4.group_params` / `quantize_groups`, so the
+Quantization grid: the checkpoint's, through `cublade.numerics.int4.group_params` / `quantize_groups`, so the
 packed nibbles, bf16 scales and zero points are exactly what `int4_dequant_weight` decodes. Groups are
 contiguous runs of `group_size` input columns (the format cannot describe a per-column group index):
   * in natural order, a group's scale/zero is computed when its first column comes up, from the group's
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cublade.constants import INT4_SYM_OFFSET
-from cublade.ops.int4 import group_params, pack_int4, quantize_groups
+from cublade.numerics.constants import INT4_SYM_OFFSET
+from cublade.numerics.int4 import group_params, pack_int4, quantize_groups
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,16 @@ import json
 from pathlib import Path
 
 from cublade.config.policy import Policy
+from cublade.numerics.choice import Choice
 
-QUANT_METHOD = "cublade"
+
+class QuantMethod(Choice):
+    """A checkpoint's quantization_config.quant_method, for the checkpoints cublade reads."""
+    CUBLADE = "cublade"  # written by `cublade convert` (this module)
+    COMPRESSED_TENSORS = "compressed-tensors"  # FP8 W8A8 / int4 W4A16 ones (cublade.config.compressed_tensors)
+
+
+QUANT_METHOD = QuantMethod.CUBLADE.value
 FORMAT_VERSION = 1
 
 

@@ -7,8 +7,8 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from cublade.config.schemes import (FP4Scheme, Fp8Scheme, KVCacheScheme, MXFP8Scheme, Scheme, W4A16Scheme,
-                                    scheme_from_dict)
+from cublade.config.schemes import (FP4Scheme, Fp8Scheme, KVCacheScheme, KVRounding, MXFP8Scheme, Scheme,
+                                    W4A16Scheme, scheme_from_dict)
 
 # Embeddings, the LM head and MoE routers stay in full precision: they are small, and the router's
 # top-k is sensitive to small logit changes. `.*\.gate` is Mixtral's router; `gate_proj` does not match it.
@@ -139,4 +139,4 @@ def preset(name: str, **overrides) -> Policy:
     if unused:
         raise ValueError(f"preset {name!r} has no scheme with option(s) {', '.join(sorted(unused))}")
     return dataclasses.replace(policy, schemes=tuple(schemes),
-                               kv_cache=KVCacheScheme(kv, kv_rounding or "nearest") if kv else None)
+                               kv_cache=KVCacheScheme(kv, kv_rounding or KVRounding.NEAREST) if kv else None)

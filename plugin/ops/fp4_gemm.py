@@ -9,7 +9,7 @@ linear of a layer (all experts at once), or per dense FP4 linear.
                   expert_offsets[e] .. expert_offsets[e+1]-1 go through expert e (the grid covers only the
                   experts with rows, at most T of them)
   packed, row_scale   fp4_repack's output (row_scale None for MXFP4)
-  fmt             "mxfp4" | "nvfp4"
+  fmt             "mxfp4" | "nvfp4" (cublade.numerics.fp4.Fp4Format)
   size_n          output features N (per expert)
   expert_offsets  int32 [E+1] on x's device, offsets[0] = 0, offsets[E] = T; None when packed holds one expert
                   (int64 is accepted and converted)
@@ -26,7 +26,7 @@ linear of a layer (all experts at once), or per dense FP4 linear.
 Numerics: W = e2m1 * block scale (exact in bf16) [* global scale in fp32 per row, NVFP4], products summed in
 fp32 over all of K, rounded once to bf16. The kernel carries powers of two that cancel exactly (its codes are
 worth code * 2^-126, its block scales * 2^126, less 2^k moved to the row factor): the same products and sums.
-Reference: `fp4_gemm_ref` (the CPU path), equal to cublade.ops.linear.fp4_linear_ref per expert up to fp32
+Reference: `fp4_gemm_ref` (the CPU path), equal to cublade.numerics.linear.fp4_linear_ref per expert up to fp32
 summation order (and, for NVFP4, the order of the two fp32 scale products: (v * s) * g here, v * (s * g) there;
 one rounding apart).
 
@@ -54,11 +54,11 @@ from typing import NamedTuple
 
 import torch
 
-from cublade.constants import MX_BLOCK, NVFP4_BLOCK
+from cublade.numerics.constants import MX_BLOCK, NVFP4_BLOCK
+from cublade.numerics.fp4 import Fp4Format, e2m1_decode, unpack_fp4
+from cublade.numerics.int4 import pack_nibbles, unpack_nibbles
+from cublade.numerics.mx import e8m0_to_float
 from cublade.ops._dispatch import register_fake, use_kernel
-from cublade.ops.fp4 import FP4_FORMATS, e2m1_decode, unpack_fp4
-from cublade.ops.int4 import pack_nibbles, unpack_nibbles
-from cublade.ops.mx import e8m0_to_float
 from cublade.ops.w4a16_gemm import (CHUNK_K, CHUNK_PACKETS, GROUP_TILES, TILE_N, from_blob, pack_fragments, to_blob,
                                     unpack_fragments)
 
@@ -67,7 +67,7 @@ from cublade.ops.w4a16_gemm import (CHUNK_K, CHUNK_PACKETS, GROUP_TILES, TILE_N,
 _ROW_OF_J = (0, 0, 8, 8, 0, 0, 8, 8)
 _KOFF_OF_J = (0, 1, 0, 1, 2, 3, 2, 3)
 # Where code j's bits sit in the kernel's word: magnitude (3 bits) at 16h + 3i, sign at 16h + 12 + i. The kernel
-# shifts register i's two magnitudes to bits 6-8 / 22-24 and its signs to 15 / 31 at once (README.md, "fp4_gemm").
+# shifts register i's two magnitudes to bits 6-8 / 22-24 and its signs to 15 / 31 at once (docs/kernels.md, fp4_gemm).
 _J = torch.arange(8)
 _MAG_AT = (16 * (_J % 2) + 3 * (_J // 2)).tolist()
 _SIGN_AT = (16 * (_J % 2) + 12 + _J // 2).tolist()
@@ -98,17 +98,12 @@ class FP4Packed(NamedTuple):
     row_scale: torch.Tensor | None  # fp32 [E, ceil(N/64)*64] (nvfp4)
     size_n: int
     size_k: int
-    fmt: str
+    fmt: str  # an Fp4Format value, as the kernel takes it
 
 
-def _check_fmt(op: str, fmt: str) -> None:
-    if fmt not in FP4_FORMATS:
-        raise ValueError(f"{op}: unknown FP4 format {fmt!r}; valid: {', '.join(FP4_FORMATS)}")
-
-
-def fp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: str,
+def fp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: Fp4Format | str,
                global_scale: torch.Tensor | None = None) -> FP4Packed:
-    """Checkpoint FP4 tensors (cublade.ops.fp4) -> the kernel's layout.
+    """Checkpoint FP4 tensors (cublade.numerics.fp4) -> the kernel's layout.
 
     weight_packed  uint8 [E, N, K/2] or [N, K/2] (element 2i low nibble, 2i+1 high)
     weight_scale   mxfp4: uint8 E8M0 [.., N, K/32]; nvfp4: e4m3 [.., N, K/16]
@@ -116,7 +111,7 @@ def fp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: str
                    or [E, P]: P parts splitting the N rows equally (vLLM's fused w13 = [w1; w3] has P = 2).
     """
     op = "fp4_repack"
-    _check_fmt(op, fmt)
+    fmt = Fp4Format.lookup(fmt, "FP4 format", op)
     dense = weight_packed.dim() == 2
     if dense:
         weight_packed, weight_scale = weight_packed.unsqueeze(0), weight_scale.unsqueeze(0)
@@ -126,17 +121,17 @@ def fp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: str
     E, N, K = weight_packed.shape[0], weight_packed.shape[1], weight_packed.shape[2] * 2
     if K % 32:
         raise ValueError(f"{op}: in_features K={K} must be a multiple of 32")
-    block = MX_BLOCK if fmt == "mxfp4" else NVFP4_BLOCK
-    want_dtype = torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
+    block = fmt.block
+    want_dtype = torch.uint8 if fmt is Fp4Format.MXFP4 else torch.float8_e4m3fn
     if weight_scale.shape != (E, N, K // block) or weight_scale.dtype != want_dtype:
         raise ValueError(f"{op}: {fmt} weight_scale must be {want_dtype} [E={E}, N={N}, K/{block}={K // block}], "
                          f"got {weight_scale.dtype} {tuple(weight_scale.shape)}")
-    if fmt == "mxfp4" and global_scale is not None:
+    if fmt is Fp4Format.MXFP4 and global_scale is not None:
         raise ValueError(f"{op}: mxfp4 has no global scale")
-    if fmt == "nvfp4" and global_scale is None:
+    if fmt is Fp4Format.NVFP4 and global_scale is None:
         raise ValueError(f"{op}: nvfp4 needs the global scale (weight_global_scale)")
     dev = weight_packed.device
-    if fmt == "mxfp4":
+    if fmt is Fp4Format.MXFP4:
         # Per expert, k = how far its largest scale exceeds what a bf16 record can hold times 2^126; the row
         # factor 2^k puts it back in fp32. Exact unless an expert's nonzero blocks span over 2^133 in scale.
         finite = torch.where(weight_scale == 255, torch.zeros_like(weight_scale), weight_scale)
@@ -151,7 +146,7 @@ def fp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: str
         nib = torch.zeros((Np, Kp), dtype=torch.uint8, device=dev)
         nib[:N, :K] = unpack_fp4(weight_packed[e])
         words = _spread_codes(pack_fragments(nib, _ROW_OF_J, _KOFF_OF_J))  # [T, P, 32, 4]
-        if fmt == "mxfp4":
+        if fmt is Fp4Format.MXFP4:
             s = torch.zeros((Np, Kp // MX_BLOCK), dtype=torch.bfloat16, device=dev)
             # 2^(e-127) * 2^(126 - k): a power of two, exact in bf16 (e = 255 stays NaN)
             s[:N, :K // MX_BLOCK] = torch.ldexp(e8m0_to_float(weight_scale[e]),
@@ -166,9 +161,9 @@ def fp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: str
     packed = torch.stack(blobs)
 
     row_scale = None
-    if fmt == "mxfp4" and any(mx_shift):
+    if fmt is Fp4Format.MXFP4 and any(mx_shift):
         row_scale = torch.tensor([2.0 ** k for k in mx_shift], device=dev).unsqueeze(1).repeat(1, Np)
-    if fmt == "nvfp4":
+    if fmt is Fp4Format.NVFP4:
         gs = global_scale.float().to(dev)
         gs = gs.reshape(1, -1) if dense else gs.reshape(E, -1)
         parts = gs.shape[1]
@@ -177,21 +172,21 @@ def fp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: str
                              f"N={N}; got shape {tuple(global_scale.shape)} for E={E}")
         row_scale = torch.zeros((E, Np), dtype=torch.float32, device=dev)
         row_scale[:, :N] = gs.repeat_interleave(N // parts, dim=1) * 2.0 ** NVFP4_ROW_LOG2  # exact
-    return FP4Packed(packed, row_scale, N, K, fmt)
+    return FP4Packed(packed, row_scale, N, K, fmt.value)
 
 
-def fp4_dequant_repacked(packed: torch.Tensor, row_scale: torch.Tensor | None, fmt: str, size_n: int,
+def fp4_dequant_repacked(packed: torch.Tensor, row_scale: torch.Tensor | None, fmt: Fp4Format | str, size_n: int,
                          size_k: int) -> torch.Tensor:
     """The blob back to fp32 weights [E, N, K]: e2m1 * (the kernel's block scale * 2^-126) [* row_scale]: MXFP4
     (e2m1 * 2^(e-127-k)) * 2^k, NVFP4 (e2m1 * s * 2^-9) * (global * 2^9), each the checkpoint's value."""
-    _check_fmt("fp4_dequant_repacked", fmt)
+    fmt = Fp4Format.lookup(fmt, "FP4 format", "fp4_dequant_repacked")
     words, recs = from_blob(packed, torch.uint8)  # [E, T, P, 32, 4], [E, T, C, 512 bytes]
     E, T, C = recs.shape[0], recs.shape[1], recs.shape[2]
     P = C * CHUNK_PACKETS
     w = []
     for e in range(E):
         v = e2m1_decode(unpack_fragments(_gather_codes(words[e]), _ROW_OF_J, _KOFF_OF_J))  # [T*16, P*64]
-        if fmt == "mxfp4":
+        if fmt is Fp4Format.MXFP4:
             s = recs[e].reshape(T, P, 8, 2, 2, 2).contiguous().view(torch.bfloat16).reshape(T, P, 8, 2, 2)
             s = s.permute(0, 4, 2, 1, 3).reshape(T * TILE_N, P * 2).float()  # [row, block of 32]
             s = torch.ldexp(s, torch.tensor(-float(CODE_BIAS_LOG2)))  # exact (at worst an fp32 subnormal)

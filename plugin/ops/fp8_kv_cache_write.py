@@ -5,7 +5,7 @@ Layout: key/value [T, H, D]; key_cache/value_cache [num_blocks, block_size, H, D
 slot_mapping [T] int64, slot = block * block_size + offset, a negative slot means "skip this token"
 (padding). As in vLLM, key/value may hold more rows than slot_mapping (vLLM pads them): the slots count the
 tokens. A slot past the cache (>= num_blocks * block_size) is skipped too (vLLM's kernel would write out of
-bounds; the reference used to raise). Quant: e4m3(clamp(x / scale, ±448)), a true fp32 division, as vLLM's
+bounds). Quant: e4m3(clamp(x / scale, ±448)), a true fp32 division, as vLLM's
 cache kernel does (csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh, scaled_vec_conversion:
 `__nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, __NV_E4M3)`; checked against vLLM's source), so the cache
 bytes match vLLM's op bit for bit. Pass the scales as device tensors: a Python float costs a host-to-device
@@ -17,17 +17,17 @@ the key's rounding error e small where it matters: in the logits q . e of its ow
 `num_heads / num_kv_heads` query heads that read this KV head. Starting from round-to-nearest, up to
 KV_QUERY_AWARE_MAX_FLIPS times: flip the one element that lowers sum_h (q_h . e)^2 the most, while one does.
 The cache keeps vLLM's format (E4M3 bytes, one scale per layer): any attention kernel reads it. Why it works,
-and what it buys (the FP8 KV cost on the bundled model falls from +0.038 to under +0.01): README, "Query-aware
-K rounding". The arithmetic is spelled out in fp8_kv_quant_query_aware_ref so that the CUDA kernel can match it
-bit for bit (every product and sum rounded to fp32 in the stated order, no fused multiply-add).
+and what it buys (the FP8 KV cost on the bundled model falls from +0.038 to under +0.01): docs/decisions.md,
+query-aware K rounding. The arithmetic is spelled out in fp8_kv_quant_query_aware_ref so that the CUDA kernel can
+match it bit for bit (every product and sum rounded to fp32 in the stated order, no fused multiply-add).
 """
 from __future__ import annotations
 
 import torch
 
-from cublade.constants import F8E4M3_MAX
+from cublade.numerics.constants import F8E4M3_MAX
+from cublade.numerics.fp8 import FP8_DTYPE
 from cublade.ops._dispatch import register_fake, use_kernel
-from cublade.ops.fp8_quant import FP8_DTYPE
 
 
 def fp8_kv_quant_ref(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

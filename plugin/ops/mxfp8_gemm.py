@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from cublade.constants import MX_BLOCK
+from cublade.numerics.constants import MX_BLOCK
+from cublade.numerics.fp8 import FP8_DTYPE
+from cublade.numerics.mxfp8 import mxfp8_dequantize
 from cublade.ops._dispatch import register_fake, use_kernel
-from cublade.ops.fp8_quant import FP8_DTYPE
-from cublade.ops.mxfp8_quant import mxfp8_dequant_ref
 
 TILE_N = 16  # rows per tile (the mma's M)
 GROUP_TILES = 4  # tiles per tile group
@@ -101,7 +101,7 @@ def mxfp8_unrepack(packed: torch.Tensor, size_n: int, size_k: int) -> tuple[torc
 def mxfp8_dequant_packed_ref(packed: torch.Tensor, size_n: int, size_k: int) -> torch.Tensor:
     """The blob -> the bf16 weight [size_n, size_k]: code * 2^(e - 127) in fp32, rounded once."""
     q, e = mxfp8_unrepack(packed, size_n, size_k)
-    return mxfp8_dequant_ref(q, e, torch.bfloat16)
+    return mxfp8_dequantize(q, e, torch.bfloat16)
 
 
 def mxfp8_gemm_ref(x: torch.Tensor, packed: torch.Tensor, size_n: int, split_k: int = 0) -> torch.Tensor:

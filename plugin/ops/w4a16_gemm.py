@@ -5,7 +5,7 @@ the checkpoint layout into the kernel's.
     y = w4a16_gemm(x, rp.packed, rp.group_size, rp.symmetric, rp.size_n)          # every call
 
 `w4a16_gemm(x [..., K], packed, group_size, symmetric, size_n, split_k=0) -> [..., size_n]` in x's dtype:
-  y = x @ W^T, W = (u - z) * s in fp32 (the checkpoint's dequant, cublade.ops.int4), summed in fp32, rounded
+  y = x @ W^T, W = (u - z) * s in fp32 (the checkpoint's dequant, cublade.numerics.int4), summed in fp32, rounded
   once to x's dtype. On a GPU with the extension: `torch.ops.cublade.w4a16_gemm` (kernel: csrc/w4a16_gemm.cu);
   elsewhere the reference `w4a16_gemm_ref`, the same numbers up to fp32 summation order.
   Shapes the kernel takes: any M, any N, K % 8 == 0, K % group_size == 0, group_size in (32, 64, 128, -1); x
@@ -17,11 +17,7 @@ the checkpoint layout into the kernel's.
   them in fp32). `split_k` (K splits per thread-block cluster, 1..8, which also forces the streaming kernel at
   any M; 0 = automatic) is for tuning and tests.
 
-`w4a16_dequant(packed, group_size, symmetric, size_n, size_k, dtype) -> [size_n, size_k]` in dtype, the
-  prefill path (dequantize once, then a dense GEMM: for large M that beats re-reading the weights per 32-token
-  pass): W = (u - z) * s in fp32, rounded once to dtype (bf16 or fp16), contiguous. On a GPU with the extension
-  `torch.ops.cublade.w4a16_dequant` (kernel: csrc/w4a16_dequant.cu), elsewhere `w4a16_dequant_ref`; the two are
-  bit-identical (the product is exact in fp32).
+`w4a16_dequant` (cublade.ops.w4a16_dequant) turns the same blob into a dense weight: the prefill path.
 
 Repacked layout (the kernel's; kernels never see the checkpoint layout): one int32 blob
   packed [ceil(N/64), ceil(K/512), 4, 1024 + sbytes/4]
@@ -42,9 +38,9 @@ from typing import NamedTuple
 
 import torch
 
-from cublade.constants import INT4_SYM_OFFSET, W4A16_GROUP_SIZES
+from cublade.numerics.constants import INT4_SYM_OFFSET, W4A16_GROUP_SIZES
+from cublade.numerics.int4 import pack_nibbles, unpack_int4, unpack_nibbles
 from cublade.ops._dispatch import register_fake, use_kernel
-from cublade.ops.int4 import pack_nibbles, unpack_int4, unpack_nibbles
 
 TILE_N = 16  # weight rows per tile (the mma's M)
 GROUP_TILES = 4  # tiles per tile group (one CTA)
@@ -121,7 +117,7 @@ def from_blob(blob: torch.Tensor, rec_dtype: torch.dtype) -> tuple[torch.Tensor,
 
 def w4a16_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                  weight_zero_point: torch.Tensor | None, group_size: int) -> W4A16Packed:
-    """Checkpoint layout (cublade.ops.int4: int32 [N, K/8] nibbles along K, bf16 scales [N, K/G], optional
+    """Checkpoint layout (cublade.numerics.int4: int32 [N, K/8] nibbles along K, bf16 scales [N, K/G], optional
     uint8 zero points [N, K/G]) -> the kernel's blob (module docstring). Runs on the tensors' device."""
     op = "w4a16_repack"
     if weight_packed.dtype != torch.int32 or weight_packed.dim() != 2:
@@ -201,23 +197,3 @@ def _w4a16_gemm_fake(x: torch.Tensor, packed: torch.Tensor, group_size: int, sym
                      split_k: int = 0) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], size_n))
 
-
-def w4a16_dequant_ref(packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int, size_k: int,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """The blob -> the dense weight [size_n, size_k] in dtype: the fp32 weight rounded once (nearest even)."""
-    return w4a16_dequant_repacked(packed, group_size, symmetric, size_n, size_k).to(dtype)
-
-
-def w4a16_dequant(packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int, size_k: int,
-                  dtype: torch.dtype) -> torch.Tensor:
-    if dtype not in (torch.bfloat16, torch.float16):  # here too: the CPU path refuses what the kernel refuses
-        raise NotImplementedError(f"w4a16_dequant: dtype must be bfloat16 or float16, got {dtype}")
-    if use_kernel(packed, "w4a16_dequant"):
-        return torch.ops.cublade.w4a16_dequant(packed, group_size, symmetric, size_n, size_k, dtype)
-    return w4a16_dequant_ref(packed, group_size, symmetric, size_n, size_k, dtype)
-
-
-@register_fake("cublade::w4a16_dequant")
-def _w4a16_dequant_fake(packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int, size_k: int,
-                        dtype: torch.dtype) -> torch.Tensor:
-    return packed.new_empty((size_n, size_k), dtype=dtype)

@@ -6,13 +6,15 @@ Checkpoints it reads:
   * compressed-tensors FP8 W8A8 (float-quantized: channel/tensor weight scales; dynamic per-token, dynamic
     per-tensor or static per-tensor activations) and W4A16 (pack-quantized int4, group 32/64/128 or
     channel, symmetric or asymmetric), served by the same methods when `--quantization cublade` is given.
-    Their config is translated into an equivalent Policy; the tensor layouts that differ (an [N, 1] FP8
-    channel scale, int4 zero points packed 8 per int32 along N) are read as compressed-tensors writes them
-    and brought to cublade's layout after loading (cublade.vllm.linear).
+    Their config is translated into an equivalent Policy and their tensor layouts described by
+    cublade.config.compressed_tensors; cublade.vllm.linear loads them as compressed-tensors writes them and
+    brings them to cublade's layout after loading.
+
+The layer methods (cublade.vllm.linear, .kv_cache, .moe) take what they need from here as arguments and
+import nothing of this module.
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -21,11 +23,9 @@ from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from cublade.config import (QUANT_METHOD, Fp8Scheme, KVCacheScheme, Policy, Rule, Scheme, W4A16Scheme,
-                            parse_quantization_config)
-
-CT_METHOD = "compressed-tensors"
-SOURCES = (QUANT_METHOD, CT_METHOD)
+from cublade.config import QUANT_METHOD, Policy, Scheme, parse_quantization_config
+from cublade.config.compressed_tensors import CT_METHOD, policy_from_compressed_tensors
+from cublade.config.format import QuantMethod
 
 # Fused vLLM modules and the checkpoint modules they hold, for models that do not declare their own
 # packed_modules_mapping (vLLM's model loader sets it on the config for those that do).
@@ -34,21 +34,19 @@ DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_p
 
 class CubladeConfig(QuantizationConfig):
     """A cublade Policy as a vLLM QuantizationConfig. Pickles (vLLM ships it to the engine process): its
-    state is the Policy (frozen dataclasses), the source format name and plain dicts."""
+    state is the Policy (frozen dataclasses), the source format and plain dicts."""
 
-    def __init__(self, policy: Policy, source: str = QUANT_METHOD):
+    def __init__(self, policy: Policy, source: QuantMethod | str = QuantMethod.CUBLADE):
         super().__init__()
-        if source not in SOURCES:
-            raise ValueError(f"cublade: unknown checkpoint source format {source!r}; valid: {', '.join(SOURCES)}")
         self.policy = policy
-        self.source = source
+        self.source = QuantMethod.lookup(source, "checkpoint source format", "cublade")
         # Read by vLLM's Attention layer: a declared KV-cache scheme makes `--kv-cache-dtype auto` mean fp8,
         # so the cache dtype follows the checkpoint (an explicit --kv-cache-dtype still wins).
         self.kv_cache_scheme = ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                                  "symmetric": True} if policy.kv_cache is not None else None)
 
     def __repr__(self) -> str:
-        return f"CubladeConfig(source={self.source!r}, preset={self.policy.preset!r})"
+        return f"CubladeConfig(source={self.source.value!r}, preset={self.policy.preset!r})"
 
     # ---- what vLLM asks of every QuantizationConfig --------------------------------------------------
     def get_name(self) -> str:
@@ -74,9 +72,9 @@ class CubladeConfig(QuantizationConfig):
             raise ValueError(f"cublade: quantization_config must be a JSON object, got {type(config).__name__}")
         method = config.get("quant_method")
         if method == QUANT_METHOD:
-            return cls(parse_quantization_config(config), QUANT_METHOD)
+            return cls(parse_quantization_config(config), QuantMethod.CUBLADE)
         if method == CT_METHOD:
-            return cls(policy_from_compressed_tensors(config), CT_METHOD)
+            return cls(policy_from_compressed_tensors(config), QuantMethod.COMPRESSED_TENSORS)
         raise ValueError(f"cublade cannot read a checkpoint with quantization_config.quant_method={method!r}; "
                          f"it reads {QUANT_METHOD!r} checkpoints (written by `cublade convert`) and "
                          f"{CT_METHOD!r} FP8 W8A8 and int4 W4A16 checkpoints")
@@ -107,7 +105,7 @@ class CubladeConfig(QuantizationConfig):
         from pathlib import Path
 
         if Path(model_name).is_dir():
-            from cublade.experts import check_checkpoint_experts
+            from cublade.vllm.moe import check_checkpoint_experts
 
             check_checkpoint_experts(model_name)
 
@@ -118,7 +116,7 @@ class CubladeConfig(QuantizationConfig):
                 return UnquantizedLinearMethod()
             from cublade.vllm.linear import CubladeLinearMethod
 
-            return CubladeLinearMethod(self, scheme, prefix)
+            return CubladeLinearMethod(scheme, prefix, self.shard_names(prefix), self.source)
         if isinstance(layer, Attention):
             if self.policy.kv_cache is None:
                 return None
@@ -159,102 +157,3 @@ class CubladeConfig(QuantizationConfig):
         from cublade.vllm.moe import CubladeFp4MoEMethod
 
         return CubladeFp4MoEMethod(scheme, layer.moe_config, prefix)
-
-
-# ---- compressed-tensors interop ------------------------------------------------------------------------
-
-def _ct_pattern(target: str, field: str) -> str:
-    """A compressed-tensors target/ignore entry as a Policy regex (matched with re.fullmatch)."""
-    if target == "Linear":
-        return r".*"
-    if target.startswith("re:"):
-        # compressed-tensors matches `re:` targets with re.match (anchored at the start only).
-        return f"(?:{target[3:]}).*"
-    if re.fullmatch(r"[A-Z]\w*", target):
-        raise NotImplementedError(f"compressed-tensors {field} {target!r}: cublade matches module names and "
-                                  f"the class 'Linear' only")
-    return rf"(?:.*\.)?{re.escape(target)}"  # a module name, possibly without the model's prefix
-
-
-def _ct_scheme(name: str, group: dict, fmt: str | None) -> Scheme:
-    where = f"compressed-tensors config_groups.{name}"
-    w = group.get("weights") or {}
-    a = group.get("input_activations")
-    fmt = group.get("format") or fmt
-    if (group.get("output_activations")) is not None:
-        raise NotImplementedError(f"{where}.output_activations: output quantization is not supported by cublade")
-    wtype, bits, strategy = w.get("type"), w.get("num_bits"), w.get("strategy")
-    if not w.get("symmetric", True) and wtype == "float":
-        raise NotImplementedError(f"{where}.weights.symmetric=false: cublade's FP8 weights are symmetric")
-    if wtype == "float" and bits == 8:
-        if strategy not in ("channel", "tensor"):
-            raise NotImplementedError(f"{where}.weights.strategy={strategy!r}: cublade FP8 weights are per "
-                                      f"channel or per tensor (not block/group)")
-        if a is None:
-            raise NotImplementedError(f"{where}.input_activations is null (FP8 weight-only W8A16): cublade's fp8 "
-                                      f"scheme quantizes activations too")
-        if a.get("type") != "float" or a.get("num_bits") != 8:
-            raise NotImplementedError(f"{where}.input_activations: expected 8-bit float, got "
-                                      f"type={a.get('type')!r} num_bits={a.get('num_bits')!r}")
-        a_strategy, dynamic = a.get("strategy"), a.get("dynamic")
-        modes = {("token", True): "dynamic-token", ("tensor", True): "dynamic-tensor",
-                 ("tensor", False): "static-tensor"}
-        if (a_strategy, dynamic) not in modes:
-            raise NotImplementedError(f"{where}.input_activations: strategy={a_strategy!r} dynamic={dynamic!r} "
-                                      f"is not one of cublade's FP8 activation modes (token+dynamic, tensor+dynamic, "
-                                      f"tensor+static)")
-        if fmt not in (None, "float-quantized", "naive-quantized"):
-            raise NotImplementedError(f"{where}: FP8 weights in format {fmt!r}; cublade reads 'float-quantized'")
-        return Fp8Scheme(weight_strategy=strategy, activations=modes[(a_strategy, dynamic)])
-    if wtype == "int" and bits == 4:
-        if a is not None:
-            raise NotImplementedError(f"{where}.input_activations: int4 weights with quantized activations "
-                                      f"(W4A8) are not supported; cublade serves W4A16")
-        if fmt not in (None, "pack-quantized"):
-            raise NotImplementedError(f"{where}: int4 weights in format {fmt!r}; cublade reads 'pack-quantized'")
-        if w.get("actorder") == "group":
-            raise NotImplementedError(f"{where}.weights.actorder='group' (a g_idx per layer) is not supported; "
-                                      f"'weight' (static) act-order is")
-        if strategy == "channel":
-            group_size = -1
-        elif strategy == "group":
-            group_size = w.get("group_size")
-        else:
-            raise NotImplementedError(f"{where}.weights.strategy={strategy!r}: cublade int4 weights are per group "
-                                      f"or per channel")
-        try:
-            return W4A16Scheme(group_size=group_size, symmetric=bool(w.get("symmetric", True)))
-        except ValueError as e:
-            raise NotImplementedError(f"{where}.weights: {e}") from None
-    raise NotImplementedError(f"{where}.weights: type={wtype!r} num_bits={bits!r} is not a cublade scheme "
-                              f"(cublade reads 8-bit float W8A8 and 4-bit int W4A16)")
-
-
-def policy_from_compressed_tensors(qc: dict) -> Policy:
-    """The cublade Policy equivalent to a compressed-tensors quantization_config."""
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ValueError("compressed-tensors quantization_config has no config_groups")
-    if qc.get("sparsity_config"):
-        raise NotImplementedError("compressed-tensors sparsity_config: sparse checkpoints are not supported")
-    if qc.get("transform_config"):
-        raise NotImplementedError("compressed-tensors transform_config: transformed checkpoints are not supported")
-    schemes, rules = [], []
-    for name, group in groups.items():
-        schemes.append((name, _ct_scheme(name, group, qc.get("format"))))
-        targets = group.get("targets") or []
-        if not targets:
-            raise ValueError(f"compressed-tensors config_groups.{name}.targets is empty")
-        rules += [Rule(_ct_pattern(t, f"config_groups.{name}.targets"), name) for t in targets]
-    ignore = tuple(_ct_pattern(t, "ignore") for t in qc.get("ignore") or [])
-    kv = qc.get("kv_cache_scheme")
-    if kv is not None:
-        if not (kv.get("type") == "float" and kv.get("num_bits") == 8 and kv.get("strategy", "tensor") == "tensor"
-                and not kv.get("dynamic", False)):
-            raise NotImplementedError(f"compressed-tensors kv_cache_scheme {kv}: cublade's KV cache is FP8 with "
-                                      f"static per-tensor scales")
-    # compressed-tensors lets a module match any group whose target fits; cublade rules are ordered, first
-    # match wins. Module-name targets go before the catch-all 'Linear' so the specific group wins.
-    rules.sort(key=lambda r: r.pattern == r".*")
-    return Policy(preset=CT_METHOD, schemes=tuple(schemes), rules=tuple(rules), ignore=ignore,
-                  kv_cache=KVCacheScheme("fp8") if kv is not None else None)

@@ -33,9 +33,18 @@ import torch
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
+from cublade.config import KVRounding
+
 logger = logging.getLogger("vllm.cublade")
 
 SCALE_NAMES = ("q_scale", "k_scale", "v_scale", "prob_scale")
+
+
+def kv_rounding(layer) -> KVRounding:
+    """How the FP8 cache write rounds this Attention layer's K: what CubladeKVCacheMethod.create_weights set
+    (`layer.cublade_kv_rounding`, the checkpoint's kv_cache rounding); NEAREST for a layer cublade's method did not
+    create (e.g. `--kv-cache-dtype fp8` on a checkpoint without a cublade KV cache)."""
+    return getattr(layer, "cublade_kv_rounding", KVRounding.NEAREST)
 
 
 def checkpoint_module(prefix: str) -> str:
@@ -50,14 +59,14 @@ class CubladeKVCacheMethod(BaseKVCacheMethod):
         super().__init__(quant_config)
         self.prefix = prefix
         kv = quant_config.policy.kv_cache
-        self.rounding = kv.rounding if kv is not None else "nearest"
+        self.rounding: KVRounding = kv.rounding if kv is not None else KVRounding.NEAREST
 
     def create_weights(self, layer: torch.nn.Module):
         super().create_weights(layer)
         for name in SCALE_NAMES:  # fp32, whatever the model dtype (see the module docstring)
             p = getattr(layer, name)
             p.data = p.data.float()
-        layer.cublade_kv_rounding = self.rounding  # read by CubladeFlashAttentionImpl's cache write
+        layer.cublade_kv_rounding = self.rounding  # the one place it is set; read through kv_rounding(layer)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if (hasattr(layer, "k_scale") and is_quantized_kv_cache(layer.kv_cache_dtype)
@@ -69,7 +78,7 @@ class CubladeKVCacheMethod(BaseKVCacheMethod):
                     raise ValueError(f"{checkpoint_module(self.prefix)}.{name} {what}: the checkpoint's "
                                      f"quantization_config has kv_cache fp8, which needs a positive finite "
                                      f"per-layer {name} (cublade convert --kv-cache fp8 writes it)")
-            if (self.rounding == "query-aware" and not isinstance(getattr(layer, "impl", None),
+            if (self.rounding is KVRounding.QUERY_AWARE and not isinstance(getattr(layer, "impl", None),
                                                                   CubladeFlashAttentionImpl)
                     and not CubladeKVCacheMethod._warned_rounding):
                 CubladeKVCacheMethod._warned_rounding = True
@@ -124,20 +133,19 @@ class CubladeFlashAttentionImpl(_FlashAttentionImpl):
         if self.kv_cache_dtype not in ("fp8", "fp8_e4m3") or self.attn_type in (AttentionType.ENCODER_ONLY,
                                                                                   AttentionType.ENCODER):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        query_aware = getattr(layer, "cublade_kv_rounding", "nearest") == "query-aware"
         # On a GPU without cublade's kernel, vLLM's own write: the reference's boolean indexing syncs with
         # the host, which CUDA-graph capture forbids. (The reference runs here only on CPU, for tests.)
-        if use_kernel(key, "fp8_kv_cache_write"):
-            how = "cublade's CUDA op fp8_kv_cache_write"
-        elif key.is_cuda:
-            how = "vLLM's reshape_and_cache_flash (cublade's CUDA extension has no fp8_kv_cache_write)"
-        else:
-            how = "the PyTorch reference of fp8_kv_cache_write (CPU)"
+        cublade_kernel = use_kernel(key, "fp8_kv_cache_write")
+        vllm_write = key.is_cuda and not cublade_kernel
+        query_aware = kv_rounding(layer) is KVRounding.QUERY_AWARE and not vllm_write
         if not CubladeFlashAttentionImpl._logged:
             CubladeFlashAttentionImpl._logged = True
+            how = ("cublade's CUDA op fp8_kv_cache_write" if cublade_kernel
+                   else "vLLM's reshape_and_cache_flash (cublade's CUDA extension has no fp8_kv_cache_write)"
+                   if vllm_write else "the PyTorch reference of fp8_kv_cache_write (CPU)")
             logger.info("cublade: FP8 KV-cache write runs %s, K rounded %s", how,
-                        "to nearest" if how.startswith("vLLM's") or not query_aware else "query-aware")
-        if how.startswith("vLLM's"):
+                        "query-aware" if query_aware else "to nearest")
+        if vllm_write:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         # The same views of the cache as vLLM's FlashAttention backend: [num_blocks, H, block_size, 2*D]
         # -> K and V, each [num_blocks, block_size, H, D] (strided views; the op writes through them).

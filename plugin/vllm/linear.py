@@ -17,8 +17,8 @@ Lifecycle of a layer (vLLM calls these in order):
                      requantize-to-the-max-scale, and every FP8 kernel here takes per-channel weight scales.
                    * static fp8 input scales of fused shards: their max, as vLLM does (the shards see the
                      same input, so calibration gives them the same scale; the max only matters otherwise);
-                   * compressed-tensors layouts: [N, 1] FP8 channel scales -> [N]; int4 zero points packed
-                     8 per int32 along N -> uint8 [N, groups];
+                   * compressed-tensors layouts (cublade.config.compressed_tensors): [N, 1] FP8 channel
+                     scales -> [N]; int4 zero points packed 8 per int32 along N -> uint8 [N, groups];
                    then the kernel selector picks the layer's kernel, which repacks once.
   apply            the kernel.
 """
@@ -35,28 +35,28 @@ from vllm.model_executor.parameter import (BasevLLMParameter, ChannelQuantScaleP
 from vllm.model_executor.utils import set_weight_attrs
 
 from cublade.config import Fp8Scheme, MXFP8Scheme, Scheme, W4A16Scheme
-from cublade.constants import INT4_PER_INT32, MX_BLOCK
-from cublade.ops.fp8_quant import FP8_DTYPE
-from cublade.ops.int4 import unpack_int4
-from cublade.vllm.config import CT_METHOD, CubladeConfig
-from cublade.vllm.kernels import replace_parameter, select_kernel
+from cublade.config import compressed_tensors as ct_format
+from cublade.config.format import QuantMethod
+from cublade.numerics.constants import INT4_PER_INT32, MX_BLOCK
+from cublade.numerics.fp8 import FP8_DTYPE
+from cublade.vllm.kernels import select_kernel
+from cublade.vllm.kernels.base import replace_parameter
 
 logger = logging.getLogger("vllm.cublade")
 
 QKV_INDEX = {"q": 0, "k": 1, "v": 2}
-# Checkpoint tensors that only describe another one (compressed-tensors' `weight_shape`): loaded and dropped.
-_DESCRIPTIVE = ("weight_shape",)
 
 
 @register_weight_loader_v2_supported_method
 class CubladeLinearMethod(LinearMethodBase):
-    """One layer's method (vLLM makes one per layer through CubladeConfig.get_quant_method)."""
+    """One layer's method (vLLM makes one per layer through CubladeConfig.get_quant_method): the layer's scheme,
+    its name, the checkpoint module names it holds (one, or a fused layer's shards) and the checkpoint's format."""
 
-    def __init__(self, config: CubladeConfig, scheme: Scheme, prefix: str):
+    def __init__(self, scheme: Scheme, prefix: str, shards: list[str], source: QuantMethod = QuantMethod.CUBLADE):
         self.scheme = scheme
         self.prefix = prefix
-        self.source = config.source
-        self.shards = config.shard_names(prefix)
+        self.shards = shards
+        self.ct = QuantMethod(source) is QuantMethod.COMPRESSED_TENSORS
         self.loaded: dict[str, set] = {}  # tensor suffix -> shard ids loaded (None: the whole layer)
         self.param_names: list[str] = []
         self.kernel = None
@@ -88,7 +88,7 @@ class CubladeLinearMethod(LinearMethodBase):
             if s.group_size != -1 and K % s.group_size:
                 raise ValueError(f"{self.prefix}: w4a16 group_size={s.group_size} does not divide in_features per "
                                  f"rank {K}{tp}")
-            if self.source == CT_METHOD and not s.symmetric and any(p % INT4_PER_INT32 for p in parts):
+            if self.ct and not s.symmetric and any(p % INT4_PER_INT32 for p in parts):
                 raise ValueError(f"{self.prefix}: compressed-tensors packs zero points 8 per int32 along the "
                                  f"output dim; output sizes per rank {parts} are not multiples of 8")
         if isinstance(s, MXFP8Scheme) and K % MX_BLOCK:
@@ -98,13 +98,13 @@ class CubladeLinearMethod(LinearMethodBase):
     def _make_params(self, parts: list[int], K: int, params_dtype: torch.dtype, wl) -> dict:
         """suffix -> vLLM parameter (loaded by `wl`), in the checkpoint's layout (cublade's, or
         compressed-tensors' where it differs)."""
-        s, N, ct = self.scheme, sum(parts), self.source == CT_METHOD
+        s, N, ct = self.scheme, sum(parts), self.ct
         e = torch.empty
         f: dict = {}
         if isinstance(s, Fp8Scheme):
             f["weight"] = ModelWeightParameter(data=e(N, K, dtype=FP8_DTYPE), input_dim=1, output_dim=0,
                                                weight_loader=wl)
-            if s.weight_strategy == "channel":
+            if s.per_channel:
                 shape = (N, 1) if ct else (N,)
                 f["weight_scale"] = ChannelQuantScaleParameter(
                     data=e(shape, dtype=torch.float32), output_dim=0, weight_loader=wl)
@@ -178,22 +178,9 @@ class CubladeLinearMethod(LinearMethodBase):
 
     def expected(self, rows: int, K: int) -> dict[str, tuple[tuple, torch.dtype | None]]:
         """suffix -> (shape, dtype) of a checkpoint tensor for a [rows, K] module; dtype None: any float."""
-        specs = dict(self.scheme.tensor_specs(rows, K))
-        if self.source != CT_METHOD:
-            return specs
-        s = self.scheme
-        out = {}
-        for name, (shape, dtype) in specs.items():
-            if isinstance(s, Fp8Scheme) and name == "weight_scale" and s.weight_strategy == "channel":
-                shape = (rows, 1)
-            if name in ("weight_scale", "input_scale"):
-                dtype = None  # compressed-tensors stores scales in the model's dtype or fp32
-            if name == "weight_zero_point":
-                shape, dtype = (-(-rows // INT4_PER_INT32), shape[1]), torch.int32
-            out[name] = (shape, dtype)
-        if isinstance(s, W4A16Scheme):
-            out["weight_shape"] = ((2,), torch.int64)
-        return out
+        if self.ct:
+            return ct_format.tensor_specs(self.scheme, rows, K)
+        return dict(self.scheme.tensor_specs(rows, K))
 
     def _checked_loader(self, layer: torch.nn.Module, name: str, vllm_loader):
         def load(param, loaded_weight: torch.Tensor, *args, **kwargs):
@@ -244,16 +231,16 @@ class CubladeLinearMethod(LinearMethodBase):
 
     # ---- after loading ---------------------------------------------------------------------------------
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        self._check_complete(layer, [n for n in self.param_names if n not in _DESCRIPTIVE])
+        self._check_complete(layer, [n for n in self.param_names if n not in ct_format.DESCRIPTIVE])
         for n in self.param_names:  # loading is over: plain Parameters from here on
-            if n in _DESCRIPTIVE:
+            if n in ct_format.DESCRIPTIVE:
                 replace_parameter(layer, n, None)
             else:
                 replace_parameter(layer, n, getattr(layer, n).data)
         s = self.scheme
         if isinstance(s, Fp8Scheme):
             scale = layer.weight_scale.data.float()
-            if s.weight_strategy == "channel":
+            if s.per_channel:
                 scale = scale.reshape(-1)
             elif scale.numel() > 1 and bool((scale != scale[0]).any()):
                 widths = torch.tensor(layer.logical_widths, device=scale.device)
@@ -263,10 +250,9 @@ class CubladeLinearMethod(LinearMethodBase):
             replace_parameter(layer, "weight_scale", scale.contiguous())
             if s.static:
                 replace_parameter(layer, "input_scale", layer.input_scale.data.float().max().reshape(1))
-        elif isinstance(s, W4A16Scheme) and not s.symmetric and self.source == CT_METHOD:
-            # int32 [N/8, groups] packed along N -> uint8 [N, groups]
-            zp = unpack_int4(layer.weight_zero_point.data.t().contiguous())
-            replace_parameter(layer, "weight_zero_point", zp[:, :layer.output_size_per_partition].t().contiguous())
+        elif isinstance(s, W4A16Scheme) and not s.symmetric and self.ct:
+            replace_parameter(layer, "weight_zero_point", ct_format.unpack_zero_points(
+                layer.weight_zero_point.data, layer.output_size_per_partition))
         self.kernel = select_kernel(layer, self.prefix)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

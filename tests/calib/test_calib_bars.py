@@ -1,4 +1,4 @@
-"""The calibration issue's accuracy bars on the padded stories260K model, end to end through `cublade convert`
+"""The calibration accuracy bars on the padded stories260K model, end to end through `cublade convert`
 and the reference backend (fp32, windows of 512).
 
 Split of the bundled text (19 stories, one per line): calibrate on lines [0:6) (3516 tokens), score on
@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cublade.ppl import evaluate, tokenize, windows
+from cublade.ppl import evaluate
 from cublade.reference import load_reference_model
+from cublade.text import tokenize, windows
 
 CALIB, EVAL = slice(0, 6), slice(6, None)
 

@@ -10,8 +10,8 @@ import torch
 from cublade.calib import MIN_CALIB_TOKENS, CalibResult, GPTQConfig, calibrate
 from cublade.calib.capture import LayerwiseModel, linear_groups
 from cublade.config import Fp8Scheme, KVCacheScheme, Policy, Rule, W4A16Scheme, preset
-from cublade.constants import F8E4M3_MAX
-from cublade.ppl import tokenize, windows
+from cublade.numerics.constants import F8E4M3_MAX
+from cublade.text import tokenize, windows
 
 CALIB = slice(0, 6)  # the first 6 stories (3516 tokens); tests/calib/test_calib_bars.py scores on 6:
 

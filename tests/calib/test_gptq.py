@@ -9,7 +9,7 @@ import torch
 
 from cublade.calib.gptq import GPTQConfig, gptq_quantize, search_group_params, weighted_error
 from cublade.config import W4A16Scheme
-from cublade.ops.int4 import group_params, int4_dequant_weight, int4_quant_weight, pack_int4, quantize_groups
+from cublade.numerics.int4 import group_params, int4_dequant_weight, int4_quant_weight, pack_int4, quantize_groups
 
 PLAIN = GPTQConfig(clip_grid=0, act_order=False)  # the paper's algorithm: abs-max group scales
 

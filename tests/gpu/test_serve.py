@@ -44,7 +44,7 @@ START_TIMEOUT, REQUEST_TIMEOUT, PPL_TIMEOUT = 300, 60, 600
 EXPECTED_KERNEL = {"fp8-dynamic": "vllm-cutlass-scaled-mm", "fp8-static": "vllm-cutlass-scaled-mm",
                    "w4a16": "(cublade-w4a16-gemm|vllm-machete|vllm-marlin)",
                    "mxfp8": "cublade-mxfp8-gemm", "fp4-experts-fp8-dense": "vllm-cutlass-scaled-mm"}
-# Foundation-issue accuracy bars: d loss vs the unquantized model.
+# Accuracy bars (those of tests/test_ppl.py): d loss vs the unquantized model.
 BARS = {"fp8-dynamic": 0.013, "mxfp8": 0.012}
 PPL_REL = 0.005  # vllm vs reference perplexity of the same checkpoint
 NEAR_TIE = 0.25  # nats: a greedy divergence is allowed where the unquantized model's top-2 are this close
@@ -212,7 +212,7 @@ def test_greedy_matches_unquantized(served, name):
 def test_serve_compiled_matches_eager(served, checkpoint, logs, name):
     """Without --enforce-eager vLLM compiles the model (torch.compile, fullgraph) and captures CUDA graphs:
     cublade's apply paths must trace, and give the eager greedy text up to token 16. Token 17 is a near-tie
-    on this model in bf16 (H200, 2026-11-22: the fp32 model continues "play outside", the bf16 one "play
+    on this model in bf16 (on an H200 the fp32 model continues "play outside", the bf16 one "play
     with her toy"; fp8-dynamic compiled said "outside", eager "with"), which kernel fusion may flip."""
     eager, _ = served(name)
     with vllm_server(checkpoint(name), logs / f"serve-{name}-compiled.log") as url:
@@ -318,7 +318,7 @@ def ppl_vllm(model: Path, text: Path, logs: Path, name: str, *extra) -> float:
 
 
 def test_kv_cache_query_aware_in_vllm(plugin_installed, converted, valid_text, logs):
-    """#6's KV split (calibrate on stories 0-5, score 6-18) through vLLM: the FP8 KV cache's cost over fp8-dynamic
+    """The FP8 KV split (calibrate on stories 0-5, score 6-18) through vLLM: the FP8 KV cache's cost over fp8-dynamic
     with K rounded to nearest (vLLM's own cache write) and query-aware (cublade's, which `cublade ppl` picks for
     such a checkpoint: --attention-backend CUSTOM). vLLM's FlashAttention 3 also rounds the queries to FP8, which
     the reference backend does not, so the costs are not the reference's (+0.0383 / +0.0047)."""

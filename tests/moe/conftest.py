@@ -1,5 +1,5 @@
 """MoE test fixtures: the Mixtral checkpoints examples/make_moe_fixture.py builds from the bundled dense model
-(built once per session), and a vLLM config on CPU (real vLLM 0.26 Python code, gloo, one rank)."""
+(built once per test run), and a vLLM config on CPU (real vLLM 0.26 Python code, gloo, one rank)."""
 from __future__ import annotations
 
 from pathlib import Path

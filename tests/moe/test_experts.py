@@ -1,5 +1,6 @@
-"""cublade.experts: the expert layouts, their checks against config.json (errors name the tensor), the fused
-3-D split the converter uses, the router-policy refusal, and the reference experts (QuantExpertsRef)."""
+"""MoE experts: the expert layouts and their checks against config.json (cublade.config.experts; errors name the
+tensor), the fused 3-D split the converter uses and the router-policy refusal (cublade.convert_experts), and the
+reference experts (cublade.reference_experts.QuantExpertsRef over cublade.numerics.moe)."""
 from __future__ import annotations
 
 import json
@@ -11,9 +12,11 @@ from safetensors.torch import load_file
 
 from cublade.checkpoint import iter_tensors, tensor_infos
 from cublade.config import Policy, Rule, preset
+from cublade.config.experts import ExpertLayout
 from cublade.config.schemes import FP4Scheme
-from cublade.experts import (ExpertLayout, QuantExpertsRef, check_router_policy, expert_tensor_infos,
-                             expert_tensors, experts_forward_ref, prepare_moe_reference)
+from cublade.convert_experts import check_router_policy, expert_tensor_infos, expert_tensors
+from cublade.numerics.moe import experts_forward_ref
+from cublade.reference_experts import QuantExpertsRef, prepare_moe_reference
 
 MIXTRAL = {"model_type": "mixtral", "num_local_experts": 8, "hidden_size": 128, "intermediate_size": 256,
            "num_experts_per_tok": 2}

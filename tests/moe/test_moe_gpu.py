@@ -20,7 +20,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 
 REPO = Path(__file__).resolve().parents[2]
-PPL_REL = 0.005  # vllm vs reference perplexity of the same checkpoint (issue 5)
+PPL_REL = 0.005  # vllm vs reference perplexity of the same checkpoint
 FORMATS = ["mxfp4", "nvfp4"]
 
 
@@ -53,9 +53,10 @@ def moe_ckpt(converted, moe_fixture):
 
 
 def _candidates():
-    from cublade.vllm.moe import CANDIDATES
+    from cublade.config.schemes import FP4Scheme
+    from cublade.vllm.kernels import CANDIDATES
 
-    return [k.name for k in CANDIDATES]
+    return [k.name for k in CANDIDATES[FP4Scheme]]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -67,7 +68,7 @@ def test_every_runnable_moe_kernel_matches_reference(vllm_cuda, moe_ckpt, fmt, m
 
     from test_moe_vllm import _reference, checkpoint_block, make_layer, router, softmax_topk
     from cublade.config.schemes import FP4Scheme
-    from cublade.vllm.moe import MoEKernel
+    from cublade.vllm.kernels import MoEKernel
 
     ckpt = moe_ckpt(fmt)
     g = torch.Generator().manual_seed(0)

@@ -99,7 +99,7 @@ def test_convert_refuses_bad_expert_tensors(moe_fixture, tmp_path, layout, edit,
 def test_check_checkpoint_experts(converted, moe_fixture, tmp_path):
     """What a loader calls before trusting a converted checkpoint's experts (vLLM alone drops an extra expert
     and leaves a missing one's slice at zero)."""
-    from cublade.experts import check_checkpoint_experts
+    from cublade.vllm.moe import check_checkpoint_experts
 
     ckpt = converted("fp4-experts-fp8-dense", src=moe_fixture("exact", "mixtral"))
     check_checkpoint_experts(ckpt)
@@ -167,7 +167,7 @@ def test_fp4_experts_fp8_dense_loss(converted, moe_fixture, valid_text, unquanti
 
 def test_whole_model_in_vllm_matches_reference_backend(vllm_cpu, cpu_attention, converted, moe_fixture,
                                                        valid_text):
-    from cublade.ppl import tokenize
+    from cublade.text import tokenize
     from cublade.reference import load_reference_model
     from cublade.vllm.linear import CubladeLinearMethod
     from cublade.vllm.moe import CubladeFp4MoEMethod

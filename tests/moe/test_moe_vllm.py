@@ -17,9 +17,11 @@ from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.model_executor.layers.fused_moe import FusedMoE  # noqa: E402
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig  # noqa: E402
 
+from cublade.config.experts import ExpertLayout  # noqa: E402
 from cublade.config.schemes import Fp8Scheme, FP4Scheme, UnsupportedShape  # noqa: E402
-from cublade.experts import ExpertLayout, QuantExpertsRef  # noqa: E402
-from cublade.vllm.moe import CubladeFp4MoEMethod, ReferenceMoE  # noqa: E402
+from cublade.reference_experts import QuantExpertsRef  # noqa: E402
+from cublade.vllm.kernels import ReferenceMoE  # noqa: E402
+from cublade.vllm.moe import CubladeFp4MoEMethod  # noqa: E402
 
 PREFIX = "model.layers.{l}.block_sparse_moe.experts"
 MIXTRAL = {"model_type": "mixtral", "num_local_experts": 8, "hidden_size": 128, "intermediate_size": 256,
@@ -162,7 +164,7 @@ def test_load_places_every_expert_tensor(vllm_cpu, ckpt, fmt):
 
 
 def _reference(ckpt, fmt, x, logits):
-    """The reference backend's experts (cublade.experts.QuantExpertsRef) on the same checkpoint tensors."""
+    """The reference backend's experts (cublade.reference_experts.QuantExpertsRef) on the same checkpoint tensors."""
     layout = ExpertLayout.from_config(MIXTRAL)
     scheme = FP4Scheme(format=fmt)
     t: dict = {}
@@ -260,10 +262,9 @@ def test_cublade_kernel_passed_over_on_other_gpus(monkeypatch):
     saying why, rather than pick it and fail at the first call (as the linear kernels do)."""
     import types
 
-    from cublade.vllm import kernels
-    from cublade.vllm.moe import CubladeFp4MoE
+    from cublade.vllm.kernels import CubladeFp4MoE, base
 
-    monkeypatch.setattr(kernels, "_capability", lambda device: 80)
+    monkeypatch.setattr(base, "_capability", lambda device: 80)
     w = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
     ok, why = CubladeFp4MoE.can_implement(types.SimpleNamespace(w13_weight_packed=w), FP4Scheme())
     assert not ok and why == "cublade's kernels are built for sm_90a, this GPU is sm_80"
@@ -274,7 +275,7 @@ def test_cublade_kernel_grouping_on_cpu(vllm_cpu, ckpt, fmt):
     one grouped GEMM per projection, unsort + weighted sum; ids of other ranks' experts masked), run here with
     cublade.ops.fp4_gemm's CPU reference in place of the CUDA op, against the reference kernel on the same
     layer weights (both bf16 math: one fp32 summation order apart)."""
-    from cublade.vllm.moe import CubladeFp4MoE
+    from cublade.vllm.kernels import CubladeFp4MoE
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(29, 128, generator=g).bfloat16()
@@ -334,7 +335,7 @@ def test_marlin_moe_is_found_through_vllms_kernel_loader(monkeypatch):
 
     from vllm.platforms import current_platform
 
-    from cublade.vllm.moe import VllmMarlinMoE
+    from cublade.vllm.kernels import VllmMarlinMoE
 
     if hasattr(torch.ops._moe_C, "moe_wna16_marlin_gemm"):
         pytest.skip("vLLM's MoE ops are loaded in this process (tests/moe/test_moe_gpu.py runs Marlin itself)")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cublade.ops.fp4 import fp4_dequant_weight, fp4_quant_weight, nvfp4_dequant_weight
+from cublade.numerics.fp4 import fp4_dequant_weight, fp4_quant_weight, nvfp4_dequant_weight
 from cublade.ops.fp4_gemm import NVFP4_ROW_LOG2 as NV_ROW
 from cublade.ops.fp4_gemm import fp4_dequant_repacked, fp4_gemm, fp4_gemm_ref, fp4_repack
-from numerics import rel_err
+from accuracy import rel_err
 from profiling import kernels_run
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cublade.ops import _dispatch
-from cublade.constants import F8E4M3_MAX
+from cublade.numerics.constants import F8E4M3_MAX
 from cublade.ops.fp8_kv_cache_write import (KV_QUERY_AWARE_MAX_FLIPS, fp8_kv_cache_write, fp8_kv_cache_write_ref,
                                             fp8_kv_quant_query_aware_ref, fp8_kv_quant_ref)
 
@@ -427,7 +427,7 @@ def test_invalid_inputs_are_refused_with_the_op_name():
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cache_bytes_equal_vllm_reshape_and_cache_flash(dtype):
-    """The issue's bar: bit-exact to vLLM's own op for the same inputs and scales, on vLLM's cache layout."""
+    """The bar: bit-exact to vLLM's own op for the same inputs and scales, on vLLM's cache layout."""
     try:
         from vllm import _custom_ops as ops
     except Exception as e:  # noqa: BLE001
@@ -567,7 +567,7 @@ def test_query_aware_opcheck(qdtype):
     query = _qa_query(torch.randn(8, 4, 64, generator=g), qdtype, "strided")
     kc = torch.zeros(2, 16, 2, 64, dtype=torch.uint8, device="cuda")
     # opcheck's test_schema compares every argument before and after the call with torch.allclose, which torch
-    # 2.11 lacks for float8 on CUDA ("mul_cuda" not implemented for 'Float8_e4m3fn', H100, 2026-11-25): with an
+    # 2.11 lacks for float8 on CUDA ("mul_cuda" not implemented for 'Float8_e4m3fn', seen on an H100): with an
     # FP8 query the schema's mutation claims are checked by the bf16 case, the other opcheck tests run as usual.
     utils = ["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
     torch.library.opcheck(torch.ops.cublade.fp8_kv_cache_write.default,

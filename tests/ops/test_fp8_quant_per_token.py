@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from cublade.constants import F8E4M3_MAX, FP8_MIN_SCALE
+from cublade.numerics.constants import F8E4M3_MAX, FP8_MIN_SCALE
 from cublade.ops import _dispatch
-from cublade.ops.fp8_quant import fp8_quant_per_token, fp8_quant_per_token_ref
+from cublade.ops.fp8_quant_per_token import fp8_quant_per_token, fp8_quant_per_token_ref
 
 from fp8_testing import FP8, e4m3_table, assert_fp8_equal, gpu
 

@@ -15,11 +15,11 @@ import re
 import pytest
 import torch
 
-from cublade.ops.linear import mxfp8_linear_ref
+from cublade.numerics.linear import mxfp8_linear_ref
 from cublade.ops.mxfp8_gemm import (MAX_EXPONENT_CODE, mxfp8_dequant_packed, mxfp8_gemm, mxfp8_gemm_ref,
                                     mxfp8_repack, mxfp8_unrepack)
 from cublade.ops.mxfp8_quant import mxfp8_dequant_ref, mxfp8_quant_ref
-from numerics import assert_one_rounding
+from accuracy import assert_one_rounding
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 BAR = 2e-3

@@ -1,8 +1,8 @@
 """The W4A16 streaming kernel's K-split rule (`lowbit::pick_split`, plugin/csrc/w4a16_gemm.cuh) on the shapes it
 was measured on, compiled with nvcc and run on the host (no GPU needed, so CI checks it): a rule edit that moves
-one of these shapes' splits must come with new measurements. Llama-3-8B's layers from the fourteenth session's
-sweep (4-chunk splits on small grids, as the int4 op asks up to 16 rows), the Llama-70B-like shapes from the fifth
-(unchanged by the 4-chunk allowance)."""
+one of these shapes' splits must come with new measurements. Llama-3-8B's layers from the sweep that allows 4-chunk
+splits on small grids (as the int4 op asks up to 16 rows), and Llama-70B-like shapes, whose splits that allowance
+leaves unchanged (docs/kernels.md, w4a16_gemm)."""
 from __future__ import annotations
 
 import shutil

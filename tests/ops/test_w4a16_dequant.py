@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cublade.ops.int4 import int4_dequant_weight, pack_int4
-from cublade.ops.w4a16_gemm import (_w4a16_dequant_fake, w4a16_dequant, w4a16_dequant_ref, w4a16_repack)
-from numerics import rel_err
+from cublade.numerics.int4 import int4_dequant_weight, pack_int4
+from cublade.ops.w4a16_dequant import _w4a16_dequant_fake, w4a16_dequant, w4a16_dequant_ref
+from cublade.ops.w4a16_gemm import w4a16_repack
+from accuracy import rel_err
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 GROUPS = (32, 64, 128, -1)
@@ -27,7 +28,8 @@ KS = (120, 200, 384, 544, 640, 1000, 1152)
 
 
 def checkpoint(N: int, K: int, G: int, sym: bool, seed: int = 0, scale: torch.Tensor | None = None):
-    """Random checkpoint tensors (cublade.ops.int4's layout): every nibble value, scales ~0.02, zero points 0..15."""
+    """Random checkpoint tensors (cublade.numerics.int4's layout): every nibble value, scales ~0.02, zero points
+    0..15."""
     g = torch.Generator().manual_seed(seed)
     ng = 1 if G == -1 else K // G
     wp = pack_int4(torch.randint(0, 16, (N, K), generator=g))

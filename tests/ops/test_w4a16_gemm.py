@@ -4,7 +4,7 @@ Tolerance classes: the repack and the reference are exact (rtol=0, atol=0: same 
 the kernel is a GEMM (fp32 sums in another order, one rounding to bf16/fp16 at the end), so every output is held
 to one rounding of the fp32 product with the dequantized weights (|C - ref| <= 2^-8 |ref|, bf16's half ulp, plus
 1e-4 mean|ref| for the summation order), and outputs of 4096 elements or more also to mean|C - ref| / mean|ref|
-<= 2e-3 (the issue's bar; the final bf16 rounding alone is ~1.4e-3 on this metric, fp16's ~2e-4; on a few dozen
+<= 2e-3 (the accuracy bar; the final bf16 rounding alone is ~1.4e-3 on this metric, fp16's ~2e-4; on a few dozen
 outputs the mean is sample noise around that, 2.1e-3 was seen for 37). x is random but seeded per test. The
 kernel applies each group's scale to an fp32 partial sum, so the weights themselves are never rounded. From 128
 rows (448 at group size 128 or per channel, where the wide kernel runs from 17; 640 on weights of 2^27 elements or
@@ -20,12 +20,11 @@ import re
 import pytest
 import torch
 
-from cublade.ops.int4 import int4_dequant_weight, int4_quant_weight
-from cublade.ops.linear import w4a16_linear_ref
-from cublade.ops.int4 import pack_int4
+from cublade.numerics.int4 import int4_dequant_weight, int4_quant_weight, pack_int4
+from cublade.numerics.linear import w4a16_linear_ref
 from cublade.ops.w4a16_gemm import (record_words, w4a16_dequant_repacked, w4a16_gemm, w4a16_gemm_ref,
                                     w4a16_repack)
-from numerics import assert_one_rounding, rel_err
+from accuracy import assert_one_rounding, rel_err
 from profiling import kernels_run, stream_k_slices
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")

@@ -11,7 +11,7 @@ import torch
 from vllm_layers import KINDS, load, random_weights, reference
 
 from cublade.config import Fp8Scheme, KVCacheScheme, W4A16Scheme
-from cublade.ops.int4 import unpack_int4
+from cublade.numerics.int4 import unpack_int4
 
 FP8_DYNAMIC = {
     "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],

@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from cublade.config import KVRounding
 from cublade.ops.fp8_kv_cache_write import fp8_kv_quant_query_aware_ref, fp8_kv_quant_ref
 
 
@@ -29,7 +30,7 @@ class Layer(torch.nn.Module):
         super().__init__()
         self._k_scale = torch.tensor(k_scale, dtype=torch.float32)
         self._v_scale = torch.tensor(v_scale, dtype=torch.float32)
-        self.cublade_kv_rounding = rounding  # what CubladeKVCacheMethod.create_weights sets
+        self.cublade_kv_rounding = KVRounding(rounding)  # what CubladeKVCacheMethod.create_weights sets
         self.layer_name, self.kv_sharing_target_layer_name = "model.layers.0.self_attn.attn", None
 
 

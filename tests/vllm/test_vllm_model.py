@@ -38,7 +38,7 @@ TOLERANCE = {"fp8-static": (5e-3, 5e-3)}
 
 
 def windows(model_dir, text, n=3, length=128):
-    from cublade.ppl import tokenize
+    from cublade.text import tokenize
 
     ids = tokenize(model_dir, text, slice(0, 60))
     return [torch.tensor(ids[i * length:(i + 1) * length]) for i in range(n)]

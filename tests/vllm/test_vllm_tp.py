@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from numerics import rel_err
+from accuracy import rel_err
 from vllm_layers import KINDS, random_weights
 
 from cublade.config import Fp8Scheme, MXFP8Scheme, W4A16Scheme

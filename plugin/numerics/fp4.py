@@ -7,7 +7,7 @@ Rounding to E2M1 is round-to-nearest, ties to the even code (0.25 -> 0, 0.75 -> 
 2.5 -> 2, 3.5 -> 4, 5 -> 4), magnitudes above 6 saturate to 6; NaN encodes as +0 (the converter refuses NaN
 weights before they get here).
 
-MXFP4:  w ~= v * 2^e, 2^e from the block's amax (mx.py rules, elem max 6, emax 2).
+MXFP4:  w ~= v * 2^e, 2^e from the block's amax (cublade.numerics.mx rules, elem max 6, emax 2).
 NVFP4:  g = max(amax(W) / (6 * 448), tiny) fp32; per 16-block s = e4m3(amax_block / 6 / g);
         v = e2m1(w / (s * g)) (s * g in fp32); w ~= v * s * g.
 """
@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from cublade.constants import (F4E2M1_EMAX, F4E2M1_MAX, F4E2M1_VALUES, F8E4M3_MAX, MIN_WEIGHT_SCALE,
-                               MX_BLOCK, NVFP4_BLOCK)
-from cublade.ops.mx import DEFAULT_SCALE_RULE, block_scales, e8m0_to_float
+from cublade.numerics.choice import Choice
+from cublade.numerics.constants import (F4E2M1_EMAX, F4E2M1_MAX, F4E2M1_VALUES, F8E4M3_MAX, MIN_WEIGHT_SCALE,
+                                        MX_BLOCK, NVFP4_BLOCK)
+from cublade.numerics.mx import DEFAULT_SCALE_RULE, ScaleRule, block_scales, e8m0_to_float
 
-FP4_FORMATS = ("mxfp4", "nvfp4")
+
+class Fp4Format(Choice):
+    MXFP4 = "mxfp4"  # E8M0 scale per 32
+    NVFP4 = "nvfp4"  # E4M3 scale per 16 and an fp32 global scale per tensor
+
+    @property
+    def block(self) -> int:
+        return MX_BLOCK if self is Fp4Format.MXFP4 else NVFP4_BLOCK
 # Midpoints between consecutive magnitudes; a tie goes to the even code (the lower one where the lower
 # code is even, i.e. at midpoints with index 0, 2, 4, 6 -> round down; 1, 3, 5 -> round up).
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -58,7 +66,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def mxfp4_quant_weight(w: torch.Tensor, rule: str = DEFAULT_SCALE_RULE) -> dict[str, torch.Tensor]:
+def mxfp4_quant_weight(w: torch.Tensor, rule: ScaleRule | str = DEFAULT_SCALE_RULE) -> dict[str, torch.Tensor]:
     """[..., K] -> {'weight_packed' uint8 [..., K/2], 'weight_scale' uint8 E8M0 [..., K/32]}."""
     codes, scale = block_scales(w, MX_BLOCK, rule, F4E2M1_MAX, F4E2M1_EMAX)
     wb = w.float().reshape(*codes.shape, MX_BLOCK)
@@ -99,17 +107,14 @@ def nvfp4_dequant_weight(packed: torch.Tensor, scale: torch.Tensor, global_scale
     return (vb * sg.unsqueeze(-1)).reshape(v.shape).to(dtype)
 
 
-def fp4_quant_weight(w: torch.Tensor, fmt: str, rule: str = DEFAULT_SCALE_RULE) -> dict[str, torch.Tensor]:
-    if fmt == "mxfp4":
+def fp4_quant_weight(w: torch.Tensor, fmt: Fp4Format | str, rule: ScaleRule | str = DEFAULT_SCALE_RULE
+                     ) -> dict[str, torch.Tensor]:
+    if Fp4Format.lookup(fmt, "FP4 format") is Fp4Format.MXFP4:
         return mxfp4_quant_weight(w, rule)
-    if fmt == "nvfp4":
-        return nvfp4_quant_weight(w)
-    raise ValueError(f"unknown FP4 format {fmt!r}; valid: {', '.join(FP4_FORMATS)}")
+    return nvfp4_quant_weight(w)
 
 
-def fp4_dequant_weight(t: dict[str, torch.Tensor], fmt: str, dtype=torch.float32) -> torch.Tensor:
-    if fmt == "mxfp4":
+def fp4_dequant_weight(t: dict[str, torch.Tensor], fmt: Fp4Format | str, dtype=torch.float32) -> torch.Tensor:
+    if Fp4Format.lookup(fmt, "FP4 format") is Fp4Format.MXFP4:
         return mxfp4_dequant_weight(t["weight_packed"], t["weight_scale"], dtype)
-    if fmt == "nvfp4":
-        return nvfp4_dequant_weight(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], dtype)
-    raise ValueError(f"unknown FP4 format {fmt!r}; valid: {', '.join(FP4_FORMATS)}")
+    return nvfp4_dequant_weight(t["weight_packed"], t["weight_scale"], t["weight_global_scale"], dtype)

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from cublade.constants import F4E2M1_VALUES
-from cublade.ops.fp4 import (e2m1_decode, e2m1_encode, fp4_dequant_weight, fp4_quant_weight, pack_fp4,
-                             unpack_fp4)
+from cublade.numerics.constants import F4E2M1_VALUES
+from cublade.numerics.fp4 import (e2m1_decode, e2m1_encode, fp4_dequant_weight, fp4_quant_weight, pack_fp4,
+                                  unpack_fp4)
 
 
 def test_code_table_round_trips_all_16_codes():

@@ -1,4 +1,4 @@
-"""FP8 E4M3 quantization: dynamic per-token, dynamic per-tensor, static per-tensor (activations) and
+"""FP8 E4M3 quantization math: dynamic per-token, dynamic per-tensor, static per-tensor (activations) and
 per-channel / per-tensor (weights, offline).
 
 Numerics (the contract every kernel reproduces bit for bit):
@@ -11,8 +11,8 @@ Numerics (the contract every kernel reproduces bit for bit):
   * dynamic per-token: q = e4m3(clamp(x / scale, -448, 448)), a true fp32 division. vLLM's
     dynamic_per_token_scaled_fp8_quant divides here ("we don't use inverted scales so we can match FBGemm",
     csrc/quantization/w8a8/fp8/common.cu: scaled_fp8_conversion<false>), so cublade's per-token bytes equal
-    vLLM's. (This reference multiplied by the reciprocal before; x * RN(1/s) and RN(x / s) differ by one fp32
-    ulp for about half of all inputs, which changes the E4M3 byte when that ulp crosses a rounding point.)
+    vLLM's. x * RN(1/s) and RN(x / s) differ by one fp32 ulp for about half of all inputs, which changes the
+    E4M3 byte when that ulp crosses a rounding point: a reciprocal here would not match vLLM.
   * NaN propagates: a NaN anywhere in a row (or tensor) makes its scale NaN and every output NaN. An Inf
     makes the scale Inf, so finite values quantize to 0 and the Inf itself to NaN (Inf / Inf, Inf * 0).
 
@@ -23,10 +23,17 @@ from __future__ import annotations
 
 import torch
 
-from cublade.constants import F8E4M3_MAX, FP8_MIN_SCALE
-from cublade.ops._dispatch import register_fake, use_kernel
+from cublade.numerics.choice import Choice
+from cublade.numerics.constants import F8E4M3_MAX, FP8_MIN_SCALE
 
 FP8_DTYPE = torch.float8_e4m3fn
+
+
+class Fp8Activations(Choice):
+    """How an FP8 W8A8 layer quantizes its activations."""
+    DYNAMIC_TOKEN = "dynamic-token"  # a scale per token, from its amax, at run time
+    DYNAMIC_TENSOR = "dynamic-tensor"  # one scale for the whole input, from its amax, at run time
+    STATIC_TENSOR = "static-tensor"  # one calibrated scale (the checkpoint's input_scale)
 
 
 def _amax(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
@@ -55,31 +62,14 @@ def quantize_div_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return y.clamp(-F8E4M3_MAX, F8E4M3_MAX).to(FP8_DTYPE)
 
 
-# ---- dynamic per-token (activations) ----------------------------------------------------------------
-
-def fp8_quant_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., K] float -> (e4m3 [..., K], fp32 scale [..., 1])."""
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token: [..., K] float -> (e4m3 [..., K], fp32 scale [..., 1])."""
     xf = x.float()
     scale = dynamic_scale(_amax(xf, dim=-1, keepdim=True))
     return quantize_div_scale(xf, scale), scale
 
 
-def fp8_quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_kernel(x, "fp8_quant_per_token"):
-        return torch.ops.cublade.fp8_quant_per_token(x)
-    return fp8_quant_per_token_ref(x)
-
-
-@register_fake("cublade::fp8_quant_per_token")
-def _fp8_quant_per_token_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
-            torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device))
-
-
-# ---- per-tensor (activations: dynamic or static) ----------------------------------------------------
-
-def fp8_quant_per_tensor_ref(x: torch.Tensor, scale: torch.Tensor | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic (scale=None: computed from the tensor's amax) or static (given fp32 scale, shape [1] or [])
     per-tensor quant. Returns (e4m3 tensor of x's shape, fp32 scale of shape [1])."""
     xf = x.float()
@@ -89,23 +79,6 @@ def fp8_quant_per_tensor_ref(x: torch.Tensor, scale: torch.Tensor | None = None
         scale = scale.float().reshape(1)
     return quantize_with_scale(xf, scale).reshape(x.shape), scale  # reshape: a 0-dim x stays 0-dim
 
-
-def fp8_quant_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel returns its own copy of a static scale (shape [1], fp32); the reference a view of it."""
-    if use_kernel(x, "fp8_quant_per_tensor"):
-        return torch.ops.cublade.fp8_quant_per_tensor(x, None if scale is None else scale.float())
-    return fp8_quant_per_tensor_ref(x, scale)
-
-
-@register_fake("cublade::fp8_quant_per_tensor")
-def _fp8_quant_per_tensor_fake(x: torch.Tensor, scale: torch.Tensor | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
-            torch.empty((1,), dtype=torch.float32, device=x.device))
-
-
-# ---- weights (offline, in the converter) ------------------------------------------------------------
 
 def fp8_quant_weight(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] weight -> (e4m3 [N, K], fp32 scale [N] per channel or [1] per tensor)."""

@@ -1,6 +1,6 @@
 """int4 group quantization for W4A16, and the packing of the checkpoint format.
 
-Checkpoint layout (`plugin/config/format.py` names the tensors):
+Checkpoint layout (cublade.config.schemes names the tensors):
   weight_packed      int32 [N, K/8]   8 values per word along K, value j in bits [4j, 4j+4); each value is an
                                       unsigned nibble u in [0, 15]
   weight_scale       bf16  [N, K/G]   one scale per group of G consecutive K (G = K for group_size -1)
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from cublade.constants import (INT4_ASYM_QMAX, INT4_PER_INT32, INT4_SYM_OFFSET, INT4_SYM_QMAX,
-                               INT4_SYM_QMIN, MIN_WEIGHT_SCALE)
+from cublade.numerics.constants import (INT4_ASYM_QMAX, INT4_PER_INT32, INT4_SYM_OFFSET, INT4_SYM_QMAX,
+                                        INT4_SYM_QMIN, MIN_WEIGHT_SCALE)
 
 SCALE_DTYPE = torch.bfloat16
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from cublade.ops.int4 import (group_params, int4_dequant_weight, int4_quant_weight, pack_int4, quantize_groups,
-                              unpack_int4)
+from cublade.numerics.int4 import (group_params, int4_dequant_weight, int4_quant_weight, pack_int4, quantize_groups,
+                                   unpack_int4)
 
 
 def test_pack_layout_is_little_endian_nibbles():

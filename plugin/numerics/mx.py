@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from cublade.constants import E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN
+from cublade.numerics.choice import Choice
+from cublade.numerics.constants import E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN
 
-SCALE_RULES = ("rceil", "floor")
-DEFAULT_SCALE_RULE = "rceil"
+
+class ScaleRule(Choice):
+    """How a block's power-of-two scale follows from its amax (module docstring)."""
+    RCEIL = "rceil"
+    FLOOR = "floor"
+
+
+DEFAULT_SCALE_RULE = ScaleRule.RCEIL
 
 
 def _floor_log2(v: torch.Tensor) -> torch.Tensor:
@@ -28,14 +35,13 @@ def _ceil_log2(v: torch.Tensor) -> torch.Tensor:
     return torch.where(m == 0.5, e - 1, e)
 
 
-def e8m0_exponent(amax: torch.Tensor, rule: str, max_elem: float, emax_elem: int) -> torch.Tensor:
+def e8m0_exponent(amax: torch.Tensor, rule: ScaleRule | str, max_elem: float, emax_elem: int) -> torch.Tensor:
     """int32 unbiased exponent of each block's scale (NaN blocks are handled by the caller)."""
-    if rule not in SCALE_RULES:
-        raise ValueError(f"unknown MX scale rule {rule!r}; valid: {', '.join(SCALE_RULES)}")
+    rule = ScaleRule.lookup(rule, "MX scale rule")
     a = amax.float()
     finite_pos = torch.isfinite(a) & (a > 0)
     safe = torch.where(finite_pos, a, torch.ones_like(a))
-    if rule == "floor":
+    if rule is ScaleRule.FLOOR:
         e = _floor_log2(safe) - emax_elem
     else:
         # A true fp32 division (by a tensor: CUDA turns division by a Python float into a multiply by its
@@ -48,7 +54,7 @@ def e8m0_exponent(amax: torch.Tensor, rule: str, max_elem: float, emax_elem: int
     return e.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP).to(torch.int32)
 
 
-def block_scales(x: torch.Tensor, block: int, rule: str, max_elem: float, emax_elem: int
+def block_scales(x: torch.Tensor, block: int, rule: ScaleRule | str, max_elem: float, emax_elem: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """For x [..., K] (K % block == 0): (uint8 E8M0 codes [..., K/block], fp32 scale 2^e [..., K/block, 1])."""
     K = x.shape[-1]

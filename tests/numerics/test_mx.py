@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cublade.ops.mx import block_scales, e8m0_exponent, e8m0_to_float
+from cublade.numerics.mx import block_scales, e8m0_exponent, e8m0_to_float
 
 
 @pytest.mark.parametrize("amax,floor_e,rceil_e", [

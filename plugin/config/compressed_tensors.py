@@ -1,0 +1,150 @@
+"""Reading compressed-tensors checkpoints (llm-compressor's FP8 W8A8 and int4 W4A16) as cublade schemes.
+
+The checkpoint's `quantization_config` (quant_method "compressed-tensors") translates into an equivalent cublade
+Policy (`policy_from_compressed_tensors`). Its tensors hold the same numbers as cublade's, in two layouts that
+differ (`tensor_specs` gives the compressed-tensors one per scheme):
+  * FP8 per-channel weight scales are [N, 1] (cublade: [N]); scales may be stored in the model's dtype;
+  * int4 zero points (asymmetric W4A16) are packed 8 per int32 along N: int32 [N/8, groups] (cublade: uint8
+    [N, groups]): `unpack_zero_points` / `pack_zero_points` convert;
+  * a W4A16 layer also stores `weight_shape` ([2] int64), which only describes the weight (DESCRIPTIVE).
+The vLLM layer (cublade.vllm.linear) loads these layouts and brings them to cublade's after loading.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from cublade.config.format import QuantMethod
+from cublade.config.policy import Policy, Rule
+from cublade.config.schemes import Fp8Scheme, KVCacheDtype, KVCacheScheme, Scheme, W4A16Scheme, WeightStrategy
+from cublade.numerics.constants import INT4_PER_INT32
+from cublade.numerics.fp8 import Fp8Activations
+from cublade.numerics.int4 import pack_int4, unpack_int4
+
+CT_METHOD = QuantMethod.COMPRESSED_TENSORS.value
+# Tensors that only describe another one: loaded and dropped.
+DESCRIPTIVE = ("weight_shape",)
+
+
+def _ct_pattern(target: str, field: str) -> str:
+    """A compressed-tensors target/ignore entry as a Policy regex (matched with re.fullmatch)."""
+    if target == "Linear":
+        return r".*"
+    if target.startswith("re:"):
+        # compressed-tensors matches `re:` targets with re.match (anchored at the start only).
+        return f"(?:{target[3:]}).*"
+    if re.fullmatch(r"[A-Z]\w*", target):
+        raise NotImplementedError(f"compressed-tensors {field} {target!r}: cublade matches module names and "
+                                  f"the class 'Linear' only")
+    return rf"(?:.*\.)?{re.escape(target)}"  # a module name, possibly without the model's prefix
+
+
+def _ct_scheme(name: str, group: dict, fmt: str | None) -> Scheme:
+    where = f"compressed-tensors config_groups.{name}"
+    w = group.get("weights") or {}
+    a = group.get("input_activations")
+    fmt = group.get("format") or fmt
+    if (group.get("output_activations")) is not None:
+        raise NotImplementedError(f"{where}.output_activations: output quantization is not supported by cublade")
+    wtype, bits, strategy = w.get("type"), w.get("num_bits"), w.get("strategy")
+    if not w.get("symmetric", True) and wtype == "float":
+        raise NotImplementedError(f"{where}.weights.symmetric=false: cublade's FP8 weights are symmetric")
+    if wtype == "float" and bits == 8:
+        if strategy not in WeightStrategy.values():
+            raise NotImplementedError(f"{where}.weights.strategy={strategy!r}: cublade FP8 weights are per "
+                                      f"channel or per tensor (not block/group)")
+        if a is None:
+            raise NotImplementedError(f"{where}.input_activations is null (FP8 weight-only W8A16): cublade's fp8 "
+                                      f"scheme quantizes activations too")
+        if a.get("type") != "float" or a.get("num_bits") != 8:
+            raise NotImplementedError(f"{where}.input_activations: expected 8-bit float, got "
+                                      f"type={a.get('type')!r} num_bits={a.get('num_bits')!r}")
+        a_strategy, dynamic = a.get("strategy"), a.get("dynamic")
+        modes = {("token", True): Fp8Activations.DYNAMIC_TOKEN, ("tensor", True): Fp8Activations.DYNAMIC_TENSOR,
+                 ("tensor", False): Fp8Activations.STATIC_TENSOR}
+        if (a_strategy, dynamic) not in modes:
+            raise NotImplementedError(f"{where}.input_activations: strategy={a_strategy!r} dynamic={dynamic!r} "
+                                      f"is not one of cublade's FP8 activation modes (token+dynamic, tensor+dynamic, "
+                                      f"tensor+static)")
+        if fmt not in (None, "float-quantized", "naive-quantized"):
+            raise NotImplementedError(f"{where}: FP8 weights in format {fmt!r}; cublade reads 'float-quantized'")
+        return Fp8Scheme(weight_strategy=strategy, activations=modes[(a_strategy, dynamic)])
+    if wtype == "int" and bits == 4:
+        if a is not None:
+            raise NotImplementedError(f"{where}.input_activations: int4 weights with quantized activations "
+                                      f"(W4A8) are not supported; cublade serves W4A16")
+        if fmt not in (None, "pack-quantized"):
+            raise NotImplementedError(f"{where}: int4 weights in format {fmt!r}; cublade reads 'pack-quantized'")
+        if w.get("actorder") == "group":
+            raise NotImplementedError(f"{where}.weights.actorder='group' (a g_idx per layer) is not supported; "
+                                      f"'weight' (static) act-order is")
+        if strategy == "channel":
+            group_size = -1
+        elif strategy == "group":
+            group_size = w.get("group_size")
+        else:
+            raise NotImplementedError(f"{where}.weights.strategy={strategy!r}: cublade int4 weights are per group "
+                                      f"or per channel")
+        try:
+            return W4A16Scheme(group_size=group_size, symmetric=bool(w.get("symmetric", True)))
+        except ValueError as e:
+            raise NotImplementedError(f"{where}.weights: {e}") from None
+    raise NotImplementedError(f"{where}.weights: type={wtype!r} num_bits={bits!r} is not a cublade scheme "
+                              f"(cublade reads 8-bit float W8A8 and 4-bit int W4A16)")
+
+
+def policy_from_compressed_tensors(qc: dict) -> Policy:
+    """The cublade Policy equivalent to a compressed-tensors quantization_config."""
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError("compressed-tensors quantization_config has no config_groups")
+    if qc.get("sparsity_config"):
+        raise NotImplementedError("compressed-tensors sparsity_config: sparse checkpoints are not supported")
+    if qc.get("transform_config"):
+        raise NotImplementedError("compressed-tensors transform_config: transformed checkpoints are not supported")
+    schemes, rules = [], []
+    for name, group in groups.items():
+        schemes.append((name, _ct_scheme(name, group, qc.get("format"))))
+        targets = group.get("targets") or []
+        if not targets:
+            raise ValueError(f"compressed-tensors config_groups.{name}.targets is empty")
+        rules += [Rule(_ct_pattern(t, f"config_groups.{name}.targets"), name) for t in targets]
+    ignore = tuple(_ct_pattern(t, "ignore") for t in qc.get("ignore") or [])
+    kv = qc.get("kv_cache_scheme")
+    if kv is not None:
+        if not (kv.get("type") == "float" and kv.get("num_bits") == 8 and kv.get("strategy", "tensor") == "tensor"
+                and not kv.get("dynamic", False)):
+            raise NotImplementedError(f"compressed-tensors kv_cache_scheme {kv}: cublade's KV cache is FP8 with "
+                                      f"static per-tensor scales")
+    # compressed-tensors lets a module match any group whose target fits; cublade rules are ordered, first
+    # match wins. Module-name targets go before the catch-all 'Linear' so the specific group wins.
+    rules.sort(key=lambda r: r.pattern == r".*")
+    return Policy(preset=CT_METHOD, schemes=tuple(schemes), rules=tuple(rules), ignore=ignore,
+                  kv_cache=KVCacheScheme(KVCacheDtype.FP8) if kv is not None else None)
+
+
+def tensor_specs(scheme: Scheme, N: int, K: int) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """suffix -> (shape, dtype) of the compressed-tensors tensors of a [N, K] module (dtype None: any float)."""
+    out = {}
+    for name, (shape, dtype) in scheme.tensor_specs(N, K).items():
+        if isinstance(scheme, Fp8Scheme) and name == "weight_scale" and scheme.per_channel:
+            shape = (N, 1)
+        if name in ("weight_scale", "input_scale"):
+            dtype = None  # compressed-tensors stores scales in the model's dtype or fp32
+        if name == "weight_zero_point":
+            shape, dtype = (-(-N // INT4_PER_INT32), shape[1]), torch.int32
+        out[name] = (shape, dtype)
+    if isinstance(scheme, W4A16Scheme):
+        out["weight_shape"] = ((2,), torch.int64)
+    return out
+
+
+def pack_zero_points(zp: torch.Tensor) -> torch.Tensor:
+    """cublade's uint8 zero points [N, groups] -> compressed-tensors' int32 [N/8, groups] (8 per int32 along N)."""
+    return pack_int4(zp.t().contiguous()).t().contiguous()
+
+
+def unpack_zero_points(packed: torch.Tensor, N: int) -> torch.Tensor:
+    """compressed-tensors' int32 zero points [ceil(N/8), groups] -> cublade's uint8 [N, groups]."""
+    return unpack_int4(packed.t().contiguous())[:, :N].t().contiguous()

@@ -1,0 +1,24 @@
+"""FP8 E4M3 dynamic per-token quantization of activations: `fp8_quant_per_token(x [..., K]) -> (e4m3 [..., K],
+fp32 scale [..., 1])`, one scale per row, q = e4m3(clamp(x / scale, ±448)) with a true fp32 division (vLLM's
+per-token bytes). The numerics: cublade.numerics.fp8; the kernel: csrc/fp8_quant_per_token.cu."""
+from __future__ import annotations
+
+import torch
+
+from cublade.numerics.fp8 import FP8_DTYPE, quantize_per_token
+from cublade.ops._dispatch import register_fake, use_kernel
+
+# The reference (the CPU path, and the bytes the kernel reproduces bit for bit).
+fp8_quant_per_token_ref = quantize_per_token
+
+
+def fp8_quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_kernel(x, "fp8_quant_per_token"):
+        return torch.ops.cublade.fp8_quant_per_token(x)
+    return fp8_quant_per_token_ref(x)
+
+
+@register_fake("cublade::fp8_quant_per_token")
+def _fp8_quant_per_token_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device))

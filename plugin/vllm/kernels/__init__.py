@@ -1,0 +1,130 @@
+"""Kernel choice for cublade's vLLM layers: linear layers (cublade.vllm.linear) and FusedMoE experts
+(cublade.vllm.moe). One kernel class per module here (base.py says what a kernel is); this module holds the
+ordered candidates per scheme and the one selector.
+
+The selector walks the scheme's candidates in order and takes the first that can run the layer: cublade's own op
+where it exists, else a named fallback, and last the pure-PyTorch reference (the CPU path, bit-exact to
+`scheme.linear_ref`). It logs one line per distinct choice, with the reason, and the reasons of the candidates it
+passed over; if none can run the layer it raises one error listing them all. `CUBLADE_DISABLED_KERNELS=name,name`
+takes kernels out of the running (as VLLM_DISABLED_KERNELS does). Why each list is in this order:
+docs/kernel-selection.md.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from cublade.config import FP4Scheme, Fp8Scheme, MXFP8Scheme, Scheme, W4A16Scheme
+from cublade.vllm.kernels.base import LinearKernel, MoEKernel
+from cublade.vllm.kernels.cublade_fp4_moe import CubladeFp4MoE
+from cublade.vllm.kernels.cublade_mxfp8_dequant_matmul import CubladeMxfp8DequantMatmul
+from cublade.vllm.kernels.cublade_mxfp8_gemm import CubladeMxfp8Gemm
+from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
+from cublade.vllm.kernels.reference import ReferenceKernel
+from cublade.vllm.kernels.reference_moe import ReferenceMoE
+from cublade.vllm.kernels.vllm_cutlass_scaled_mm import VllmCutlassScaledMM
+from cublade.vllm.kernels.vllm_machete import VllmMachete
+from cublade.vllm.kernels.vllm_marlin import VllmMarlin
+from cublade.vllm.kernels.vllm_marlin_moe import VllmMarlinMoE
+from cublade.vllm.kernels.vllm_marlin_mxfp8 import VllmMarlinMxfp8
+
+logger = logging.getLogger("vllm.cublade")
+
+# The candidates per scheme, first that can run the layer wins.
+CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel] | type[MoEKernel], ...]] = {
+    # cublade has no FP8 GEMM of its own: vLLM's CUTLASS, activations quantized by cublade's per-token /
+    # per-tensor op.
+    Fp8Scheme: (VllmCutlassScaledMM, ReferenceKernel),
+    W4A16Scheme: (CubladeW4A16Gemm, VllmMachete, VllmMarlin, ReferenceKernel),
+    # W8A16 on the 1-byte weights (bf16 activations); then Marlin (fp16 activations, block scales above 2^7); then
+    # dequantize to the activation dtype with cublade's op and a dense GEMM (no MX tensor cores before sm_100).
+    MXFP8Scheme: (CubladeMxfp8Gemm, VllmMarlinMxfp8, CubladeMxfp8DequantMatmul, ReferenceKernel),
+    # MoE experts only (the linear method refuses fp4): kernels of a FusedMoE layer.
+    FP4Scheme: (CubladeFp4MoE, VllmMarlinMoE, ReferenceMoE),
+}
+
+_logged: set[tuple] = set()
+
+
+def disabled_kernels() -> set[str]:
+    return {k.strip() for k in os.environ.get("CUBLADE_DISABLED_KERNELS", "").split(",") if k.strip()}
+
+
+def first_runnable(candidates, can_implement: Callable[[type], tuple[bool, str]]
+                   ) -> tuple[type | None, str, list[str]]:
+    """(first candidate not disabled by CUBLADE_DISABLED_KERNELS whose can_implement says yes, its reason,
+    the candidates passed over with why); the kernel is None when none can."""
+    disabled = disabled_kernels()
+    skipped: list[str] = []
+    for k in candidates:
+        if k.name in disabled:
+            skipped.append(f"{k.name}: disabled by CUBLADE_DISABLED_KERNELS")
+            continue
+        ok, reason = can_implement(k)
+        if ok:
+            return k, reason, skipped
+        skipped.append(f"{k.name}: {reason}")
+    return None, "", skipped
+
+
+def log_choice_once(key: tuple, msg: str, *args) -> None:
+    """One log line per distinct kernel choice (key), however many layers make it."""
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(msg, *args)
+
+
+def add_to_compile_key(kernel: str) -> None:
+    """Make a kernel choice part of the key under which vLLM caches compiled models. vLLM 0.26 stores a compiled model
+    (VLLM_USE_AOT_COMPILE) under a hash of its config, its environment and its source files, none of which says which
+    kernel cublade chose for a layer, so a model compiled with one choice would be loaded for another: with
+    CUBLADE_DISABLED_KERNELS changed between two runs, the cached graph called cublade's mxfp8_gemm on the weights
+    Marlin had repacked (seen on an H200). The kernels chosen while the model loads go, sorted, into the current
+    config's `additional_config` (a dict that `VllmConfig.compute_hash` hashes as JSON) under "cublade_kernels"; the
+    cache key is computed at the first compiled call, after loading. No current config (tests building a layer
+    alone) or a non-dict additional_config: nothing is recorded."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None or not isinstance(config.additional_config, dict):
+        return
+    chosen = config.additional_config.setdefault("cublade_kernels", [])
+    if kernel not in chosen:
+        chosen.append(kernel)
+        chosen.sort()
+
+
+def select(scheme: Scheme, layer: torch.nn.Module, args: tuple, subject: str, failure: str):
+    """The first candidate for `scheme` that can run `layer` (`can_implement(*args)`), constructed with `args` (it
+    repacks the layer's weights once). `subject` names the layers in the log line, `failure` starts the error."""
+    candidates = CANDIDATES.get(type(scheme))
+    if candidates is None:
+        raise NotImplementedError(f"{failure}: cublade has no kernel for it")
+    k, reason, skipped = first_runnable(candidates, lambda k: k.can_implement(*args))
+    if k is None:
+        raise NotImplementedError(f"{failure}: " + "; ".join(skipped))
+    log_choice_once((scheme.describe(), str(layer.params_dtype), k.name, reason, tuple(skipped)),
+                    "cublade: %s run on %s%s: %s%s", subject, k.name, "" if k.own else " (fallback)", reason,
+                    f"; passed over {'; '.join(skipped)}" if skipped else "")
+    add_to_compile_key(k.name)
+    return k(*args)
+
+
+def select_kernel(layer: torch.nn.Module, prefix: str) -> LinearKernel:
+    """The kernel of a linear layer (its scheme: layer.cublade_scheme)."""
+    scheme: Scheme = layer.cublade_scheme
+    shape = f"[N={layer.output_size_per_partition}, K={layer.input_size_per_partition}, {layer.params_dtype}]"
+    return select(scheme, layer, (layer,), f"{scheme.describe()} layers like {prefix} {shape}",
+                  f"{prefix}: no kernel can run scheme {scheme.describe()} {shape}")
+
+
+def select_moe_kernel(layer: torch.nn.Module, scheme: FP4Scheme, where: str) -> MoEKernel:
+    """The kernel of a FusedMoE layer's experts."""
+    E, I2, _ = layer.w13_weight_packed.shape
+    shape = f"[E={E}, H={layer.w2_weight_packed.shape[1]}, I={I2 // 2}, {layer.params_dtype}]"
+    return select(scheme, layer, (layer, scheme), f"MoE experts {scheme.describe()} like {where} {shape}",
+                  f"{where}: no kernel can run MoE experts {scheme.describe()} {shape}")
+
