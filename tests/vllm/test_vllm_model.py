@@ -119,8 +119,12 @@ def test_kv_cache_scales_reach_the_attention_layers(vllm_dist, cpu_attention, co
         assert attn._k_scale.item() == torch.tensor(k).item() and attn._k_scale_float == torch.tensor(k).item()
         assert attn._v_scale.item() == torch.tensor(v).item()
     model, loss_vllm, loss_ref, rel = compare(ckpt, valid_text, kv_fp8=True)
-    assert abs(loss_vllm - loss_ref) < 1e-4, (loss_vllm, loss_ref)
-    assert rel < 1e-5
+    # The FP8 cache turns a last-bit difference between the two stacks' K or V (fp32 math through different CPU
+    # kernels) into a whole E4M3 step wherever an element sits at a rounding midpoint; which elements do depends
+    # on the CPU. Measured on an AMD EPYC machine: loss 1.8e-4 apart, logits 4.0e-4 (mean relative). Scales off
+    # by 1% give 8.2e-3 and 4.7e-2, off by 25% 4.6e-2 and 9.9e-2: the bounds sit between.
+    assert abs(loss_vllm - loss_ref) < 1e-3, (loss_vllm, loss_ref)
+    assert rel < 2e-3, rel
 
 
 def test_query_aware_rounding_reaches_the_attention_layers(vllm_dist, cpu_attention, converted, tmp_path, caplog):
