@@ -7,15 +7,13 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc \
 //        benchmarks/tuning/fp4_moe_sweep.cu -o /tmp/fp4_moe_sweep && /tmp/fp4_moe_sweep [reps]
 //
-// Why (ninth session): the grouped decode calls of a Mixtral layer ran at 1.0-2.0 TB/s where the int4 kernel
-// reaches 2.8 on the same bytes, and vLLM's Marlin MoE was 1.30-1.75x faster than cublade's layer. The sweep
-// asked whether more consumer warps per CTA (K slices) help the small grids of MoE decode (a little, on the
-// smallest: not landed), and its timing-only no-dequant policy showed the dequant costing a third of the time,
-// which the shift dequant (fp4_gemm.cu) then took out. Raw: benchmarks/runs/2026-11-23-0112-*, -0117-*, -0123-*.
+// Why: the grouped decode calls of a Mixtral layer read their bytes well below the int4 kernel's rate on the same
+// bytes. The sweep asks whether more consumer warps per CTA (K slices) help the small grids of MoE decode (a little,
+// on the smallest only), and its timing-only no-dequant policy measures what the dequant costs (docs/decisions.md,
+// "FP4 dequant by shifts", with the raw output).
 //
-// Weights: random FP4 codes, every MXFP4 block scale 2^-7 (bf16 records 2^-7 * 2^126 = 0x7B00; the ninth
-// session's runs had 0x3C00, the records of the PRMT dequant: the same times as fp4_grouped_diag.py's real scales
-// within 1 us after the layout change, so the weights' values did not matter). Each row is timed after a 256 MB
+// Weights: random FP4 codes, every MXFP4 block scale 2^-7 (bf16 records 2^-7 * 2^126 = 0x7B00; times matched those
+// with real scales within 1 us, so the weights' values do not matter). Each row is timed after a 256 MB
 // memset (do_bench's flush) and checked against the production launch (rel = mean|C - ref| / mean|ref|; a
 // different split count only reorders fp32 sums).
 #include "fp4_gemm.cu"
@@ -37,9 +35,7 @@ template <int NT>
 using Pol = cublade::Fp4Policy<NT, cublade::kMXFP4>;
 
 // A timing-only policy (its outputs are not checked): the packet's words go to the mma's as they are (the scale
-// records still loaded): what the dequant costs. With it, the ninth session found the PRMT-table dequant taking
-// ~1/3 of the time (dense 8192x28672 M = 1: 69.2 us, no dequant 43.6, the shift dequant that replaced it 48.9;
-// raw benchmarks/runs/2026-11-23-0117-h200-session9-fp4-dequant-ablation.txt).
+// records still loaded): what the dequant costs (docs/decisions.md, "FP4 dequant by shifts").
 template <int NT_>
 struct Fp4NoDequant : cublade::Fp4Policy<NT_, cublade::kMXFP4> {
   using Base = cublade::Fp4Policy<NT_, cublade::kMXFP4>;

@@ -1,4 +1,4 @@
-// Sweep of the FP4 expert GEMM at MoE prefill sizes (tenth session): the streaming kernel (w4a16_gemm.cuh) against
+// Sweep of the FP4 expert GEMM at MoE prefill sizes: the streaming kernel (w4a16_gemm.cuh) against
 // the wide (wgmma) kernel (wide_gemm.cuh) for every tokens-per-pass x warpgroups configuration, on Mixtral's expert
 // shapes (w13: K 4096 x N 28672, w2: 14336 x 4096; E = 8, top-2) at 32-4096 tokens, routed at random (each token to
 // 2 distinct experts, a fixed seed). Stand-alone (CUDA runtime only), on the H200:

@@ -11,7 +11,7 @@
 struct Int4Problem {
   static constexpr int kGS = 128;
   int K, N, groups, chunks, words;  // words: int32 per tile block (weights, then scale records)
-  double bytes;                     // weights + scales, the issue's count
+  double bytes;                     // weights + scales, as the benches count them
   std::vector<uint32_t> hblob;
   std::vector<__nv_bfloat16> hx;
   void* blob = nullptr;

@@ -1,6 +1,6 @@
 """Where should the W4A16 and MXFP8 ops switch from their kernels to the prefill path (dequantize the weight, then
-cuBLAS)? Both switch at 320 rows (group size 128 / per channel for int4), set in the seventh and twelfth sessions
-before stream-K made the wide kernel faster at 40-256 rows on some shapes (thirteenth session).
+cuBLAS)? The ops switch at w4a16_gemm_prefill_rows / mxfp8_gemm_prefill_rows (plugin/csrc/w4a16_gemm.h), set from
+this script's measurements (docs/decisions.md, "Prefill switch").
 
     python benchmarks/tuning/prefill_switch.py [--shapes 8192x28672,...] [--m 256,320,384,512,768,1024]
 

@@ -1,10 +1,9 @@
 /*
- * quant_sweep.cu: one-shot tuning sweep for cublade's three memory-bound quant kernels on the H200.
+ * quant_sweep.cu: tuning sweep for cublade's three memory-bound quant kernels on the H200.
  *
- * RUN ONCE (2026-11-22, H200, 42 s with the build): output in benchmarks/runs/2026-11-22-1518-h200-quant-sweep.txt.
- * Its finding, now in production (common.cuh ld_nc_v4): dropping L1::no_allocate from the 16-byte loads brings
- * every kernel to 98-100 % of the copy. The "production" rows of that run are the kernels BEFORE that change;
- * today's production load is the variant spelled ld=nc.
+ * What it found is production's load (common.cuh ld_nc_v4): without L1::no_allocate on the 16-byte loads every
+ * kernel runs at 98-100 % of the copy of its bytes (docs/decisions.md, "Streaming loads", with the raw output).
+ * Production's load is the variant spelled ld=nc. `bash scripts/device_e2e.sh tuning` builds and runs this file.
  *
  * WHAT IT MEASURES
  *   For fp8_quant_per_token, mxfp8_quant (rceil and floor) and fp8_quant_per_tensor (dynamic; amax pass, cast
@@ -21,7 +20,7 @@
  *   Timing is like triton's do_bench: before EVERY timed launch a 256 MB scratch buffer is written with
  *   cudaMemsetAsync (cold L2), each launch is bracketed by cudaEvents, the median of --reps runs (default 60,
  *   minimum 50) is reported, with TB/s = op bytes / median and "%copy" = copy time / op time (the copy measured
- *   in the same run, same bytes). Op bytes (as benchmarks/RESULTS.md): per-token 2 B read + 1 B written per
+ *   in the same run, same bytes). Op bytes (as the benches count them): per-token 2 B read + 1 B written per
  *   element + 4 B per row; mxfp8 2 + 1 per element + 1 per 32 elements; per-tensor (dynamic total and cast
  *   pass) 2 + 1 per element, amax pass 2 per element.
  *   Every variant is first run at 16384x8192; the production kernel and the 5 fastest passing variants are then
@@ -68,8 +67,8 @@
  *              (vLLM's static-kernel layout: one block of 256 threads per row, a loop over 32-byte units, load
  *              -> convert -> 16-byte store per iteration), "amax tT uU ld bpsB [chunk]" (persistent grid of
  *              B blocks per SM, grid-stride, or one contiguous chunk per block).
- *   ld: nc_na = ld.global.nc.L1::no_allocate (production), nc_na_L2_256 = same + .L2::256B prefetch,
- *       nc_L2_128 = ld.global.nc.L2::128B, nc = ld.global.nc, plain = ld.global, cs = ld.global.cs,
+ *   ld: nc_na = ld.global.nc.L1::no_allocate, nc_na_L2_256 = same + .L2::256B prefetch,
+ *       nc_L2_128 = ld.global.nc.L2::128B, nc = ld.global.nc (production's), plain = ld.global, cs = ld.global.cs,
  *       nc_na_ef = nc_na with an L2 evict_first cache policy, cxx = a plain C++ dereference (compiler's choice).
  *   st: cs = st.global.cs (production), wb = st.global (default write-back), ef = st.global with an L2
  *       evict_first cache policy, cxx = plain C++ store.
@@ -139,7 +138,7 @@ template <LH L>
 __device__ __forceinline__ uint4 ld16(const void* p) {
   uint4 v;
   if constexpr (L == LH::NcNa) {
-    // production's load until the sweep of 2026-11-22 (now ld_nc_v4 = LH::Nc)
+    // with the L1::no_allocate hint (production's ld_nc_v4 is LH::Nc: the hint cost 6-10 %)
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   } else if constexpr (L == LH::NcNaL2_256) {

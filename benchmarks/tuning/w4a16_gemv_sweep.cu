@@ -2,8 +2,10 @@
 // EXISTING repacked layout (plugin/ops/w4a16_gemm.py, w4a16_repack; int4, group 128, symmetric) with per-lane
 // 16-byte loads, plus a stand-alone harness that checks and times it against the production launcher
 // (launch_w4a16_gemm, plugin/csrc/w4a16_gemm.cu, included below) in one run. No torch: CUDA runtime only.
-// STATUS (2026-11-22): written and compiled with nvcc 13.0 for sm_90a, NEVER RUN on a GPU (the session's
-// device time was spent): every claim below about speed is a design intent, not a measurement.
+// Result (one run on the H200, `bash scripts/device_e2e.sh tuning`; raw: benchmarks/runs/2026-11-22-tuning-sweeps-h200.txt):
+// every variant passed its checks, and none beat the production kernel of that run: the fastest ran 0.98x / 0.92x /
+// 0.91x its speed at M = 1 / 2 / 4 on 8192 x 28672 and 0.83x-0.87x on 4096 x 14336 (docs/decisions.md). The speeds
+// the design notes below aim at are intents; the run's table is what was measured.
 //
 // ---- Build / run (on the H200; nothing here needs a Python environment) ----------------------------------
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc \
@@ -96,7 +98,7 @@
 //   plainnc = ld.global.nc without L1/L2 hints),
 //   _fold = FOLD above; tile_... = whole tiles per warp (G = #tiles). Lines starting with two spaces are
 //   progress lines printed as each case finishes (the same numbers; useful if the run dies half-way).
-//   The target is ~34 us (3.6 TB/s) at 8192 x 28672, M = 1.
+//   For scale: 3.6 TB/s is ~34 us at 8192 x 28672, M = 1.
 
 #define CUBLADE_LAUNCHER_ONLY
 #include "w4a16_gemm.cu"  // the production launcher (launch_w4a16_gemm) and its kernel, for the comparison

@@ -8,13 +8,12 @@
 //   (SHAPES: K x N pairs, by default Llama-3-8B's qkv, o, gate_up, down; ROWS up to 16, by default 1; LAYERS 32;
 //   sweep: also every K split x ring depth x K slices of the streaming kernel, with the CTAs per SM each gives)
 //
-// Why: at one token an 8B model's int4 decode step in vLLM (2.75 ms, fourteenth session) is twice its weight
-// bytes' time, and the kernel-level rows (one launch between CUDA events after an L2 flush) put ~8 us above the
-// bytes' time on every 8B matrix, whatever the split or ring depth. This program times the GEMMs as a step runs
-// them, against the same graph with a plain read of the bytes in the GEMM's place, with the copy pipeline alone
-// (int4) and with no GEMM at all. (A first version also had the GEMM as a programmatic dependent launch, its first
-// weight stages requested before the x kernel ended: 0.5-0.9 us slower per GEMM on every shape, benchmarks/runs/
-// 2026-11-23-1410-*; the x kernels of a model do not release their dependents early either.)
+// Why: at one token an 8B model's int4 decode step in vLLM takes far longer than its weight bytes need, and the
+// kernel-level rows (one launch between CUDA events after an L2 flush) do not show how a step runs its GEMMs. This
+// program times the GEMMs as a step runs them, against the same graph with a plain read of the bytes in the GEMM's
+// place, with the copy pipeline alone (int4) and with no GEMM at all (docs/decisions.md, "Small grids"). The GEMM as
+// a programmatic dependent launch, its first weight stages requested before the x kernel ended, was slower on every
+// shape; the x kernels of a model do not release their dependents early either.
 #define CUBLADE_LOWBIT_ALL_TPW
 #ifdef CUBLADE_LAYERS_MXFP8
 #include "mxfp8_gemm.cu"

@@ -6,13 +6,12 @@
 //        benchmarks/tuning/w4a16_occupancy.cu -o /tmp/w4a16_occupancy && /tmp/w4a16_occupancy [REPS [SHAPES [ROWS]]]
 //   (SHAPES: K x N pairs, e.g. 4096x6144,4096x4096; ROWS: e.g. 1,4,16)
 //
-// Why: at M = 1 on 8192x28672 the automatic choice (1 split, 4 stages) ran 58.0 us and split 2 ran 50.3 us
-// (benchmarks/runs/2026-11-22-1616-h200-tuning.txt), while M = 2 ran 48.4 us on 1 split: at M = 1 a CTA's
-// shared memory (4 stages, 74 KB) lets 3 CTAs share an SM, at M = 2 (76 KB) only 2. This sweep times every
-// (splits, stages) pair with the CTAs per SM it gives, to pick the rule from data; the fifth session added the
-// tiles-per-warp dimension and two shapes with fewer tile groups (pick_split, pick_stages, default_tpw).
+// Why: the streaming kernel's speed depends on how many CTAs share an SM (its shared memory per CTA grows with the
+// ring depth and the token rows), and a fixed ring depth or split count left SMs short of consumer warps on some
+// shapes. This sweep times every (tiles per warp, splits, stages) triple with the CTAs per SM it gives, to pick the
+// rules from data (pick_split, pick_stages, default_tpw; docs/decisions.md, "W4A16 streaming kernel").
 //
-// Flush: triton's do_bench (the issue's method) zeroes a 256 MB buffer before each call, which leaves L2 full of
+// Flush: triton's do_bench (the benches' method) zeroes a 256 MB buffer before each call, which leaves L2 full of
 // dirty lines that the timed kernel must write back while it reads its weights. Each configuration is timed
 // twice: after a 256 MB memset (do_bench's way) and after a 256 MB read (L2 holds clean lines, as after the
 // previous layer's GEMM in a decode step). Weights: random codes, every scale 2^-7 (timing only; the outputs of

@@ -5,7 +5,7 @@
 //        benchmarks/tuning/w4a16_profile.cu -o /tmp/w4a16_profile
 //   ncu -k regex:stream_gemm --launch-skip 2 --launch-count 1 --set full /tmp/w4a16_profile 32 [K N]
 //
-// Why: the occupancy and pipeline sweeps say what the time is, not where it goes; M = 32 runs at 0.6x of Machete.
+// Why: the occupancy and pipeline sweeps say what the time is, not where it goes (docs/kernels.md).
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
 

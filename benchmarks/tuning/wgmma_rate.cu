@@ -1,6 +1,6 @@
-// The tensor cores' rate under the wide kernel's consumer loop (wide_gemm.cuh), with no global memory traffic
-// (eleventh session). The eighth session's ablations left the wgmma loop alone (8 wgmma m64n128k16 per batch, wait,
-// fp32 fold, no dequant, no copies) at about half the tensor peak at 128 tokens; this program asks why, one pattern at
+// The tensor cores' rate under the wide kernel's consumer loop (wide_gemm.cuh), with no global memory traffic.
+// Ablation builds of the wide kernel left its wgmma loop alone (8 wgmma m64n128k16 per batch, wait, fp32 fold, no
+// dequant, no copies) at about half the tensor peak at 128 tokens; this program asks why, one pattern at
 // a time. Every CTA (one per SM) fills its shared memory once (x as B: NTOK tokens x 512 K; each consumer warp's
 // packets and records of 512 K), then each consumer warpgroup runs `iters` times over 4 batches of 128 K:
 //
@@ -13,7 +13,7 @@
 //   ss            A from shared memory (128-byte swizzle), mma's into acc, wait<1>: the ceiling with no registers
 //
 // "ordered": warpgroup w waits on a named barrier before it issues a batch's mma's and then lets the next warpgroup go
-// (CUTLASS's ping-pong order; production since this session at 96-128 tokens on 2 warpgroups); "free": no order.
+// (CUTLASS's ping-pong order; production's from 48 tokens on 2 warpgroups, kOrderedIssue); "free": no order.
 // B is either production's layout (core matrices of 8 tokens x 16 bytes, no swizzle) or the 128-byte swizzle
 // (token rows of 64 K). The rate is ideal cycles (an m64nNk16 is N/2 cycles of the SM's tensor cores: 1024 bf16
 // FLOP a cycle each, 4 an SM) over the slowest CTA's clock64 cycles. The last rows add a copy warp that writes shared
@@ -22,7 +22,7 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc -I benchmarks/tuning \
 //        benchmarks/tuning/wgmma_rate.cu -o /tmp/wgmma_rate && /tmp/wgmma_rate
 //
-// Found (raw benchmarks/runs/2026-11-23-0453-*, -0523-*): the register-A loop reaches the peak in cycles with either B
+// Found (docs/decisions.md, "Ordered issue", with the raw output): the register-A loop reaches the peak in cycles with either B
 // layout; two warpgroups that each wait for their batch keep it there only with nothing between the waits; with the
 // int4 dequant and fold 72% (ordered 84%), with the dequant alone 85% (ordered 99%). Shared-memory writes beside the
 // mma's cost few cycles (ordered dequant-wait 99.1% -> 95.7% at 22 bytes a cycle) but lower the clock: the stream loop
