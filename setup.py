@@ -47,7 +47,7 @@ setup(
     packages=["cublade", "cublade.numerics", "cublade.config", "cublade.ops", "cublade.vllm", "cublade.vllm.kernels",
               "cublade.calib"],
     package_dir={"cublade": "plugin"},
-    package_data={"cublade": ["csrc/*.cu", "csrc/*.cuh", "csrc/*.cpp", "csrc/*.h", "csrc/README.md"]},
+    package_data={"cublade": ["csrc/*.cu", "csrc/*.cuh", "csrc/*.cpp", "csrc/*.h"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "safetensors>=0.4", "tqdm>=4.60", "transformers>=4.50"],
     extras_require={"vllm": ["vllm==0.26.0"], "test": ["pytest>=8"]},
