@@ -43,9 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     dtypes = [str(d).removeprefix("torch.") for d in FLOAT_DTYPES.values()]
 
+    from cublade import __version__
+
     p = argparse.ArgumentParser(prog="cublade", description="cublade: quantize Hugging Face checkpoints for "
                                 "vLLM (`vllm serve OUT` then serves them through the cublade plugin) and "
                                 "measure their perplexity.")
+    p.add_argument("--version", action="version", version=f"cublade {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     presets_text = "\n".join(f"  {k:<22} {v}" for k, v in PRESET_HELP.items())
@@ -64,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--policy", type=Path, metavar="FILE.json",
                        help="a custom policy: JSON with the quantization_config fields 'schemes', 'rules', "
                        "'ignore' and 'kv_cache' (docs/format.md)")
+    c.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
+                   help="leave these modules unquantized (repeatable): a module name or a regular expression "
+                   "matched against the whole name (llm-compressor's 're:' prefix is accepted), e.g. "
+                   "--ignore lm_head --ignore 're:.*layers\\.0\\..*'; added to the preset's ignore list")
     c.add_argument("--allow-quantized-router", action="store_true",
                    help="let a custom policy quantize MoE routers (refused by default: top-k routing is "
                    "sensitive to small logit changes, and vLLM's Mixtral cannot serve a quantized router)")
@@ -100,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--calib-tokens", type=int, help="calibration tokens to use (default: all of the text)")
     k.add_argument("--calib-lines", type=_lines, metavar="START:END", help="use only these lines of the text "
                    "(python slice, e.g. :6)")
+    k.add_argument("--device", metavar="DEVICE", help="where calibration runs: cuda, cuda:1, cpu (default: cuda "
+                   "when available)")
 
     q = sub.add_parser("ppl", help="perplexity of one or more checkpoints on a text file",
                        description="Loss and perplexity of each MODEL on the text (each line: BOS + its "
@@ -114,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     q.add_argument("--dtype", default=None, choices=dtypes,
                    help="compute dtype (default: float32 for reference, bfloat16 for vllm)")
+    q.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="vllm backend: GPUs to shard the model over (vLLM's --tensor-parallel-size; default 1)")
+    q.add_argument("--max-model-len", type=int, metavar="N", help="vllm backend: vLLM's --max-model-len "
+                   "(default: the window + 1, the positions a window's prompt logprobs need)")
     q.add_argument("--attention-backend", metavar="NAME", help="vllm backend: vLLM's attention backend (default: "
                    "CUSTOM, cublade's FP8 cache write, for a checkpoint whose FP8 KV cache rounds K query-aware; "
                    "vLLM's choice for any other)")
@@ -154,13 +167,38 @@ def _convert(args) -> int:
         policy = _read_policy(args.policy)
     else:
         policy = preset(args.scheme, **overrides)
+    if args.ignore:
+        policy = policy.with_ignore(*_ignore_patterns(args.src, args.ignore))
+    if args.device is not None and args.calib_text is None:
+        raise ValueError("--device sets where calibration runs; it needs --calib-text")
     t0 = time.time()
     out = convert(args.src, args.out, policy, overwrite=args.overwrite, max_shard_bytes=args.max_shard_size,
                   skip_unsupported=args.skip_unsupported, allow_quantized_router=args.allow_quantized_router,
                   dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
-                  calib_text=args.calib_text, calib_tokens=args.calib_tokens, calib_lines=args.calib_lines)
+                  calib_text=args.calib_text, calib_tokens=args.calib_tokens, calib_lines=args.calib_lines,
+                  calib_device=args.device)
     print(f"wrote {out} ({policy.preset}) in {time.time() - t0:.1f} s")
     return 0
+
+
+def _ignore_patterns(src: Path, given: list[str]) -> list[str]:
+    """--ignore values as the policy's ignore regexes (whole-name matches); each must be a valid regex and match
+    at least one module of SRC (a pattern that matches nothing is a typo that would quantize what the user meant
+    to keep)."""
+    from cublade.checkpoint import tensor_infos
+
+    patterns = [g[3:] if g.startswith("re:") else g for g in given]
+    for g, pat in zip(given, patterns):
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise ValueError(f"--ignore {g!r}: not a valid regular expression ({e})") from None
+    modules = {name.rsplit(".", 1)[0] for _, name, _, _ in tensor_infos(src)}
+    for g, pat in zip(given, patterns):
+        if not any(re.fullmatch(pat, m) for m in modules):
+            raise ValueError(f"--ignore {g!r} matches no module of {src} (it must match a whole name, e.g. "
+                             f"'model.layers.0.mlp.down_proj' or 're:.*down_proj')")
+    return patterns
 
 
 def _read_policy(path: Path):
@@ -180,9 +218,25 @@ def _ppl(args) -> int:
 
     backend = Backend(args.backend)
     dtype = args.dtype or ("float32" if backend is Backend.REFERENCE else "bfloat16")
-    if args.attention_backend and backend is not Backend.VLLM:
-        raise ValueError("--attention-backend is for --backend vllm")
-    extra = {"attention_backend": args.attention_backend} if args.attention_backend else {}
+    vllm_only = {"--attention-backend": args.attention_backend, "--max-model-len": args.max_model_len,
+                 "--tensor-parallel-size": args.tensor_parallel_size if args.tensor_parallel_size != 1 else None}
+    extra = {}
+    if backend is Backend.VLLM:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--backend vllm needs a CUDA GPU and this machine has none; --backend reference "
+                             "scores the same checkpoint on the CPU")
+        if args.tensor_parallel_size < 1 or args.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: this machine has "
+                             f"{torch.cuda.device_count()} GPU(s)")
+        extra = {"attention_backend": args.attention_backend, "tensor_parallel_size": args.tensor_parallel_size,
+                 "max_model_len": args.max_model_len}
+        extra = {k: v for k, v in extra.items() if v is not None}
+    else:
+        given = [k for k, v in vllm_only.items() if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} for --backend vllm")
     results = []
     for m in args.models:
         r = evaluate(m, args.text, backend=backend, lines=args.lines, window=args.window, dtype=dtype, **extra)

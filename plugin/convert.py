@@ -164,7 +164,7 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, skip_unsupported: bool = False,
             dtype: torch.dtype | None = None, calib_text=None, calib_tokens: int | None = None,
             calib_lines: slice | None = None, progress: bool | None = None,
-            allow_quantized_router: bool = False) -> Path:
+            allow_quantized_router: bool = False, calib_device: str | None = None) -> Path:
     """Convert the checkpoint at `src` with `policy` into a new directory `out`; returns `out`.
 
     dtype: cast the tensors that stay unquantized (embeddings, norms, biases, ignored layers) to this dtype
@@ -188,7 +188,7 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
     if calib_text is not None:
         from cublade.calib import calibrate  # heavy: only when asked for
 
-        calib = calibrate(src, policy, Path(calib_text), calib_tokens, lines=calib_lines)
+        calib = calibrate(src, policy, Path(calib_text), calib_tokens, lines=calib_lines, device=calib_device)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_dirs(out)

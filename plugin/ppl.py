@@ -72,7 +72,11 @@ def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> flo
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    max_len = max(len(w) for w in wins) + 1
+    need = max(len(w) for w in wins) + 1
+    max_len = llm_kwargs.pop("max_model_len", None) or need
+    if max_len < need:
+        raise ValueError(f"--max-model-len {max_len}: a window of {need - 1} tokens needs {need} positions "
+                         f"(lower --window instead)")
     if llm_kwargs.get("attention_backend") is None and _kv_rounding(model_dir) is KVRounding.QUERY_AWARE:
         # the cache write that rounds K query-aware is cublade's (cublade.vllm.kv_cache): score what serving
         # the checkpoint as intended gives

@@ -1,0 +1,93 @@
+"""The `cublade` command's options that a vLLM / llm-compressor user reaches for: --version, convert --ignore and
+--device, ppl's vLLM options; each wrong use is one line naming the option."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cublade
+from cublade.checkpoint import load_all
+from cublade.config import parse_quantization_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "cublade.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO)
+
+
+def _one_line_error(r, command: str) -> str:
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"cublade {command}: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+def test_version():
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"cublade {cublade.__version__}"
+
+
+def test_ignore_leaves_the_named_modules_unquantized(tmp_path, padded_model_dir):
+    r = _cli("convert", padded_model_dir, tmp_path / "out", "--scheme", "fp8-dynamic",
+             "--ignore", "model.layers.0.mlp.down_proj", "--ignore", r"re:.*layers\.1\.self_attn\..*")
+    assert r.returncode == 0, r.stderr
+    t = load_all(tmp_path / "out")
+    assert t["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+    assert "model.layers.0.mlp.down_proj.weight_scale" not in t
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert t[f"model.layers.1.self_attn.{proj}.weight"].dtype == torch.float32
+    assert t["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn  # the rest as the preset says
+    assert t["model.layers.1.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    policy = parse_quantization_config(qc)
+    assert policy.scheme_for("model.layers.0.mlp.down_proj") is None
+    assert policy.scheme_for("model.layers.1.self_attn.o_proj") is None
+    assert policy.scheme_for("model.layers.2.self_attn.o_proj") is not None
+
+
+@pytest.mark.parametrize("pattern, says", [
+    ("(", "not a valid regular expression"),
+    ("model.layers.0.mlp", "matches no module"),  # a prefix, not a whole name
+    (r"re:model\.layers\.9\..*", "matches no module"),
+])
+def test_ignore_refuses_patterns_that_match_nothing(tmp_path, padded_model_dir, pattern, says):
+    line = _one_line_error(_cli("convert", padded_model_dir, tmp_path / "out", "--scheme", "w4a16",
+                                "--ignore", pattern), "convert")
+    assert "--ignore" in line and says in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_device_needs_calibration(tmp_path, padded_model_dir):
+    line = _one_line_error(_cli("convert", padded_model_dir, tmp_path / "out", "--scheme", "fp8-dynamic",
+                                "--device", "cpu"), "convert")
+    assert "--device" in line and "--calib-text" in line
+
+
+def test_device_runs_calibration_there(tmp_path, padded_model_dir, valid_text):
+    r = _cli("convert", padded_model_dir, tmp_path / "out", "--scheme", "fp8-static", "--calib-text", valid_text,
+             "--calib-lines", ":2", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["calibration"]["device"] == "cpu"
+
+
+def test_ppl_vllm_options(tmp_path, padded_model_dir, valid_text):
+    line = _one_line_error(_cli("ppl", padded_model_dir, "--text", valid_text, "--max-model-len", "600",
+                                "--tensor-parallel-size", "2"), "ppl")
+    assert "--max-model-len and --tensor-parallel-size are for --backend vllm" in line
+    help_text = _cli("ppl", "--help").stdout
+    assert "--tensor-parallel-size" in help_text and "--max-model-len" in help_text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_ppl_vllm_without_a_gpu_is_one_line(padded_model_dir, valid_text):
+    line = _one_line_error(_cli("ppl", padded_model_dir, "--text", valid_text, "--backend", "vllm"), "ppl")
+    assert "needs a CUDA GPU" in line and "--backend reference" in line
