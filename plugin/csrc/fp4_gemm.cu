@@ -220,21 +220,22 @@ size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, i
 // null; out: bf16 [M, N] (row stride out_stride). max_m: an upper bound on any expert's row count (picks the
 // streaming kernel's tokens per pass; a wrong bound costs speed, not correctness). fmt: 0 = MXFP4, 1 = NVFP4.
 // From kWideMinRows rows per expert (split_k = 0) the wide kernel runs, with fp4_gemm_workspace_bytes of workspace.
-cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const int* offsets, int64_t E,
-                            int64_t max_m, const void* packed, const float* row_scale, int fmt, void* out,
-                            int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
-                            cudaStream_t stream) {
+cudaError_t launch_fp4_gemm(const Fp4GemmArgs& a, cudaStream_t stream) {
+  const int64_t M = a.M, K = a.K, N = a.N, E = a.E;
+  const int* offsets = a.offsets;
+  const int fmt = a.fmt, split_k = a.split_k, sms = a.sms;
+  void* workspace = a.workspace;
   if (M == 0 || N == 0 || E == 0) return cudaSuccess;
   if (fmt != kMXFP4 && fmt != kNVFP4) return cudaErrorInvalidValue;
   lowbit::GemmParams prm = {};
-  prm.x = x; prm.x_stride = x_stride; prm.M = static_cast<int>(M); prm.K = static_cast<int>(K);
+  prm.x = a.x; prm.x_stride = a.x_stride; prm.M = static_cast<int>(M); prm.K = static_cast<int>(K);
   prm.offsets = offsets;
-  prm.w = static_cast<const unsigned char*>(packed);
+  prm.w = static_cast<const unsigned char*>(a.packed);
   prm.tiles = static_cast<int>(ceil_div(N, kTileN));
   prm.groups = static_cast<int>(ceil_div(N, kTileN * lowbit::kGroupTiles));
   prm.chunks = static_cast<int>(ceil_div(K, lowbit::kChunk * kPacketK));
-  prm.row_scale = row_scale;
-  prm.out = out; prm.out_stride = out_stride; prm.N = static_cast<int>(N);
+  prm.row_scale = a.row_scale;
+  prm.out = a.out; prm.out_stride = a.out_stride; prm.N = static_cast<int>(N);
   prm.sms = sms;
   const int64_t active = lowbit::expert_slices(offsets != nullptr, E, M);  // experts that can have rows
   if (const int nt = wide_tokens(M, active, offsets != nullptr, split_k); nt > 0) {
@@ -244,7 +245,7 @@ cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_strid
                          : launch_wide<kNVFP4>(prm, e, nt, active, workspace, stream);
   }
   const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups * active, prm.chunks, sms);
-  const int mm = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_m, M)));
+  const int mm = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(a.max_m, M)));
   if (fmt == kMXFP4) return launch_fmt<kMXFP4>(prm, static_cast<int>(E), mm, S, stream);
   return launch_fmt<kNVFP4>(prm, static_cast<int>(E), mm, S, stream);
 }

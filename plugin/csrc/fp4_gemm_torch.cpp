@@ -76,10 +76,15 @@ at::Tensor fp4_gemm(const at::Tensor& x_in, const at::Tensor& packed, const std:
   const size_t ws_bytes = fp4_gemm_workspace_bytes(M, K, E, offs != nullptr, static_cast<int>(split_k));
   at::Tensor workspace;  // the wide kernel's re-laid-out x (the caching allocator makes this cheap)
   if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
-  check_launch(op, launch_fp4_gemm(x.data_ptr(), M, K, x.stride(0), offs, E, max_m > 0 ? max_m : M,
-                                   packed.data_ptr(), rs, fmt, out.data_ptr(), size_n, size_n,
-                                   static_cast<int>(split_k), ws_bytes > 0 ? workspace.data_ptr() : nullptr,
-                                   sm_count(x_in), current_stream()));
+  Fp4GemmArgs a;
+  a.x = x.data_ptr(); a.M = M; a.K = K; a.x_stride = x.stride(0);
+  a.offsets = offs; a.E = E; a.max_m = max_m > 0 ? max_m : M;
+  a.packed = packed.data_ptr(); a.row_scale = rs; a.fmt = fmt;
+  a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n;
+  a.split_k = static_cast<int>(split_k);
+  a.workspace = ws_bytes > 0 ? workspace.data_ptr() : nullptr;
+  a.sms = sm_count(x_in);
+  check_launch(op, launch_fp4_gemm(a, current_stream()));
   return out;
 }
 

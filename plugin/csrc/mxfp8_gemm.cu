@@ -216,12 +216,16 @@ size_t mxfp8_gemm_workspace_bytes(int64_t M, int64_t K, int split_k, int sms) {
   return static_cast<size_t>(wide::workspace_bytes(m, K, wide::ntok(m), false, sms));
 }
 
-cudaError_t launch_mxfp8_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const void* packed, void* out,
-                              int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
-                              cudaStream_t stream) {
+cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream) {
+  const int64_t K = a.K, N = a.N, x_stride = a.x_stride, out_stride = a.out_stride;
+  const int split_k = a.split_k, sms = a.sms;
+  void* workspace = a.workspace;
+  const void* x = a.x;  // x, out and M move past the wide kernel's passes
+  void* out = a.out;
+  int64_t M = a.M;
   if (M == 0 || N == 0) return cudaSuccess;
   if (K % 32 != 0) return cudaErrorInvalidValue;
-  const auto* w = static_cast<const unsigned char*>(packed);
+  const auto* w = static_cast<const unsigned char*>(a.packed);
   if (mxfp8_gemm_workspace_bytes(M, K, split_k, sms) > 0) {
     if (workspace == nullptr) return cudaErrorInvalidValue;
     while (const int64_t rows = wide_pass_rows(M)) {  // passes of up to 128 rows; fewer than 17 left: streaming
@@ -268,16 +272,17 @@ cudaError_t launch_mxfp8_gemm(const void* x, int64_t M, int64_t K, int64_t x_str
   return lowbit::launch_tpw<Mxfp8Policy<4>>(prm, 1, S, stream);
 }
 
-cudaError_t launch_mxfp8_dequant_packed(const void* packed, int64_t N, int64_t K, void* out, cudaStream_t stream) {
+cudaError_t launch_mxfp8_dequant_packed(const Mxfp8DequantPackedArgs& a, cudaStream_t stream) {
+  const int64_t N = a.N, K = a.K;
   if (N == 0 || K == 0) return cudaSuccess;
-  if (N < 0 || K < 0 || K % 32 != 0 || N > INT32_MAX || K > INT32_MAX - kLowbitChunkK || !is_aligned(packed, 16) ||
+  if (N < 0 || K < 0 || K % 32 != 0 || N > INT32_MAX || K > INT32_MAX - kLowbitChunkK || !is_aligned(a.packed, 16) ||
       ceil_div(N, kLowbitGroupRows) * ceil_div(K, kLowbitChunkK) > INT32_MAX)
     return cudaErrorInvalidValue;
   const int chunks = static_cast<int>(ceil_div(K, kLowbitChunkK));
   const int64_t blocks = ceil_div(N, kLowbitGroupRows) * chunks;
   mxfp8_dequant_packed_kernel<<<static_cast<unsigned>(blocks), kDequantThreads, 0, stream>>>(
-      static_cast<const unsigned char*>(packed), chunks, static_cast<int>(N), static_cast<int>(K),
-      static_cast<__nv_bfloat16*>(out));
+      static_cast<const unsigned char*>(a.packed), chunks, static_cast<int>(N), static_cast<int>(K),
+      static_cast<__nv_bfloat16*>(a.out));
   return cudaGetLastError();
 }
 

@@ -50,8 +50,12 @@ at::Tensor mxfp8_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
       [&] { return mxfp8_dequant_packed(packed, size_n, K); },
       [&](int64_t M) { return mxfp8_gemm_workspace_bytes(M, K, static_cast<int>(split_k), sm_count(x_in)); },
       [&](const at::Tensor& x, int64_t M, at::Tensor& out, void* workspace) {
-        return launch_mxfp8_gemm(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), out.data_ptr(), size_n, size_n,
-                                 static_cast<int>(split_k), workspace, sm_count(x_in), current_stream());
+        Mxfp8GemmArgs a;
+        a.x = x.data_ptr(); a.M = M; a.K = K; a.x_stride = x.stride(0);
+        a.packed = packed.data_ptr();
+        a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n;
+        a.split_k = static_cast<int>(split_k); a.workspace = workspace; a.sms = sm_count(x_in);
+        return launch_mxfp8_gemm(a, current_stream());
       });
 }
 
@@ -68,7 +72,9 @@ at::Tensor mxfp8_dequant_packed(const at::Tensor& packed_in, int64_t size_n, int
   const c10::cuda::CUDAGuard guard(packed_in.device());
   const at::Tensor packed = aligned16(packed_in.data_ptr()) ? packed_in : packed_in.clone();
   at::Tensor out = at::empty({size_n, size_k}, packed.options().dtype(at::kBFloat16));
-  check_launch(op, launch_mxfp8_dequant_packed(packed.data_ptr(), size_n, size_k, out.data_ptr(), current_stream()));
+  Mxfp8DequantPackedArgs a;
+  a.packed = packed.data_ptr(); a.N = size_n; a.K = size_k; a.out = out.data_ptr();
+  check_launch(op, launch_mxfp8_dequant_packed(a, current_stream()));
   return out;
 }
 

@@ -380,9 +380,16 @@ inline void w4a16_small_grid(lowbit::GemmParams& prm, int S, int group_size) {
 // repacked blob above; out: [M, N] with row stride out_stride. split_k: K splits per cluster (0 = pick; >= 1
 // forces the streaming kernel). workspace: w4a16_gemm_workspace_bytes(...) bytes, 16-byte aligned, or null when
 // that is 0. sms: the multiprocessor count.
-cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t x_stride,
-                              const void* packed, int group_size, bool asym, void* out, int64_t out_stride,
-                              int64_t N, int split_k, void* workspace, int sms, cudaStream_t stream) {
+cudaError_t launch_w4a16_gemm(const W4a16GemmArgs& a, cudaStream_t stream) {
+  const InDtype dtype = a.dtype;
+  const int64_t K = a.K, N = a.N, x_stride = a.x_stride, out_stride = a.out_stride;
+  const void* packed = a.packed;
+  const int group_size = a.group_size, split_k = a.split_k, sms = a.sms;
+  const bool asym = a.asym;
+  void* workspace = a.workspace;
+  const void* x = a.x;  // x, out and M move past the wide kernel's passes
+  void* out = a.out;
+  int64_t M = a.M;
   if (M == 0 || N == 0) return cudaSuccess;
   if (dtype != InDtype::kBF16 && dtype != InDtype::kF16) return cudaErrorInvalidValue;
   const int esize = 2;

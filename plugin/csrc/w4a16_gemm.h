@@ -51,16 +51,33 @@ size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_siz
 // int4 blob [ceil(N/64), ceil(K/512), 4, 1024 + sbytes/4]; out: [M, N] (row stride out_stride), x's dtype
 // (bf16 or fp16). split_k: K splits per cluster of the streaming kernel (>= 1 forces it), 0 = pick the kernel and
 // splits. workspace: w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k, sms) bytes, 16-byte aligned (null if
-// 0).
-// sms: the device's multiprocessor count.
-cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t x_stride,
-                              const void* packed, int group_size, bool asym, void* out, int64_t out_stride,
-                              int64_t N, int split_k, void* workspace, int sms, cudaStream_t stream);
+// 0). sms: the device's multiprocessor count. As every launcher (launchers.h): an argument struct and the stream.
+struct W4a16GemmArgs {
+  const void* x = nullptr;
+  InDtype dtype = InDtype::kBF16;
+  int64_t M = 0, K = 0, x_stride = 0;
+  const void* packed = nullptr;
+  int group_size = 0;  // 32, 64, 128 or -1 (per channel)
+  bool asym = false;
+  void* out = nullptr;
+  int64_t out_stride = 0, N = 0;
+  int split_k = 0;
+  void* workspace = nullptr;
+  int sms = 0;
+};
+cudaError_t launch_w4a16_gemm(const W4a16GemmArgs& a, cudaStream_t stream);
 
 // w4a16_dequant.cu (the prefill path: dequantize once, then a dense GEMM). packed: the int4 blob as above, 16-byte
 // aligned; out: contiguous [N, K] of out_dtype (bf16 or fp16), w = (u - z) * s in fp32 rounded once. K % 8 == 0.
-cudaError_t launch_w4a16_dequant(const void* packed, int group_size, bool asym, int64_t N, int64_t K,
-                                 InDtype out_dtype, void* out, cudaStream_t stream);
+struct W4a16DequantArgs {
+  const void* packed = nullptr;
+  int group_size = 0;
+  bool asym = false;
+  int64_t N = 0, K = 0;
+  InDtype out_dtype = InDtype::kBF16;
+  void* out = nullptr;
+};
+cudaError_t launch_w4a16_dequant(const W4a16DequantArgs& a, cudaStream_t stream);
 
 // Scale-record bytes per FP4 tile block (64 per packet, both formats).
 constexpr int kFp4RecordBytes = 8 * 64;
@@ -75,10 +92,22 @@ size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, i
 // bound costs passes, not correctness). fmt: 0 = MXFP4, 1 = NVFP4. split_k: K splits of the streaming kernel (>= 1
 // forces it), 0 = pick the kernel. workspace: fp4_gemm_workspace_bytes(M, K, E, offsets != null, split_k) bytes,
 // 16-byte aligned (null if 0).
-cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const int* offsets, int64_t E,
-                            int64_t max_m, const void* packed, const float* row_scale, int fmt, void* out,
-                            int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
-                            cudaStream_t stream);
+struct Fp4GemmArgs {
+  const void* x = nullptr;
+  int64_t M = 0, K = 0, x_stride = 0;
+  const int* offsets = nullptr;
+  int64_t E = 1;  // experts
+  int64_t max_m = 0;
+  const void* packed = nullptr;
+  const float* row_scale = nullptr;
+  int fmt = 0;
+  void* out = nullptr;
+  int64_t out_stride = 0, N = 0;
+  int split_k = 0;
+  void* workspace = nullptr;
+  int sms = 0;
+};
+cudaError_t launch_fp4_gemm(const Fp4GemmArgs& a, cudaStream_t stream);
 
 // MXFP8 (mxfp8_gemm.cu): the same blob geometry with 1-byte codes, a tile block is 2048 int32 words of codes plus
 // 8 x 32 bytes of E8M0 exponent records.
@@ -93,11 +122,24 @@ size_t mxfp8_gemm_workspace_bytes(int64_t M, int64_t K, int split_k, int sms);
 // [ceil(N/64), ceil(K/512), 4, 2048 + 64] (16-byte aligned); out: bf16 [M, N] (row stride out_stride). split_k: K
 // splits of the streaming kernel (>= 1 forces it at any M), 0 = pick. workspace: mxfp8_gemm_workspace_bytes(M, K,
 // split_k, sms) bytes, 16-byte aligned (null if 0).
-cudaError_t launch_mxfp8_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const void* packed, void* out,
-                              int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
-                              cudaStream_t stream);
+struct Mxfp8GemmArgs {
+  const void* x = nullptr;
+  int64_t M = 0, K = 0, x_stride = 0;
+  const void* packed = nullptr;
+  void* out = nullptr;
+  int64_t out_stride = 0, N = 0;
+  int split_k = 0;
+  void* workspace = nullptr;
+  int sms = 0;
+};
+cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream);
 
 // The dense bf16 weight [N, K] (contiguous) from the MXFP8 blob: the prefill path. K % 32 == 0.
-cudaError_t launch_mxfp8_dequant_packed(const void* packed, int64_t N, int64_t K, void* out, cudaStream_t stream);
+struct Mxfp8DequantPackedArgs {
+  const void* packed = nullptr;
+  int64_t N = 0, K = 0;
+  void* out = nullptr;
+};
+cudaError_t launch_mxfp8_dequant_packed(const Mxfp8DequantPackedArgs& a, cudaStream_t stream);
 
 }  // namespace cublade

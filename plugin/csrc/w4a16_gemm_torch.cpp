@@ -63,9 +63,12 @@ at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
       [&] { return w4a16_dequant(packed, group_size, symmetric, size_n, K, x_in.scalar_type()); },
       [&](int64_t M) { return w4a16_gemm_workspace_bytes(M, K, size_n, gs, sk, sm_count(x_in)); },
       [&](const at::Tensor& x, int64_t M, at::Tensor& out, void* workspace) {
-        return launch_w4a16_gemm(x.data_ptr(), in_dtype_of(op, "x", x), M, K, x.stride(0), packed.data_ptr(), gs,
-                                 !symmetric, out.data_ptr(), size_n, size_n, sk, workspace, sm_count(x_in),
-                                 current_stream());
+        W4a16GemmArgs a;
+        a.x = x.data_ptr(); a.dtype = in_dtype_of(op, "x", x); a.M = M; a.K = K; a.x_stride = x.stride(0);
+        a.packed = packed.data_ptr(); a.group_size = gs; a.asym = !symmetric;
+        a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n;
+        a.split_k = sk; a.workspace = workspace; a.sms = sm_count(x_in);
+        return launch_w4a16_gemm(a, current_stream());
       });
 }
 
@@ -89,9 +92,11 @@ at::Tensor w4a16_dequant(const at::Tensor& packed_in, int64_t group_size, bool s
   const c10::cuda::CUDAGuard guard(packed_in.device());
   const at::Tensor packed = aligned16(packed_in.data_ptr()) ? packed_in : packed_in.clone();
   at::Tensor out = at::empty({size_n, size_k}, packed.options().dtype(dtype));
-  check_launch(op, launch_w4a16_dequant(packed.data_ptr(), static_cast<int>(group_size), !symmetric, size_n, size_k,
-                                        dtype == at::kBFloat16 ? InDtype::kBF16 : InDtype::kF16, out.data_ptr(),
-                                        current_stream()));
+  W4a16DequantArgs a;
+  a.packed = packed.data_ptr(); a.group_size = static_cast<int>(group_size); a.asym = !symmetric;
+  a.N = size_n; a.K = size_k;
+  a.out_dtype = dtype == at::kBFloat16 ? InDtype::kBF16 : InDtype::kF16; a.out = out.data_ptr();
+  check_launch(op, launch_w4a16_dequant(a, current_stream()));
   return out;
 }
 

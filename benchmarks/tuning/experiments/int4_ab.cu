@@ -39,8 +39,10 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&ws, size_t(K + 512) * 2 * 128 + (16 << 20)));  // x prepped, and stream-K flags and slots
     for (const int M : {1, 16, 17, 32, 40, 48, 64, 80, 96, 128, 160, 200, 256}) {
       auto f = [&] {
-        return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, 128, false, out, N, N, 0, ws,
-                                          device.sms, st);
+        cublade::W4a16GemmArgs a;
+        a.x = x; a.M = M; a.K = K; a.x_stride = K; a.packed = blob; a.group_size = 128;
+        a.out = out; a.out_stride = N; a.N = N; a.workspace = ws; a.sms = device.sms;
+        return cublade::launch_w4a16_gemm(a, st);
       };
       std::printf("%5dx%-5d M=%3d %8.2f us\n", K, N, M, harness::time_us(f, flush.memset, reps, st));
     }

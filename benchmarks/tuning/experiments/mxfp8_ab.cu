@@ -38,7 +38,12 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&out, size_t(256) * N * 2));
     CK(cudaMalloc(&ws, size_t(K + 512) * 2 * 128 + (16 << 20)));  // x prepped, and stream-K flags and slots
     for (const int M : {1, 16, 17, 32, 48, 64, 96, 128, 256}) {
-      auto f = [&] { return cublade::launch_mxfp8_gemm(x, M, K, K, blob, out, N, N, 0, ws, device.sms, st); };
+      auto f = [&] {
+        cublade::Mxfp8GemmArgs a;
+        a.x = x; a.M = M; a.K = K; a.x_stride = K; a.packed = blob;
+        a.out = out; a.out_stride = N; a.N = N; a.workspace = ws; a.sms = device.sms;
+        return cublade::launch_mxfp8_gemm(a, st);
+      };
       std::printf("%5dx%-5d M=%3d %8.2f us\n", K, N, M, harness::time_us(f, flush.memset, reps, st));
     }
     CK(cudaFree(blob)); CK(cudaFree(x)); CK(cudaFree(out)); CK(cudaFree(ws));
