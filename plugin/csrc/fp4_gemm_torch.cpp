@@ -13,8 +13,6 @@
 namespace cublade {
 namespace {
 
-int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 at::Tensor fp4_gemm(const at::Tensor& x_in, const at::Tensor& packed, const std::optional<at::Tensor>& row_scale,
                     c10::string_view format, int64_t size_n, const std::optional<at::Tensor>& expert_offsets,
                     int64_t max_m, int64_t split_k) {

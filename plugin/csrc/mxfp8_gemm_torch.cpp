@@ -11,8 +11,6 @@
 namespace cublade {
 namespace {
 
-int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // The blob mxfp8_repack makes for (N, K): int32 [ceil(N/64), ceil(K/512), 4, 2048 + 64].
 void check_packed(const char* op, const at::Tensor& packed, int64_t size_n, int64_t K) {
   const std::vector<int64_t> want = {cdiv(size_n, kLowbitGroupRows), cdiv(K, kLowbitChunkK), 4,

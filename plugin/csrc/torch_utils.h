@@ -32,6 +32,8 @@ inline const char* dt(c10::ScalarType t) { return c10::toString(t); }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // A 2-D tensor whose rows the kernels can read in 16-byte vectors or bulk copies: unit column stride, rows 16 bytes
 // apart and 16-byte aligned. `x` itself when it already is; else a contiguous copy (cloned again if the copy's
 // storage is misaligned).

@@ -335,16 +335,15 @@ cudaError_t launch_dtype(const lowbit::GemmParams& prm, int group_size, bool asy
 
 }  // namespace
 
-// Scale-record bytes per tile block (the repacked layout's last dim is 1024 + this / 4 int32 words).
-int w4a16_gemm_sbytes(int group_size, bool asym) {
-  switch (group_size) {
-    case 32: return asym ? int4_sbytes<32, true>() : int4_sbytes<32, false>();
-    case 64: return asym ? int4_sbytes<64, true>() : int4_sbytes<64, false>();
-    case 128: return asym ? int4_sbytes<128, true>() : int4_sbytes<128, false>();
-    case -1: return asym ? int4_sbytes<0, true>() : int4_sbytes<0, false>();
-    default: return -1;
-  }
-}
+static_assert(w4a16_gemm_sbytes(32, false) == int4_sbytes<32, false>() &&
+                  w4a16_gemm_sbytes(32, true) == int4_sbytes<32, true>() &&
+                  w4a16_gemm_sbytes(64, false) == int4_sbytes<64, false>() &&
+                  w4a16_gemm_sbytes(64, true) == int4_sbytes<64, true>() &&
+                  w4a16_gemm_sbytes(128, false) == int4_sbytes<128, false>() &&
+                  w4a16_gemm_sbytes(128, true) == int4_sbytes<128, true>() &&
+                  w4a16_gemm_sbytes(-1, false) == int4_sbytes<0, false>() &&
+                  w4a16_gemm_sbytes(-1, true) == int4_sbytes<0, true>(),
+              "w4a16_gemm.h's w4a16_gemm_sbytes disagrees with Int4Policy's records");
 
 // Workspace bytes launch_w4a16_gemm needs (0: none): the wide kernel's prepped x, one pass of up to 128 rows.
 size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k, int sms) {

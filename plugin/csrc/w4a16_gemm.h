@@ -18,8 +18,15 @@ constexpr int kLowbitChunkK = 512;
 constexpr int kLowbitTileWords = 1024;
 constexpr int kLowbitMaxSplit = 8;  // K splits per thread-block cluster
 
-// Scale-record bytes per int4 tile block for a group size (32, 64, 128, -1) and symmetry; -1 for others.
-int w4a16_gemm_sbytes(int group_size, bool asym);
+// Scale-record bytes per int4 tile block for a group size (32, 64, 128, -1: per channel) and symmetry; -1 for others
+// (the repacked layout's last dim is 1024 + this / 4 int32 words). Per group of the chunk's 512 K (one per channel),
+// 8 records of bf16 (s[g], s[g+8]), asymmetric (s[g], s[g+8], z[g], z[g+8]); w4a16_gemm.cu checks it against the
+// kernels' Int4Policy.
+constexpr int w4a16_gemm_sbytes(int group_size, bool asym) {
+  return group_size == 32 || group_size == 64 || group_size == 128 || group_size == -1
+             ? kLowbitChunkK / (group_size == -1 ? kLowbitChunkK : group_size) * 8 * (asym ? 8 : 4)
+             : -1;
+}
 
 // Group sizes the wide (wgmma) kernel takes: 128 and -1 (per channel).
 constexpr bool w4a16_gemm_wide_takes(int64_t group_size) { return group_size == 128 || group_size == -1; }
