@@ -98,7 +98,6 @@
 //   progress lines printed as each case finishes (the same numbers; useful if the run dies half-way).
 //   The target is ~34 us (3.6 TB/s) at 8192 x 28672, M = 1.
 
-#define CUBLADE_LAUNCHER_ONLY
 #include "w4a16_gemm.cu"  // the production launcher (launch_w4a16_gemm) and its kernel, for the comparison
 #include "harness.cuh"
 

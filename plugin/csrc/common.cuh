@@ -1,4 +1,4 @@
-// Shared device helpers for cublade's kernels (framework-free: no torch; builds with -DCUBLADE_LAUNCHER_ONLY).
+// Shared device helpers for cublade's kernels (framework-free: no torch).
 // Conventions (see README.md): strides in elements, launchers return cudaError_t and never allocate.
 #pragma once
 
@@ -221,10 +221,3 @@ __device__ __forceinline__ float div_rn_fast(float a, float b, float y) {
 }
 
 }  // namespace cublade
-
-#if !defined(CUBLADE_LAUNCHER_ONLY) && !defined(CUBLADE_KERNELS_ONLY)
-// Transitional, for .cu files that still hold their torch wrapper: the host helpers now live in
-// torch_utils.h, for wrappers in <op>_torch.cpp (README.md, "File convention"). A .cu without a torch
-// part defines CUBLADE_KERNELS_ONLY before including this file.
-#include "torch_utils.h"
-#endif

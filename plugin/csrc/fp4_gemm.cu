@@ -19,7 +19,7 @@
 //           NVFP4 e4m3 [2 blocks (t / 2)][2 halves][2 rows] (the kernel multiplies by 2^117 = 2^(126-9)).
 //   row_scale fp32 [E, ceil(N/64) * 64]: NVFP4 the global scale of each row * 2^9; MXFP4 2^k per expert (k > 0
 //           only for experts with a block scale above 2), or absent.
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is fp4_gemm_torch.cpp
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp4_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
 #include "wide_gemm.cuh"
 #include "w4a16_gemm.h"

@@ -3,7 +3,7 @@
 //   (slot = block * block_size + offset; slot < 0 is padding and skipped), q = e4m3(x / scale) with an
 //   IEEE division and the satfinite conversion, the bytes vLLM's scaled_vec_conversion writes.
 // Layout and the reasons: README.md, "fp8_kv_cache_write".
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is in fp8_kv_cache_write_torch.cpp
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp8_kv_cache_write_torch.cpp
 #include "common.cuh"
 
 namespace cublade {

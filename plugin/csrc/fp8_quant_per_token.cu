@@ -2,7 +2,7 @@
 //   scale = max(amax_row / 448, 1/(448*512)) (NaN kept), q = e4m3(x / scale) (IEEE division, as vLLM's
 //   dynamic_per_token_scaled_fp8_quant, so the bytes match vLLM's op), saturating at +-448.
 // Layout and the reasons: README.md, "fp8_quant_per_token".
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is in fp8_quant_per_token_torch.cpp
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp8_quant_per_token_torch.cpp
 #include "common.cuh"
 
 namespace cublade {

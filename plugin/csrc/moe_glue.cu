@@ -11,7 +11,7 @@
 // then the product in fp32 rounded again; one kernel instead of two, reading h once.
 // The order of rows inside an expert's range comes from shared-memory atomics, so it may differ between runs;
 // each row's GEMM result does not depend on its place, so the layer's output does not either.
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is moe_glue_torch.cpp
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is moe_glue_torch.cpp
 #include "common.cuh"
 #include "launchers.h"
 

@@ -21,7 +21,7 @@
 //           (g, 2h + 1), (g + 8, 2h + 1), each the row's codes at K0 + 0, 2, 1, 3 in bytes 0..3 (so bytes 0, 2 are
 //           the fragment register of K0, K0 + 1 and bytes 1, 3 that of K0 + 2, K0 + 3).
 //   records per packet and g (4 bytes): e of (row g, half 0), (g + 8, 0), (g, 1), (g + 8, 1).
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is mxfp8_gemm_torch.cpp
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is mxfp8_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
 #include "wide_gemm.cuh"
 #include "w4a16_gemm.h"

@@ -5,6 +5,10 @@
 // extension crashed (SIGSEGV) on the H200 image (README.md).
 #pragma once
 
+#ifdef CUBLADE_KERNELS_ONLY
+#error "torch_utils.h is for the torch wrappers (<op>_torch.cpp); a CUBLADE_KERNELS_ONLY file stays framework-free"
+#endif
+
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -12,7 +12,7 @@
 // j = 0, 4, 2, 6; row g+8 in j = 1, 5, 3, 7. So words 0, 1 hold 8 consecutive K (8t .. 8t+7 of the packet's
 // first 32) of both rows, words 2, 3 the same 8 of its second 32: each lane writes four 16-byte vectors per
 // packet, and in each store instruction the 4 lanes of a row (t = 0..3) cover 64 contiguous bytes.
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is w4a16_gemm_torch.cpp
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is w4a16_dequant_torch.cpp
 #include "common.cuh"
 #include "w4a16_gemm.h"
 

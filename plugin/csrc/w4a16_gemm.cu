@@ -10,7 +10,7 @@
 //           7 (g+8, K0+3), so that one mask+OR per pair gives the fragment register order.
 //           Scale records: [512/G groups][8 g] x (s[row g], s[row g+8]) bf16, asymmetric (s[g], s[g+8], z[g],
 //           z[g+8]) (z exact in bf16); per channel: one group, repeated in every chunk.
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is w4a16_gemm_torch.cpp
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is w4a16_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
 #include "wide_gemm.cuh"
 #include "w4a16_gemm.h"
