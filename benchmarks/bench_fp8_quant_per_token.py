@@ -1,6 +1,6 @@
 """Dynamic per-token FP8 quant: cublade's kernel vs vLLM's scaled_fp8_quant(use_per_token_if_dynamic=True).
 
-Sizes: M in {1, 16, 256, 4096, 16384} x K in {4096, 8192, 14336}, bf16 (the issue's grid), plus fp16/fp32 at
+Sizes: M in {1, 16, 256, 4096, 16384} x K in {4096, 8192, 14336}, bf16, plus fp16/fp32 at
 16384 x 8192. Bytes: M*K*elem read + M*K written + 4*M (scales). Eager timings for every size; for M <= 256
 also CUDA-graph replay (how vLLM runs decode: launch overhead removed, inputs L2-resident). The bytes are
 compared with the reference (fp8_quant_per_token_ref) and with vLLM's in the same run (all three divide by the

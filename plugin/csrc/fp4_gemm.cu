@@ -9,7 +9,7 @@
 // value is then code * 2^-126 (e = 0: a bf16 subnormal, which bf16 arithmetic keeps); one HMUL2 by the block
 // scale times 2^126 gives the weight. Two shifts and a LOP3 per two codes (the PRMT table lookups this
 // replaced took ~1.45x the time: benchmarks/tuning/fp4_moe_sweep.cu).
-// Layout and the reasons: README.md, "fp4_gemm"; the repacked tensors: w4a16_gemm.cuh (geometry) and
+// Layout and the reasons: docs/kernels.md, "fp4_gemm"; the repacked tensors: w4a16_gemm.cuh (geometry) and
 // plugin/ops/fp4_gemm.py (fp4_repack).
 //   packed  int32 [E, ceil(N/64), ceil(K/512), 4 tiles, 1024 + 128]: per tile block, 8 packets x 32 lanes x 4
 //           words, then 8 x 64 bytes of scale records. Word s of lane (g, t) holds the A fragment of one k-step:
@@ -140,7 +140,7 @@ struct Fp4Batch {
 };
 
 // The wide kernel from this many rows per expert (the mean over the experts that can have rows). Measured
-// (benchmarks/tuning/fp4_wide_sweep.cu, tenth session, Mixtral w13 / w2, 8 experts, random top-2 routing, us): at a
+// (benchmarks/tuning/fp4_wide_sweep.cu, Mixtral w13 / w2, 8 experts, random top-2 routing, us): at a
 // mean of 16 rows (64 tokens) the wide kernel at 32 tokens a pass took 220.8 / 106.6 against the streaming kernel's
 // 274.7 / 138.1; at 8 rows (32 tokens) it lost, 218.3 / 105.1 against 175.7 / 97.5.
 constexpr int64_t kWideMinRows = 16;

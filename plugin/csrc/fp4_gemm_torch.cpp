@@ -1,5 +1,5 @@
 // Torch wrapper of the FP4 expert GEMM: validates the inputs (errors name the op and the bad value, as strings:
-// README.md, "Error messages"), allocates the output, runs launch_fp4_gemm (fp4_gemm.cu) on the current stream.
+// docs/kernels.md, "Error messages"), allocates the output, runs launch_fp4_gemm (fp4_gemm.cu) on the current stream.
 // Compiled by the host C++ compiler.
 #include <ATen/ATen.h>
 #include <torch/library.h>

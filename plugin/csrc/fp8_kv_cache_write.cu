@@ -2,7 +2,7 @@
 //   key/value [T, H, D] -> key_cache/value_cache [num_blocks, block_size, H, D] at slot_mapping[t]
 //   (slot = block * block_size + offset; slot < 0 is padding and skipped), q = e4m3(x / scale) with an
 //   IEEE division and the satfinite conversion, the bytes vLLM's scaled_vec_conversion writes.
-// Layout and the reasons: README.md, "fp8_kv_cache_write".
+// Layout and the reasons: docs/kernels.md, "fp8_kv_cache_write".
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp8_kv_cache_write_torch.cpp
 #include "common.cuh"
 

@@ -1,6 +1,6 @@
 // Torch wrapper of the FP8 KV-cache write (K rounded query-aware when a query is given): validates the inputs
 // (errors name the op and the bad value), runs the framework-free launcher from fp8_kv_cache_write.cu on the
-// current stream. Compiled by the host C++ compiler (README.md, "Why the wrappers are .cpp").
+// current stream. Compiled by the host C++ compiler (docs/kernels.md, "File convention").
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

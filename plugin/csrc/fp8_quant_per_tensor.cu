@@ -2,7 +2,7 @@
 //   dynamic: scale = max(amax / 448, 1/(448*512)) (NaN kept); q = e4m3(x * (1/scale)), the reciprocal
 //   rounded once to fp32 (vLLM's scaled_fp8_quant per-tensor path does the same), saturating at +-448.
 // Two kernels, no host sync: amax partials per block into a workspace, then a cast pass that reduces the
-// partials itself. Layout and the reasons: README.md, "fp8_quant_per_tensor".
+// partials itself. Layout and the reasons: docs/kernels.md, "fp8_quant_per_tensor".
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp8_quant_per_tensor_torch.cpp
 #include "common.cuh"
 

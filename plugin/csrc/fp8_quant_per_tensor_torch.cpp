@@ -1,6 +1,6 @@
 // Torch wrapper of the per-tensor FP8 quant (dynamic / static): validates the inputs (errors name the op and the
 // bad value), allocates the outputs, runs the framework-free launcher from fp8_quant_per_tensor.cu on the current
-// stream. Compiled by the host C++ compiler (README.md, "Why the wrappers are .cpp").
+// stream. Compiled by the host C++ compiler (docs/kernels.md, "File convention").
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -1,7 +1,7 @@
 // Dynamic per-token FP8 E4M3 quantization: x [M, K] (bf16/fp16/fp32) -> q e4m3 [M, K], scale fp32 [M].
 //   scale = max(amax_row / 448, 1/(448*512)) (NaN kept), q = e4m3(x / scale) (IEEE division, as vLLM's
 //   dynamic_per_token_scaled_fp8_quant, so the bytes match vLLM's op), saturating at +-448.
-// Layout and the reasons: README.md, "fp8_quant_per_token".
+// Layout and the reasons: docs/kernels.md, "fp8_quant_per_token".
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp8_quant_per_token_torch.cpp
 #include "common.cuh"
 

@@ -4,7 +4,7 @@
 //   moe_finalize: y [T*k, N] (the expert outputs in xs's order) -> out[t] = sum_j w[t, j] * y[pos[t*k + j]]
 //   silu_mul:     h [M, 2I] (w13's output: gate | up) -> a [M, I] = silu(h[:, :I]) * h[:, I:], the input of w2
 // They replace ~20 small torch kernels (argsort, scatter_add, cumsum, gathers, where, index_copy, casts, the
-// weighted sum), ~50 us of launch-bound work per MoE layer at decode under a CUDA graph (ninth session).
+// weighted sum), ~50 us of launch-bound work per MoE layer at decode under a CUDA graph.
 // Numerics: moe_route copies rows bit for bit; moe_finalize forms each product w * y in fp32 and adds them in
 // j order from 0 (no FMA), as the reference's (y.float() * w.float()).sum(dim=1) does, and rounds once.
 // silu_mul rounds like the reference's two torch ops: silu in fp32 (x / (1 + expf(-x))) rounded to the input type,

@@ -127,10 +127,9 @@ struct Mxfp8Batch {
 };
 
 // The wide kernel's configurations: half-chunk stages everywhere (a whole chunk of 1-byte codes is 33 KB a tile group),
-// two warpgroups. Four (as int4 at 32 tokens) ran where their CTAs fill 3/4 of the SMs until stream-K: on 8192x28672
-// (thirteenth session, benchmarks/tuning/mxfp8_sweep.cu, raw benchmarks/runs/2026-11-23-0826-*) two warpgroups with
-// stream-K run 78.4 / 85.8 us at 32 / 64 tokens against four's 81.7 / 92.6 with stream-K, 83.3 / 92.5 with split-K
-// (the choice before; the other shapes never took four).
+// two warpgroups. Four (which int4 takes at 32 tokens where their CTAs fill 3/4 of the SMs) lose: on 8192x28672
+// (benchmarks/tuning/mxfp8_sweep.cu) two warpgroups with stream-K run 78.4 / 85.8 us at 32 / 64 tokens against four's
+// 81.7 / 92.6 with stream-K, 83.3 / 92.5 with split-K (the other shapes' CTAs of four do not fill 3/4 of the SMs).
 template <typename Run>
 cudaError_t with_config(int ntok, Run&& run) {
   switch (ntok) {
@@ -254,7 +253,7 @@ cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream) {
     // Two K slices per chunk (8 consumer warps) and a ring of 3 stages where that still fits 2 CTAs per SM (up to 2
     // rows) and leaves no short second wave (more CTAs than the GPU holds at once, at most 1.5 times as many). As a
     // decode step runs them (benchmarks/tuning/w4a16_layers.cu built with -DCUBLADE_LAYERS_MXFP8: weights of 32
-    // layers replayed from one CUDA graph; us per GEMM at M = 1, fifteenth session, 1 slice (pick_stages) / this):
+    // layers replayed from one CUDA graph; us per GEMM at M = 1, 1 slice (pick_stages) / this):
     // Llama-3-8B qkv 12.80 / 10.60, o 12.18 / 10.18, gate_up 36.58 / 34.87, down 21.85 / 18.71; Llama-70B-like
     // 8192x57344 128.87 / 117.15, 28672x8192 61.57 / 61.09, 8192x8192 21.43 / 21.67; 8192x10240 (320 CTAs, 1.2
     // waves at 2 per SM) 27.78 / 32.59 keeps one slice.

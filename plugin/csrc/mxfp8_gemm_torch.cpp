@@ -1,5 +1,5 @@
 // Torch wrappers of the MXFP8 weight GEMM and its dequantize: validate the inputs (errors name the op and the bad
-// value, as strings: README.md, "Error messages"), allocate the output, run launch_mxfp8_gemm /
+// value, as strings: docs/kernels.md, "Error messages"), allocate the output, run launch_mxfp8_gemm /
 // launch_mxfp8_dequant_packed (mxfp8_gemm.cu) on the current stream. Compiled by the host C++ compiler.
 #include <ATen/ATen.h>
 #include <torch/library.h>

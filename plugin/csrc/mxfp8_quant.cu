@@ -3,7 +3,7 @@
 //            floor(log2 amax) - 8; clamped to [-127, 127]; all-zero block -127; NaN block code 255),
 //            q = e4m3(x * 2^-e) (exact power-of-two scaling, then RNE + saturation at +-448).
 //   dequant: out = dtype(float(q) * 2^(code - 127)), one rounding (to the output dtype).
-// Layout and the reasons: README.md, "mxfp8_quant / mxfp8_dequant".
+// Layout and the reasons: docs/kernels.md, "mxfp8_quant / mxfp8_dequant".
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is mxfp8_quant_torch.cpp
 #include "common.cuh"
 

@@ -1,6 +1,6 @@
 // Torch wrapper of MXFP8 quant and dequant: validates the inputs (errors name the op and the
 // bad value), allocates the outputs, runs the framework-free launcher from mxfp8_quant.cu on the current
-// stream. Compiled by the host C++ compiler (README.md, "Why the wrappers are .cpp").
+// stream. Compiled by the host C++ compiler (docs/kernels.md, "File convention").
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -1,8 +1,8 @@
 // Host helpers for the torch wrappers (plugin/csrc/<op>_torch.cpp, compiled by the host C++ compiler, not
-// nvcc: see README.md, "File convention"). Input checks raise ValueError / NotImplementedError in Python with the
+// nvcc: see docs/kernels.md, "File convention"). Input checks raise ValueError / NotImplementedError in Python with the
 // op's name first. Messages pass numbers, shapes, devices and dtypes as strings made by num/shape/dev/dt below,
 // never as integers or c10::ArrayRef: streaming an integer into the message's std::ostringstream from this
-// extension crashed (SIGSEGV) on the H200 image (README.md).
+// extension crashed (SIGSEGV) on the H200 image (docs/kernels.md, "Error messages").
 #pragma once
 
 #ifdef CUBLADE_KERNELS_ONLY

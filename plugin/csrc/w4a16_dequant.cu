@@ -3,7 +3,7 @@
 // product is exact in fp32 (|u - z| <= 15 times an 8-bit bf16 significand, subnormals included), so the result
 // is bit for bit the reference's: cublade.ops.w4a16_gemm.w4a16_dequant_repacked(...).to(dtype). For large M
 // the vLLM method dequantizes once and calls cuBLAS, which beats re-reading the weights per 32-token pass of
-// w4a16_gemm (README.md, "w4a16_gemm", "Large M").
+// w4a16_gemm (docs/kernels.md, "w4a16_gemm", "Large M").
 //
 // The blob (documented in w4a16_gemm.cu and plugin/ops/w4a16_gemm.py): int32 [ceil(N/64), ceil(K/512), 4 tiles,
 // 1024 + record words]; per tile block 8 packets x 32 lanes x 4 words (16 bytes), then the chunk's scale

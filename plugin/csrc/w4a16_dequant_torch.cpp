@@ -1,5 +1,5 @@
 // Torch wrapper of the W4A16 dequant (the prefill path's weight): validates the inputs (errors name the op and the
-// bad value, as strings: README.md, "Error messages"), allocates the output, runs launch_w4a16_dequant
+// bad value, as strings: docs/kernels.md, "Error messages"), allocates the output, runs launch_w4a16_dequant
 // (w4a16_dequant.cu) on the current stream. Compiled by the host C++ compiler.
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -37,12 +37,11 @@ constexpr int64_t kLargeWeightElements = int64_t(1) << 27;
 // Rows from which the torch ops run their prefill path (the weight dequantized to x's dtype, then one cuBLAS GEMM)
 // instead of their kernels, which take any rows (the wide kernel in passes of 128). The prefill path pays for the
 // dequant once; the kernels' passes each re-read the weight. Measured with the wide kernel's stream-K schedule
-// (benchmarks/tuning/prefill_switch.py, thirteenth session, raw benchmarks/runs/2026-11-23-0857-*; kernels' time /
-// the prefill path's): int4 g128 on 8192x28672 and 28672x8192 0.77-0.84 at 320-384 rows, 0.95 at 512, 0.97-1.04 at
-// 640, 1.02-1.03 at 768; on 4096x14336 and 8192x10240 0.74-0.90 at 320, 0.94-0.97 at 384, 0.89-1.03 at 448,
-// 1.03-1.10 at 512. MXFP8 on the large two 0.87-0.92 at 320-384, 0.68-0.98 at 448, 1.06-1.07 at 512; on the small two
-// 0.77-0.97 at 320, 0.99-1.03 at 384, 1.09-1.18 at 512. (cuBLAS is uneven between sizes: the prefill path took 762
-// us at 448 rows on 8192x28672 against 513 at 512.) Before, both switched at 320 (the wide kernel without stream-K).
+// (benchmarks/tuning/prefill_switch.py; kernels' time / the prefill path's): int4 g128 on 8192x28672 and 28672x8192
+// 0.77-0.84 at 320-384 rows, 0.95 at 512, 0.97-1.04 at 640, 1.02-1.03 at 768; on 4096x14336 and 8192x10240 0.74-0.90 at
+// 320, 0.94-0.97 at 384, 0.89-1.03 at 448, 1.03-1.10 at 512. MXFP8 on the large two 0.87-0.92 at 320-384, 0.68-0.98 at
+// 448, 1.06-1.07 at 512; on the small two 0.77-0.97 at 320, 0.99-1.03 at 384, 1.09-1.18 at 512. (cuBLAS is uneven
+// between sizes: the prefill path took 762 us at 448 rows on 8192x28672 against 513 at 512.)
 constexpr int64_t w4a16_gemm_prefill_rows(int64_t group_size, int64_t N, int64_t K) {
   return !w4a16_gemm_wide_takes(group_size) ? 128 : N * K >= kLargeWeightElements ? 640 : 448;
 }

@@ -1,6 +1,6 @@
 // Torch wrapper of the W4A16 GEMM: validates the inputs (errors name the op and the bad value, as strings:
-// README.md, "Error messages"), allocates the output, runs launch_w4a16_gemm (w4a16_gemm.cu) on the current stream,
-// or from prefill rows the dequant (w4a16_dequant_torch.cpp) and one cuBLAS GEMM. Compiled by the host C++ compiler.
+// docs/kernels.md, "Error messages"), allocates the output, runs launch_w4a16_gemm (w4a16_gemm.cu) on the current
+// stream, or from prefill rows w4a16_dequant (w4a16_dequant_torch.cpp) and cuBLAS. Compiled by the host C++ compiler.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
