@@ -499,6 +499,8 @@ struct Bufs {
 };
 Bufs B;
 int g_reps = 60;
+int g_prod_amax_grid = 0;  // set per shape
+constexpr size_t kFlushBytes = 256ull << 20;
 
 // The production launchers' arguments on B's buffers, x a contiguous bf16 [M, K].
 cublade::Fp8QuantPerTokenArgs tok_args(int64_t M, int64_t K) {
@@ -519,8 +521,6 @@ cublade::Fp8QuantPerTensorArgs pt_args(int64_t M, int64_t K, const float* static
   a.q = B.q; a.static_scale = static_scale; a.scale_out = B.scale; a.workspace = B.ws_prod; a.num_sms = B.num_sms;
   return a;
 }
-int g_prod_amax_grid = 0;  // set per shape
-constexpr size_t kFlushBytes = 256ull << 20;
 
 // A variant's name: "<head> w<bits> ld=<load> st=<store> lb=<launch bounds: max threads>/<min blocks>[ pf=<n>]".
 inline std::string variant_name(const std::string& head, int W, LH l, SH s, int max_threads, int min_blocks, bool pf,
