@@ -19,8 +19,7 @@ QA_CHECK_MAX_T = 64  # the CPU reference of the query-aware write is checked up 
 
 def main() -> None:
     require_gpu()
-    import cublade.ops  # noqa: F401,PLC0415
-    from cublade.ops.fp8_kv_cache_write import fp8_kv_cache_write_ref  # noqa: PLC0415
+    from cublade.ops.fp8_kv_cache_write import fp8_kv_cache_write_ref  # noqa: PLC0415  (loads cublade._C)
 
     vops, vver = vllm_ops()
     header("fp8_kv_cache_write", vver)

@@ -13,8 +13,7 @@ from common import Row, bench_us, emit, header, require_gpu, vllm_ops
 
 def main() -> None:
     require_gpu()
-    import cublade.ops  # noqa: F401,PLC0415
-    from cublade.ops.mxfp8_quant import mxfp8_dequant_ref, mxfp8_quant_ref  # noqa: PLC0415
+    from cublade.ops.mxfp8_quant import mxfp8_dequant_ref, mxfp8_quant_ref  # noqa: PLC0415  (loads cublade._C)
 
     _, vver = vllm_ops()
     header("mxfp8_quant / mxfp8_dequant", vver)

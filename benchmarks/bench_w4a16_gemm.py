@@ -10,7 +10,7 @@ bf16 weight, then cuBLAS). Both paths are also timed on their own ("stream": spl
 M=256; "deq+mm": w4a16_dequant + torch's linear) to show where they cross.
 
 Times: median of triton.testing.do_bench (it clears L2 before every call, so the weights come from HBM).
-Bandwidth: weight + scale bytes (N*K/2 + N*K/128*2) over the time, the issue's measure; % of the 4.28 TB/s
+Bandwidth: weight + scale bytes (N*K/2 + N*K/128*2) over the time; % of the 4.28 TB/s
 device-to-device copy ceiling measured on the H200. Accuracy: mean|C-ref|/mean|ref| at M=16 against the fp32
 product with the dequantized weights. --sweep also times every split_k (warps per 16-row tile) for tuning.
 Without vLLM (not importable) the baseline columns say so and the rest still runs.

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-REFERENCE_COPY_TBPS = 4.28  # the H200's device-to-device copy measured for issue 4 (bytes read + written)
+REFERENCE_COPY_TBPS = 4.28  # the H200's device-to-device copy (bytes read + written)
 
 
 def vllm_ops():
@@ -56,7 +56,7 @@ def bench_us(fn, *, graph: bool = False, warmup_ms: int = 25, rep_ms: int = 200)
 
 
 def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
-    """mean |c - ref| / mean |ref|: the GEMM benches' accuracy measure (issue 4)."""
+    """mean |c - ref| / mean |ref|: the GEMM benches' accuracy measure."""
     return ((c.float() - ref).abs().mean() / ref.abs().mean()).item()
 
 

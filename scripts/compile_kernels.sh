@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Compile the framework-free part of every plugin/csrc/*.cu (kernels + launcher, -DCUBLADE_LAUNCHER_ONLY, no
-# torch headers) for sm_90a, to catch a broken kernel build on a machine without a GPU (CI runs this).
+# Compile every plugin/csrc/*.cu (kernels + launchers; each defines CUBLADE_KERNELS_ONLY and includes no torch
+# header) for sm_90a, to catch a broken kernel build on a machine without a GPU (CI runs this).
 # Prints ptxas' register / spill report per kernel with -v. Exits non-zero if any file fails.
 #   scripts/compile_kernels.sh [-v] [FILE.cu ...]      (default: every plugin/csrc/*.cu)
 # Env: NVCC (default nvcc), CUBLADE_CUDA_ARCH (default -gencode=arch=compute_90a,code=sm_90a, as setup.py).
@@ -18,7 +18,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 fail=0
 for f in "${files[@]}"; do
-  flags=(-std=c++17 -O3 --expt-relaxed-constexpr $ARCH -DCUBLADE_LAUNCHER_ONLY -Iplugin/csrc -c "$f" -o "$out/$(basename "$f").o")
+  flags=(-std=c++17 -O3 --expt-relaxed-constexpr $ARCH -Iplugin/csrc -c "$f" -o "$out/$(basename "$f").o")
   [ $verbose -eq 1 ] && flags+=(-Xptxas -v)
   if log=$("$NVCC" "${flags[@]}" 2>&1); then
     echo "ok      $f"

@@ -118,6 +118,6 @@ stamp "done"
 echo "==== summary"
 printf '%s\n' "${summary[@]}"
 echo "==== bench rows (cublade us | baseline us | ratio | TB/s | % copy)"
-grep -E '^\| (fp8|mx|w4|fp4|copy)' "$OUT/bench.md" 2>/dev/null | awk -F'|' '{printf "%-34s %-22s %8s %8s %7s %6s %5s %s\n", $2, $3, $4, $6, $7, $8, $9, $10}'
+grep -E '^\| (fp8|mx|w4|fp4|silu|copy)' "$OUT/bench.md" 2>/dev/null | awk -F'|' '{printf "%-34s %-22s %8s %8s %7s %6s %5s %s\n", $2, $3, $4, $6, $7, $8, $9, $10}'
 grep -E "^copy ceiling" "$OUT/bench.md" 2>/dev/null | head -1
 exit $status  # non-zero when a test file or a bench failed

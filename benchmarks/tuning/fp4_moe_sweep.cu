@@ -143,8 +143,10 @@ int main(int argc, char** argv) {
     const double bytes = double(active) * c.N * c.K * (0.5 + 1.0 / 32);
 
     auto production = [&] {
-      return cublade::launch_fp4_gemm(x, M, c.K, c.K, o, c.E, max_m, blob, nullptr, cublade::kMXFP4, out, c.N, c.N, 0,
-                                      nullptr, sms, st);  // decode sizes: the streaming kernel, no workspace
+      cublade::Fp4GemmArgs a;  // decode sizes: the streaming kernel, no workspace
+      a.x = x; a.M = M; a.K = c.K; a.x_stride = c.K; a.offsets = o; a.E = c.E; a.max_m = max_m;
+      a.packed = blob; a.fmt = cublade::kMXFP4; a.out = out; a.out_stride = c.N; a.N = c.N; a.sms = sms;
+      return cublade::launch_fp4_gemm(a, st);
     };
     CK(production());
     CK(cudaMemcpyAsync(ref, out, size_t(M) * c.N * sizeof(bf16), cudaMemcpyDeviceToDevice, st));

@@ -104,10 +104,14 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(doffs, offs.data(), offs.size() * sizeof(int), cudaMemcpyHostToDevice));
       const int max_m = std::min(T, (2 * T * topk + E - 1) / E);  // what the MoE method passes
 
-      auto production = [&] {
-        return cublade::launch_fp4_gemm(x, M, sh.K, sh.K, doffs, E, max_m, blob, nullptr, cublade::kMXFP4, out, sh.N,
-                                        sh.N, 0, ws, sms, st);
+      auto op = [&](int split_k, void* workspace) {  // the production launcher
+        cublade::Fp4GemmArgs a;
+        a.x = x; a.M = M; a.K = sh.K; a.x_stride = sh.K; a.offsets = doffs; a.E = E; a.max_m = max_m;
+        a.packed = blob; a.fmt = cublade::kMXFP4; a.out = out; a.out_stride = sh.N; a.N = sh.N;
+        a.split_k = split_k; a.workspace = workspace; a.sms = sms;
+        return cublade::launch_fp4_gemm(a, st);
       };
+      auto production = [&] { return op(0, ws); };
       CK(production());
       CK(cudaMemcpyAsync(ref, out, size_t(M) * sh.N * sizeof(bf16), cudaMemcpyDeviceToDevice, st));
       CK(cudaStreamSynchronize(st));
@@ -129,11 +133,8 @@ int main(int argc, char** argv) {
                     num_or(wg).c_str(), num_or(ks).c_str(), us, rel <= 2e-3 ? "ok" : "FAIL", rel);
       };
       row("production", cublade::wide_tokens(M, E, true, 0), 0, 0, production);
-      row("streaming", 0, 0, 0, [&] {
-        return cublade::launch_fp4_gemm(x, M, sh.K, sh.K, doffs, E, max_m, blob, nullptr, cublade::kMXFP4, out,
-                                        sh.N, sh.N, lb::pick_split(int64_t(groups) * std::min(E, M), chunks, sms),
-                                        nullptr, sms, st);
-      });
+      row("streaming", 0, 0, 0,
+          [&] { return op(lb::pick_split(int64_t(groups) * std::min(E, M), chunks, sms), nullptr); });
       wd::Params prm = {};
       prm.w = static_cast<const unsigned char*>(blob);
       prm.offsets = doffs;

@@ -83,7 +83,10 @@ int main(int argc, char** argv) {
     for (const int M : {1, 8, 16, 32, 64, 128}) {
       std::vector<bf16> hr(size_t(M) * N), ho(size_t(M) * N);
       auto production = [&] {
-        return cublade::launch_mxfp8_gemm(x, M, K, K, blob, out, N, N, 0, ws, sms, st);
+        cublade::Mxfp8GemmArgs a;
+        a.x = x; a.M = M; a.K = K; a.x_stride = K; a.packed = blob;
+        a.out = out; a.out_stride = N; a.N = N; a.workspace = ws; a.sms = sms;
+        return cublade::launch_mxfp8_gemm(a, st);
       };
       CK(production());
       CK(cudaStreamSynchronize(st));

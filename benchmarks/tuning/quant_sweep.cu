@@ -501,6 +501,26 @@ int g_reps = 60;
 int g_prod_amax_grid = 0;  // set per shape
 constexpr size_t kFlushBytes = 256ull << 20;
 
+// The production launchers' arguments on B's buffers, x a contiguous bf16 [M, K].
+cublade::Fp8QuantPerTokenArgs tok_args(int64_t M, int64_t K) {
+  cublade::Fp8QuantPerTokenArgs a;
+  a.x = B.x; a.dtype = BF; a.M = M; a.K = K; a.row_stride = K; a.col_stride = 1;
+  a.q = B.q; a.scale = B.scale;
+  return a;
+}
+cublade::Mxfp8QuantArgs mx_args(int64_t M, int64_t K, bool rceil) {
+  cublade::Mxfp8QuantArgs a;
+  a.x = B.x; a.dtype = BF; a.M = M; a.K = K; a.row_stride = K; a.col_stride = 1; a.rceil = rceil;
+  a.q = B.q; a.codes = B.codes;
+  return a;
+}
+cublade::Fp8QuantPerTensorArgs pt_args(int64_t M, int64_t K, const float* static_scale) {
+  cublade::Fp8QuantPerTensorArgs a;
+  a.x = B.x; a.dtype = BF; a.M = M; a.K = K; a.row_stride = K; a.col_stride = 1;
+  a.q = B.q; a.static_scale = static_scale; a.scale_out = B.scale; a.workspace = B.ws_prod; a.num_sms = B.num_sms;
+  return a;
+}
+
 // A variant's name: "<head> w<bits> ld=<load> st=<store> lb=<launch bounds: max threads>/<min blocks>[ pf=<n>]".
 inline std::string variant_name(const std::string& head, int W, LH l, SH s, int max_threads, int min_blocks, bool pf,
                                 int pf_n) {
@@ -716,7 +736,7 @@ std::vector<Variant> tok_variants() {
     return reinterpret_cast<const void*>(&prod_tok::cublade::per_token_vec_kernel<BF, 8, false>);
   };
   p.run = [](int64_t M, int64_t K) {
-    return prod_tok::cublade::launch_fp8_quant_per_token(B.x, BF, M, K, K, 1, B.q, B.scale, B.st);
+    return prod_tok::cublade::launch_fp8_quant_per_token(tok_args(M, K), B.st);
   };
   vs.push_back(p);
   // production's layout re-built from the variant template (sanity: should time like production at K = 4096 / 8192);
@@ -824,7 +844,7 @@ std::vector<Variant> mx_variants() {
   p.ok = [](int64_t, int64_t) { return true; };
   p.threads = [](int64_t, int64_t) { return 256; };
   p.fn = [](int64_t, int64_t) { return reinterpret_cast<const void*>(&prod_mx::cublade::mx_quant_kernel<BF, R>); };
-  p.run = [](int64_t M, int64_t K) { return prod_mx::cublade::launch_mxfp8_quant(B.x, BF, M, K, K, 1, R, B.q, B.codes, B.st); };
+  p.run = [](int64_t M, int64_t K) { return prod_mx::cublade::launch_mxfp8_quant(mx_args(M, K, R), B.st); };
   vs.push_back(p);
   vs.push_back(make_mx<R, 256, 4, 1, LH::NcNa, SH::Cs>());  // production's layout re-built (sanity)
   // hints
@@ -1066,8 +1086,7 @@ void run_pt() {
       const bool stat = mode == 4;
       const char* dname = stat ? "static scale, NaN/Inf/zero/tiny/huge rows" : sets[mode].name;
       gen(M, K, stat ? (kZeroRow | kNanInfRows | kTinyRows | kHugeRow) : sets[mode].flags);
-      CK(prod_pt::cublade::launch_fp8_quant_per_tensor(B.x, BF, M, K, K, 1, B.q, stat ? B.static_scale : nullptr, B.scale,
-                                                        B.ws_prod, B.num_sms, B.st));
+      CK(prod_pt::cublade::launch_fp8_quant_per_tensor(pt_args(M, K, stat ? B.static_scale : nullptr), B.st));
       CK(cudaMemcpyAsync(B.q_ref, B.q, n, cudaMemcpyDeviceToDevice, B.st));
       CK(cudaMemcpyAsync(B.scale_ref, B.scale, 4, cudaMemcpyDeviceToDevice, B.st));
       // production amax partials (the cast variants reduce them), then each cast variant
@@ -1172,7 +1191,7 @@ void run_pt() {
     const double c3 = time_copy_us(b3);
     Row pr{"production launch_fp8_quant_per_tensor (dynamic)", 0, true, true, false, -1, -1, 256};
     pr.us = time_us([&]() {
-      return prod_pt::cublade::launch_fp8_quant_per_tensor(B.x, BF, M, K, K, 1, B.q, nullptr, B.scale, B.ws_prod, B.num_sms, B.st);
+      return prod_pt::cublade::launch_fp8_quant_per_tensor(pt_args(M, K, nullptr), B.st);
     });
     rows.push_back(pr);
     out_us->assign(combos.size() + 1, -1.0);

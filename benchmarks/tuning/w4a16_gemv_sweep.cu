@@ -100,7 +100,6 @@
 //   progress lines printed as each case finishes (the same numbers; useful if the run dies half-way).
 //   For scale: 3.6 TB/s is ~34 us at 8192 x 28672, M = 1.
 
-#define CUBLADE_LAUNCHER_ONLY
 #include "w4a16_gemm.cu"  // the production launcher (launch_w4a16_gemm) and its kernel, for the comparison
 #include "harness.cuh"
 
@@ -592,8 +591,10 @@ int main(int argc, char** argv) {
   auto existing = [&](int split) -> Launch {
     return [split, sms](const __nv_bfloat16* x, int M, int K, const void* blob, __nv_bfloat16* out, int64_t os,
                         int N, cudaStream_t s) {
-      return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, 128, false, out, os, N, split,
-                                        nullptr, sms, s);  // M <= 16 here: no workspace
+      cublade::W4a16GemmArgs a;  // M <= 16 here: no workspace
+      a.x = x; a.M = M; a.K = K; a.x_stride = K; a.packed = blob; a.group_size = 128;
+      a.out = out; a.out_stride = os; a.N = N; a.split_k = split; a.sms = sms;
+      return cublade::launch_w4a16_gemm(a, s);
     };
   };
   vars.push_back({"existing_split_auto", true, existing(0)});

@@ -43,7 +43,10 @@ inline size_t workspace_bytes(int M, int K, int, int sms) { return cublade::mxfp
 inline int split(int groups, int chunks, int, int sms) { return cublade::lowbit::pick_split(groups, chunks, sms); }
 inline cudaError_t op(const bf16* x, int M, int K, const void* w, bf16* out, int N, void* ws, int sms,
                       cudaStream_t st) {
-  return cublade::launch_mxfp8_gemm(x, M, K, K, w, out, N, N, 0, ws, sms, st);
+  cublade::Mxfp8GemmArgs a;
+  a.x = x; a.M = M; a.K = K; a.x_stride = K; a.packed = w;
+  a.out = out; a.out_stride = N; a.N = N; a.workspace = ws; a.sms = sms;
+  return cublade::launch_mxfp8_gemm(a, st);
 }
 #else
 constexpr const char* kName = "int4 g128 sym";
@@ -56,7 +59,10 @@ inline size_t workspace_bytes(int M, int K, int N, int sms) {
 inline int split(int groups, int chunks, int M, int sms) { return cublade::w4a16_stream_split(groups, chunks, M, sms); }
 inline cudaError_t op(const bf16* x, int M, int K, const void* w, bf16* out, int N, void* ws, int sms,
                       cudaStream_t st) {
-  return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, w, kGS, false, out, N, N, 0, ws, sms, st);
+  cublade::W4a16GemmArgs a;
+  a.x = x; a.M = M; a.K = K; a.x_stride = K; a.packed = w; a.group_size = kGS;
+  a.out = out; a.out_stride = N; a.N = N; a.workspace = ws; a.sms = sms;
+  return cublade::launch_w4a16_gemm(a, st);
 }
 #endif
 // The streaming kernel as configured in p (tpw, ksl, stages), S splits.

@@ -91,8 +91,10 @@ int main(int argc, char** argv) {
       };
       // the production choice, as the op makes it
       auto production = [&] {
-        return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N, 0, ws, sms,
-                                          st);
+        cublade::W4a16GemmArgs a;
+        a.x = x; a.M = M; a.K = K; a.x_stride = K; a.packed = blob; a.group_size = kGS;
+        a.out = out; a.out_stride = N; a.N = N; a.workspace = ws; a.sms = sms;
+        return cublade::launch_w4a16_gemm(a, st);
       };
       CK(production());
       CK(cudaMemcpyAsync(ref, out, size_t(M) * N * sizeof(bf16), cudaMemcpyDeviceToDevice, st));

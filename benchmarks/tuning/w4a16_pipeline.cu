@@ -60,8 +60,10 @@ int main(int argc, char** argv) {
     prm.tiles = (N + 15) / 16; prm.groups = groups; prm.chunks = chunks;
     prm.out = out; prm.out_stride = N; prm.N = N; prm.sms = sms;
     row("production M=1", [&] {
-      return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, 1, K, K, blob, kGS, false, out, N, N, 0, nullptr,
-                                        sms, st);
+      cublade::W4a16GemmArgs a;
+      a.x = x; a.M = 1; a.K = K; a.x_stride = K; a.packed = blob; a.group_size = kGS;
+      a.out = out; a.out_stride = N; a.N = N; a.sms = sms;
+      return cublade::launch_w4a16_gemm(a, st);
     });
     for (int stages = 2; stages <= 8; ++stages) {
       char name[64];

@@ -26,10 +26,12 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&out, size_t(M) * N * 2));
   void* ws = nullptr;  // the wide kernel's (from 17 rows)
   if (const size_t b = cublade::w4a16_gemm_workspace_bytes(M, K, N, kGS, 0, device.sms)) CK(cudaMalloc(&ws, b));
+  cublade::W4a16GemmArgs a;
+  a.x = x; a.M = M; a.K = K; a.x_stride = K; a.packed = blob; a.group_size = kGS;
+  a.out = out; a.out_stride = N; a.N = N; a.workspace = ws; a.sms = device.sms;
   for (int i = 0; i < 5; ++i) {
     flush.memset();
-    CK(cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N, 0, ws,
-                                  device.sms, device.stream));
+    CK(cublade::launch_w4a16_gemm(a, device.stream));
   }
   CK(cudaStreamSynchronize(device.stream));
   std::printf("M=%d: 5 launches done\n", M);

@@ -177,16 +177,17 @@ int main(int argc, char** argv) {
         std::printf("%5dx%-5d %3d %-8s %-14s %2s %9.2f %7.2f %.1e %s\n", K, N, M, name, variant, split.c_str(), us,
                     bytes / us * 1e-6, err, err <= 1.0 ? "ok" : "FAIL");
       };
+      auto op = [&](int split_k, void* workspace) {  // the production launcher
+        cublade::W4a16GemmArgs a;
+        a.x = x; a.M = M; a.K = K; a.x_stride = K; a.packed = blob; a.group_size = kGS;
+        a.out = out; a.out_stride = N; a.N = N; a.split_k = split_k; a.workspace = workspace; a.sms = sms;
+        return cublade::launch_w4a16_gemm(a, st);
+      };
       if (M <= 64) row("stream", "-", 0, [&] {  // the streaming kernel, its automatic split
-        return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N,
-                                          cublade::w4a16_stream_split((N + 63) / 64, chunks, M, sms), nullptr, sms,
-                                          st);
+        return op(cublade::w4a16_stream_split((N + 63) / 64, chunks, M, sms), nullptr);
       });
       // the production choice (split_k = 0: the wide kernel from 17 rows, from 9 on large weights)
-      if (cublade::wide::pass_rows(M, N, K) > 0) row("wide", "-", 0, [&] {
-        return cublade::launch_w4a16_gemm(x, cublade::InDtype::kBF16, M, K, K, blob, kGS, false, out, N, N, 0, ws,
-                                          sms, st);
-      });
+      if (cublade::wide::pass_rows(M, N, K) > 0) row("wide", "-", 0, [&] { return op(0, ws); });
       for (const Variant& v : kVariants) {
         if (!applies(v, M)) continue;
         for (const int S : {1, 2, 4, cublade::wide::kStreamKSplit}) {

@@ -1,5 +1,5 @@
-// Shared device helpers for cublade's kernels (framework-free: no torch; builds with -DCUBLADE_LAUNCHER_ONLY).
-// Conventions (see README.md): strides in elements, launchers return cudaError_t and never allocate.
+// Shared device helpers for cublade's kernels (framework-free: no torch).
+// Conventions (docs/kernels.md, "File convention"): strides in elements; launchers return cudaError_t, never allocate.
 #pragma once
 
 #include <algorithm>
@@ -29,7 +29,7 @@ inline bool is_aligned(const void* p, int bytes) {
 
 // ---- loads and stores ------------------------------------------------------------------------------
 // Streaming 16-byte load through the read-only (non-coherent) path. No L1::no_allocate hint: on the H200 it
-// cost 6-10 % in every streaming kernel here (benchmarks/tuning/quant_sweep.cu, 2026-11-22, bf16 16384x8192,
+// cost 6-10 % in every streaming kernel here (benchmarks/tuning/quant_sweep.cu, bf16 16384x8192,
 // same run: per-token 110.2 -> 100.5 us, MXFP8 quant 111.9 -> 100.9 us, per-tensor cast 108.7 -> 100.1 us,
 // the copy of the same bytes 99.2 us), and the L2::128B/256B prefetch hints gained nothing on top.
 __device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
@@ -221,10 +221,3 @@ __device__ __forceinline__ float div_rn_fast(float a, float b, float y) {
 }
 
 }  // namespace cublade
-
-#if !defined(CUBLADE_LAUNCHER_ONLY) && !defined(CUBLADE_KERNELS_ONLY)
-// Transitional, for .cu files that still hold their torch wrapper: the host helpers now live in
-// torch_utils.h, for wrappers in <op>_torch.cpp (README.md, "File convention"). A .cu without a torch
-// part defines CUBLADE_KERNELS_ONLY before including this file.
-#include "torch_utils.h"
-#endif

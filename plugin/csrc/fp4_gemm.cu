@@ -9,7 +9,7 @@
 // value is then code * 2^-126 (e = 0: a bf16 subnormal, which bf16 arithmetic keeps); one HMUL2 by the block
 // scale times 2^126 gives the weight. Two shifts and a LOP3 per two codes (the PRMT table lookups this
 // replaced took ~1.45x the time: benchmarks/tuning/fp4_moe_sweep.cu).
-// Layout and the reasons: README.md, "fp4_gemm"; the repacked tensors: w4a16_gemm.cuh (geometry) and
+// Layout and the reasons: docs/kernels.md, "fp4_gemm"; the repacked tensors: w4a16_gemm.cuh (geometry) and
 // plugin/ops/fp4_gemm.py (fp4_repack).
 //   packed  int32 [E, ceil(N/64), ceil(K/512), 4 tiles, 1024 + 128]: per tile block, 8 packets x 32 lanes x 4
 //           words, then 8 x 64 bytes of scale records. Word s of lane (g, t) holds the A fragment of one k-step:
@@ -19,7 +19,7 @@
 //           NVFP4 e4m3 [2 blocks (t / 2)][2 halves][2 rows] (the kernel multiplies by 2^117 = 2^(126-9)).
 //   row_scale fp32 [E, ceil(N/64) * 64]: NVFP4 the global scale of each row * 2^9; MXFP4 2^k per expert (k > 0
 //           only for experts with a block scale above 2), or absent.
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is fp4_gemm_torch.cpp
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp4_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
 #include "wide_gemm.cuh"
 #include "w4a16_gemm.h"
@@ -140,7 +140,7 @@ struct Fp4Batch {
 };
 
 // The wide kernel from this many rows per expert (the mean over the experts that can have rows). Measured
-// (benchmarks/tuning/fp4_wide_sweep.cu, tenth session, Mixtral w13 / w2, 8 experts, random top-2 routing, us): at a
+// (benchmarks/tuning/fp4_wide_sweep.cu, Mixtral w13 / w2, 8 experts, random top-2 routing, us): at a
 // mean of 16 rows (64 tokens) the wide kernel at 32 tokens a pass took 220.8 / 106.6 against the streaming kernel's
 // 274.7 / 138.1; at 8 rows (32 tokens) it lost, 218.3 / 105.1 against 175.7 / 97.5.
 constexpr int64_t kWideMinRows = 16;
@@ -220,21 +220,22 @@ size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, i
 // null; out: bf16 [M, N] (row stride out_stride). max_m: an upper bound on any expert's row count (picks the
 // streaming kernel's tokens per pass; a wrong bound costs speed, not correctness). fmt: 0 = MXFP4, 1 = NVFP4.
 // From kWideMinRows rows per expert (split_k = 0) the wide kernel runs, with fp4_gemm_workspace_bytes of workspace.
-cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const int* offsets, int64_t E,
-                            int64_t max_m, const void* packed, const float* row_scale, int fmt, void* out,
-                            int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
-                            cudaStream_t stream) {
+cudaError_t launch_fp4_gemm(const Fp4GemmArgs& a, cudaStream_t stream) {
+  const int64_t M = a.M, K = a.K, N = a.N, E = a.E;
+  const int* offsets = a.offsets;
+  const int fmt = a.fmt, split_k = a.split_k, sms = a.sms;
+  void* workspace = a.workspace;
   if (M == 0 || N == 0 || E == 0) return cudaSuccess;
   if (fmt != kMXFP4 && fmt != kNVFP4) return cudaErrorInvalidValue;
   lowbit::GemmParams prm = {};
-  prm.x = x; prm.x_stride = x_stride; prm.M = static_cast<int>(M); prm.K = static_cast<int>(K);
+  prm.x = a.x; prm.x_stride = a.x_stride; prm.M = static_cast<int>(M); prm.K = static_cast<int>(K);
   prm.offsets = offsets;
-  prm.w = static_cast<const unsigned char*>(packed);
+  prm.w = static_cast<const unsigned char*>(a.packed);
   prm.tiles = static_cast<int>(ceil_div(N, kTileN));
   prm.groups = static_cast<int>(ceil_div(N, kTileN * lowbit::kGroupTiles));
   prm.chunks = static_cast<int>(ceil_div(K, lowbit::kChunk * kPacketK));
-  prm.row_scale = row_scale;
-  prm.out = out; prm.out_stride = out_stride; prm.N = static_cast<int>(N);
+  prm.row_scale = a.row_scale;
+  prm.out = a.out; prm.out_stride = a.out_stride; prm.N = static_cast<int>(N);
   prm.sms = sms;
   const int64_t active = lowbit::expert_slices(offsets != nullptr, E, M);  // experts that can have rows
   if (const int nt = wide_tokens(M, active, offsets != nullptr, split_k); nt > 0) {
@@ -244,7 +245,7 @@ cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_strid
                          : launch_wide<kNVFP4>(prm, e, nt, active, workspace, stream);
   }
   const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups * active, prm.chunks, sms);
-  const int mm = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_m, M)));
+  const int mm = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(a.max_m, M)));
   if (fmt == kMXFP4) return launch_fmt<kMXFP4>(prm, static_cast<int>(E), mm, S, stream);
   return launch_fmt<kNVFP4>(prm, static_cast<int>(E), mm, S, stream);
 }

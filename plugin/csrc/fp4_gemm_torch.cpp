@@ -1,5 +1,5 @@
 // Torch wrapper of the FP4 expert GEMM: validates the inputs (errors name the op and the bad value, as strings:
-// README.md, "Error messages"), allocates the output, runs launch_fp4_gemm (fp4_gemm.cu) on the current stream.
+// docs/kernels.md, "Error messages"), allocates the output, runs launch_fp4_gemm (fp4_gemm.cu) on the current stream.
 // Compiled by the host C++ compiler.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -12,8 +12,6 @@
 
 namespace cublade {
 namespace {
-
-int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 at::Tensor fp4_gemm(const at::Tensor& x_in, const at::Tensor& packed, const std::optional<at::Tensor>& row_scale,
                     c10::string_view format, int64_t size_n, const std::optional<at::Tensor>& expert_offsets,
@@ -76,10 +74,15 @@ at::Tensor fp4_gemm(const at::Tensor& x_in, const at::Tensor& packed, const std:
   const size_t ws_bytes = fp4_gemm_workspace_bytes(M, K, E, offs != nullptr, static_cast<int>(split_k));
   at::Tensor workspace;  // the wide kernel's re-laid-out x (the caching allocator makes this cheap)
   if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
-  check_launch(op, launch_fp4_gemm(x.data_ptr(), M, K, x.stride(0), offs, E, max_m > 0 ? max_m : M,
-                                   packed.data_ptr(), rs, fmt, out.data_ptr(), size_n, size_n,
-                                   static_cast<int>(split_k), ws_bytes > 0 ? workspace.data_ptr() : nullptr,
-                                   sm_count(x_in), current_stream()));
+  Fp4GemmArgs a;
+  a.x = x.data_ptr(); a.M = M; a.K = K; a.x_stride = x.stride(0);
+  a.offsets = offs; a.E = E; a.max_m = max_m > 0 ? max_m : M;
+  a.packed = packed.data_ptr(); a.row_scale = rs; a.fmt = fmt;
+  a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n;
+  a.split_k = static_cast<int>(split_k);
+  a.workspace = ws_bytes > 0 ? workspace.data_ptr() : nullptr;
+  a.sms = sm_count(x_in);
+  check_launch(op, launch_fp4_gemm(a, current_stream()));
   return out;
 }
 

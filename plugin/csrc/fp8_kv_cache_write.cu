@@ -2,8 +2,8 @@
 //   key/value [T, H, D] -> key_cache/value_cache [num_blocks, block_size, H, D] at slot_mapping[t]
 //   (slot = block * block_size + offset; slot < 0 is padding and skipped), q = e4m3(x / scale) with an
 //   IEEE division and the satfinite conversion, the bytes vLLM's scaled_vec_conversion writes.
-// Layout and the reasons: README.md, "fp8_kv_cache_write".
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is in fp8_kv_cache_write_torch.cpp
+// Layout and the reasons: docs/kernels.md, "fp8_kv_cache_write".
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp8_kv_cache_write_torch.cpp
 #include "common.cuh"
 
 namespace cublade {
@@ -352,33 +352,22 @@ cudaError_t launch_query_aware_j(const QaArgs& a, InDtype dtype, bool q_fp8, cud
 }  // namespace
 
 // key/value: [T, H, D] with strides (token, head, dim) in elements; caches: [num_blocks, block_size, H, D] bytes
-// with strides (block, page, head, dim); slots: [T] int64; k_scale, v_scale: one float each on the device.
-cudaError_t launch_fp8_kv_cache_write(const void* key, const void* value, InDtype dtype, int64_t T, int64_t H,
-                                      int64_t D, int64_t k_ts, int64_t k_hs, int64_t k_ds, int64_t v_ts,
-                                      int64_t v_hs, int64_t v_ds, uint8_t* key_cache, uint8_t* value_cache,
-                                      int64_t num_blocks, int64_t block_size, int64_t c_bs, int64_t c_ps,
-                                      int64_t c_hs, int64_t c_ds, const int64_t* slots, const float* k_scale,
-                                      const float* v_scale, cudaStream_t stream) {
-  return launch_fp8_kv_cache_write_query_aware(key, value, dtype, T, H, D, k_ts, k_hs, k_ds, v_ts, v_hs, v_ds,
-                                               nullptr, false, 0, 0, 0, 0, key_cache, value_cache, num_blocks,
-                                               block_size, c_bs, c_ps, c_hs, c_ds, slots, k_scale, v_scale, stream);
-}
-
-// As launch_fp8_kv_cache_write, K rounded query-aware when query is not null: query [>= T, H * R, D] with strides
-// (q_ts, q_hs, q_ds), of key's dtype or E4M3 bytes (q_fp8); 1 <= R <= kKvQueryAwareMaxR, D <= kKvQueryAwareMaxD.
-cudaError_t launch_fp8_kv_cache_write_query_aware(const void* key, const void* value, InDtype dtype, int64_t T,
-                                                  int64_t H, int64_t D, int64_t k_ts, int64_t k_hs, int64_t k_ds,
-                                                  int64_t v_ts, int64_t v_hs, int64_t v_ds, const void* query,
-                                                  bool q_fp8, int64_t R, int64_t q_ts, int64_t q_hs, int64_t q_ds,
-                                                  uint8_t* key_cache, uint8_t* value_cache, int64_t num_blocks,
-                                                  int64_t block_size, int64_t c_bs, int64_t c_ps, int64_t c_hs,
-                                                  int64_t c_ds, const int64_t* slots, const float* k_scale,
-                                                  const float* v_scale, cudaStream_t stream) {
+// with strides (block, page, head, dim); slots: [T] int64; k_scale, v_scale: one float each on the device. K is
+// rounded query-aware when query is not null: query [>= T, H * R, D] with strides (q_ts, q_hs, q_ds), of key's dtype
+// or E4M3 bytes (q_fp8); 1 <= R <= kKvQueryAwareMaxR, D <= kKvQueryAwareMaxD.
+cudaError_t launch_fp8_kv_cache_write(const Fp8KvCacheWriteArgs& args, cudaStream_t stream) {
+  const int64_t T = args.T, H = args.H, D = args.D, R = args.R;
+  const InDtype dtype = args.dtype;
   if (T == 0 || H == 0 || D == 0) return cudaSuccess;
-  const KvArgs kv{key, value, T, H, D, k_ts, k_hs, k_ds, v_ts, v_hs, v_ds, key_cache, value_cache,
-                  num_blocks * block_size, block_size, c_bs, c_ps, c_hs, c_ds, slots, k_scale, v_scale};
+  const KvArgs kv{args.key, args.value, T, H, D,
+                  args.k_ts, args.k_hs, args.k_ds,
+                  args.v_ts, args.v_hs, args.v_ds,
+                  args.key_cache, args.value_cache,
+                  args.num_blocks * args.block_size, args.block_size,
+                  args.c_bs, args.c_ps, args.c_hs, args.c_ds,
+                  args.slots, args.k_scale, args.v_scale};
   if (dtype != InDtype::kBF16 && dtype != InDtype::kF16 && dtype != InDtype::kF32) return cudaErrorInvalidValue;
-  if (query == nullptr) {
+  if (args.query == nullptr) {
     switch (dtype) {
       case InDtype::kBF16: return launch_typed<InDtype::kBF16>(kv, stream);
       case InDtype::kF16: return launch_typed<InDtype::kF16>(kv, stream);
@@ -386,7 +375,8 @@ cudaError_t launch_fp8_kv_cache_write_query_aware(const void* key, const void* v
     }
   }
   if (R < 1 || R > kKvQueryAwareMaxR || D > kKvQueryAwareMaxD) return cudaErrorInvalidValue;
-  const QaArgs a{kv, query, q_ts, q_hs, q_ds, static_cast<int>(R)};
+  const QaArgs a{kv, args.query, args.q_ts, args.q_hs, args.q_ds, static_cast<int>(R)};
+  const bool q_fp8 = args.q_fp8;
   // J = elements per lane: every D up to 256 runs the J that fits it exactly (lanes past D idle in the last j).
   switch ((D + 31) / 32) {
     case 1: return launch_query_aware_j<1>(a, dtype, q_fp8, stream);

@@ -1,6 +1,6 @@
 // Torch wrapper of the FP8 KV-cache write (K rounded query-aware when a query is given): validates the inputs
 // (errors name the op and the bad value), runs the framework-free launcher from fp8_kv_cache_write.cu on the
-// current stream. Compiled by the host C++ compiler (README.md, "Why the wrappers are .cpp").
+// current stream. Compiled by the host C++ compiler (docs/kernels.md, "File convention").
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -68,16 +68,23 @@ void fp8_kv_cache_write(const at::Tensor& key, const at::Tensor& value, at::Tens
   check_arch(op, key);
   const c10::cuda::CUDAGuard guard(key.device());
   const at::Tensor slots = slot_mapping.contiguous();
-  const at::Tensor* q = query.has_value() ? &*query : nullptr;
-  check_launch(op, launch_fp8_kv_cache_write_query_aware(
-                       key.data_ptr(), value.data_ptr(), in_dt, slots.size(0), key.size(1), key.size(2), key.stride(0),
-                       key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-                       q ? q->data_ptr() : nullptr, q && q->scalar_type() == at::kFloat8_e4m3fn, R,
-                       q ? q->stride(0) : 0, q ? q->stride(1) : 0, q ? q->stride(2) : 0,
-                       static_cast<uint8_t*>(key_cache.data_ptr()), static_cast<uint8_t*>(value_cache.data_ptr()),
-                       key_cache.size(0), key_cache.size(1), key_cache.stride(0), key_cache.stride(1),
-                       key_cache.stride(2), key_cache.stride(3), slots.data_ptr<int64_t>(),
-                       k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), current_stream()));
+  Fp8KvCacheWriteArgs a;
+  a.key = key.data_ptr(); a.value = value.data_ptr(); a.dtype = in_dt;
+  a.T = slots.size(0); a.H = key.size(1); a.D = key.size(2);
+  a.k_ts = key.stride(0); a.k_hs = key.stride(1); a.k_ds = key.stride(2);
+  a.v_ts = value.stride(0); a.v_hs = value.stride(1); a.v_ds = value.stride(2);
+  a.key_cache = static_cast<uint8_t*>(key_cache.data_ptr());
+  a.value_cache = static_cast<uint8_t*>(value_cache.data_ptr());
+  a.num_blocks = key_cache.size(0); a.block_size = key_cache.size(1);
+  a.c_bs = key_cache.stride(0); a.c_ps = key_cache.stride(1); a.c_hs = key_cache.stride(2);
+  a.c_ds = key_cache.stride(3);
+  a.slots = slots.data_ptr<int64_t>(); a.k_scale = k_scale.data_ptr<float>(); a.v_scale = v_scale.data_ptr<float>();
+  if (query.has_value()) {
+    const at::Tensor& q = *query;
+    a.query = q.data_ptr(); a.q_fp8 = q.scalar_type() == at::kFloat8_e4m3fn; a.R = R;
+    a.q_ts = q.stride(0); a.q_hs = q.stride(1); a.q_ds = q.stride(2);
+  }
+  check_launch(op, launch_fp8_kv_cache_write(a, current_stream()));
 }
 
 }  // namespace

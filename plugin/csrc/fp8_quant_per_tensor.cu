@@ -2,8 +2,8 @@
 //   dynamic: scale = max(amax / 448, 1/(448*512)) (NaN kept); q = e4m3(x * (1/scale)), the reciprocal
 //   rounded once to fp32 (vLLM's scaled_fp8_quant per-tensor path does the same), saturating at +-448.
 // Two kernels, no host sync: amax partials per block into a workspace, then a cast pass that reduces the
-// partials itself. Layout and the reasons: README.md, "fp8_quant_per_tensor".
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is in fp8_quant_per_tensor_torch.cpp
+// partials itself. Layout and the reasons: docs/kernels.md, "fp8_quant_per_tensor".
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp8_quant_per_tensor_torch.cpp
 #include "common.cuh"
 
 namespace cublade {
@@ -162,12 +162,16 @@ cast_strided_kernel(const typename Elem<T>::type* __restrict__ x, int64_t M, int
 }
 
 template <InDtype T>
-cudaError_t launch_typed(const void* x_, int64_t M, int64_t K, int64_t rs, int64_t cs, uint8_t* q,
-                         const float* static_scale, float* scale_out, float* workspace, int num_sms,
-                         cudaStream_t stream) {
+cudaError_t launch_typed(const Fp8QuantPerTensorArgs& a, cudaStream_t stream) {
   using E = typename Elem<T>::type;
   constexpr int N = Elem<T>::kPerVec;
-  const E* x = static_cast<const E*>(x_);
+  const E* x = static_cast<const E*>(a.x);
+  const int64_t M = a.M, K = a.K, rs = a.row_stride, cs = a.col_stride;
+  uint8_t* q = a.q;
+  const float* static_scale = a.static_scale;
+  float* scale_out = a.scale_out;
+  float* workspace = a.workspace;
+  const int num_sms = a.num_sms;
   const int64_t n = M * K;
   const bool flat = (M == 1 || rs == K) && (K == 1 || cs == 1) && is_aligned(x, 16);
   const int64_t nvec = flat ? n / N : 0;
@@ -200,19 +204,14 @@ cudaError_t launch_typed(const void* x_, int64_t M, int64_t K, int64_t rs, int64
 // Floats of workspace the dynamic path needs (one partial max per block of the persistent grid).
 int64_t fp8_quant_per_tensor_workspace_floats(int num_sms) { return static_cast<int64_t>(num_sms) * kAmaxBlocksPerSm; }
 
-// x: [M, K] view with strides (rs, cs) in elements; q: contiguous [M, K]; static_scale: nullptr for the
-// dynamic path (then workspace must hold fp8_quant_per_tensor_workspace_floats(num_sms) floats);
+// x: [M, K] view with strides (row_stride, col_stride) in elements; q: contiguous [M, K]; static_scale: nullptr
+// for the dynamic path (then workspace must hold fp8_quant_per_tensor_workspace_floats(num_sms) floats);
 // scale_out: one float, receives the scale used.
-cudaError_t launch_fp8_quant_per_tensor(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t rs, int64_t cs,
-                                        uint8_t* q, const float* static_scale, float* scale_out, float* workspace,
-                                        int num_sms, cudaStream_t stream) {
-  switch (dtype) {
-    case InDtype::kBF16:
-      return launch_typed<InDtype::kBF16>(x, M, K, rs, cs, q, static_scale, scale_out, workspace, num_sms, stream);
-    case InDtype::kF16:
-      return launch_typed<InDtype::kF16>(x, M, K, rs, cs, q, static_scale, scale_out, workspace, num_sms, stream);
-    case InDtype::kF32:
-      return launch_typed<InDtype::kF32>(x, M, K, rs, cs, q, static_scale, scale_out, workspace, num_sms, stream);
+cudaError_t launch_fp8_quant_per_tensor(const Fp8QuantPerTensorArgs& a, cudaStream_t stream) {
+  switch (a.dtype) {
+    case InDtype::kBF16: return launch_typed<InDtype::kBF16>(a, stream);
+    case InDtype::kF16: return launch_typed<InDtype::kF16>(a, stream);
+    case InDtype::kF32: return launch_typed<InDtype::kF32>(a, stream);
   }
   return cudaErrorInvalidValue;
 }

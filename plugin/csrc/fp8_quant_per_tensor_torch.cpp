@@ -1,6 +1,6 @@
 // Torch wrapper of the per-tensor FP8 quant (dynamic / static): validates the inputs (errors name the op and the
 // bad value), allocates the outputs, runs the framework-free launcher from fp8_quant_per_tensor.cu on the current
-// stream. Compiled by the host C++ compiler (README.md, "Why the wrappers are .cpp").
+// stream. Compiled by the host C++ compiler (docs/kernels.md, "File convention").
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -28,15 +28,19 @@ std::tuple<at::Tensor, at::Tensor> fp8_quant_per_tensor(const at::Tensor& x_in, 
                        : x_in.dim() == 2 ? x_in
                        : x_in.is_contiguous() ? x_in.view({1, x_in.numel()})
                                               : x_in.reshape({-1, x_in.size(-1)});
-  const int nsm = sm_count(x_in);
+  Fp8QuantPerTensorArgs a;
+  a.x = x.data_ptr(); a.dtype = in_dt;
+  a.M = x.size(0); a.K = x.size(1); a.row_stride = x.stride(0); a.col_stride = x.stride(1);
+  a.q = static_cast<uint8_t*>(q.data_ptr()); a.scale_out = scale_out.data_ptr<float>();
+  a.num_sms = sm_count(x_in);
   at::Tensor workspace;
-  if (!scale.has_value())
-    workspace = at::empty({fp8_quant_per_tensor_workspace_floats(nsm)}, x_in.options().dtype(at::kFloat));
-  check_launch(op, launch_fp8_quant_per_tensor(
-                       x.data_ptr(), in_dt, x.size(0), x.size(1), x.stride(0), x.stride(1),
-                       static_cast<uint8_t*>(q.data_ptr()), scale.has_value() ? scale->data_ptr<float>() : nullptr,
-                       scale_out.data_ptr<float>(), scale.has_value() ? nullptr : workspace.data_ptr<float>(), nsm,
-                       current_stream()));
+  if (scale.has_value()) {
+    a.static_scale = scale->data_ptr<float>();
+  } else {
+    workspace = at::empty({fp8_quant_per_tensor_workspace_floats(a.num_sms)}, x_in.options().dtype(at::kFloat));
+    a.workspace = workspace.data_ptr<float>();
+  }
+  check_launch(op, launch_fp8_quant_per_tensor(a, current_stream()));
   return {q, scale_out};
 }
 

@@ -1,8 +1,8 @@
 // Dynamic per-token FP8 E4M3 quantization: x [M, K] (bf16/fp16/fp32) -> q e4m3 [M, K], scale fp32 [M].
 //   scale = max(amax_row / 448, 1/(448*512)) (NaN kept), q = e4m3(x / scale) (IEEE division, as vLLM's
 //   dynamic_per_token_scaled_fp8_quant, so the bytes match vLLM's op), saturating at +-448.
-// Layout and the reasons: README.md, "fp8_quant_per_token".
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is in fp8_quant_per_token_torch.cpp
+// Layout and the reasons: docs/kernels.md, "fp8_quant_per_token".
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp8_quant_per_token_torch.cpp
 #include "common.cuh"
 
 namespace cublade {
@@ -127,9 +127,12 @@ cudaError_t launch_vec(const void* x, int64_t M, int nvec, int64_t row_stride, u
 }
 
 template <InDtype T>
-cudaError_t launch_typed(const void* x, int64_t M, int64_t K, int64_t row_stride, int64_t col_stride,
-                         uint8_t* q, float* scale, cudaStream_t stream) {
+cudaError_t launch_typed(const Fp8QuantPerTokenArgs& a, cudaStream_t stream) {
   constexpr int N = Elem<T>::kPerVec;
+  const void* x = a.x;
+  const int64_t M = a.M, K = a.K, row_stride = a.row_stride, col_stride = a.col_stride;
+  uint8_t* q = a.q;
+  float* scale = a.scale;
   const bool fast = col_stride == 1 && K % N == 0 && row_stride % N == 0 && is_aligned(x, 16) &&
                     K / N <= kMaxVecsFast;
   if (!fast) {
@@ -159,13 +162,12 @@ cudaError_t launch_typed(const void* x, int64_t M, int64_t K, int64_t row_stride
 }  // namespace
 
 // x: [M, K] with strides (row_stride, col_stride) in elements; q: contiguous [M, K] bytes; scale: [M].
-cudaError_t launch_fp8_quant_per_token(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t row_stride,
-                                       int64_t col_stride, uint8_t* q, float* scale, cudaStream_t stream) {
-  if (M == 0) return cudaSuccess;
-  switch (dtype) {
-    case InDtype::kBF16: return launch_typed<InDtype::kBF16>(x, M, K, row_stride, col_stride, q, scale, stream);
-    case InDtype::kF16: return launch_typed<InDtype::kF16>(x, M, K, row_stride, col_stride, q, scale, stream);
-    case InDtype::kF32: return launch_typed<InDtype::kF32>(x, M, K, row_stride, col_stride, q, scale, stream);
+cudaError_t launch_fp8_quant_per_token(const Fp8QuantPerTokenArgs& a, cudaStream_t stream) {
+  if (a.M == 0) return cudaSuccess;
+  switch (a.dtype) {
+    case InDtype::kBF16: return launch_typed<InDtype::kBF16>(a, stream);
+    case InDtype::kF16: return launch_typed<InDtype::kF16>(a, stream);
+    case InDtype::kF32: return launch_typed<InDtype::kF32>(a, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -1,6 +1,6 @@
 // Torch wrapper of the dynamic per-token FP8 quant: validates the inputs (errors name the op and the
 // bad value), allocates the outputs, runs the framework-free launcher from fp8_quant_per_token.cu on the current
-// stream. Compiled by the host C++ compiler (README.md, "Why the wrappers are .cpp").
+// stream. Compiled by the host C++ compiler (docs/kernels.md, "File convention").
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -25,9 +25,11 @@ std::tuple<at::Tensor, at::Tensor> fp8_quant_per_token(const at::Tensor& x_in) {
   scale_shape.back() = 1;
   at::Tensor scale = at::empty(scale_shape, x_in.options().dtype(at::kFloat));
   if (M == 0) return {q, scale};
-  check_launch(op, launch_fp8_quant_per_token(x.data_ptr(), in_dt, M, K, x.stride(0), x.stride(1),
-                                              static_cast<uint8_t*>(q.data_ptr()), scale.data_ptr<float>(),
-                                              current_stream()));
+  Fp8QuantPerTokenArgs a;
+  a.x = x.data_ptr(); a.dtype = in_dt;
+  a.M = M; a.K = K; a.row_stride = x.stride(0); a.col_stride = x.stride(1);
+  a.q = static_cast<uint8_t*>(q.data_ptr()); a.scale = scale.data_ptr<float>();
+  check_launch(op, launch_fp8_quant_per_token(a, current_stream()));
   return {q, scale};
 }
 

@@ -1,7 +1,9 @@
 // Framework-free declarations shared by the kernels (*.cu, compiled by nvcc) and the torch wrappers
-// (*.cpp, compiled by the host C++ compiler): input dtypes and the launchers of part A's ops.
-// Every launcher takes raw pointers, sizes and strides in elements, launches on `stream`, never allocates,
-// never synchronizes, and returns the launch's cudaError_t.
+// (*_torch.cpp, compiled by the host C++ compiler): input dtypes and the launchers of the quant, KV-cache and MoE
+// glue ops (the GEMM ops' launchers: w4a16_gemm.h).
+// Every launcher takes its op's argument struct (`<Op>Args`, filled by the torch wrapper) and the stream: raw
+// pointers, sizes and strides in elements, each member named, every member defaulting to null / 0. A launcher
+// launches on `stream`, never allocates, never synchronizes, and returns the launch's cudaError_t.
 #pragma once
 
 #include <cstdint>
@@ -14,62 +16,129 @@ enum class InDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
 // fp8_quant_per_token.cu. x: [M, K] with strides (row_stride, col_stride); q: contiguous [M, K] E4M3 bytes;
 // scale: [M] fp32.
-cudaError_t launch_fp8_quant_per_token(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t row_stride,
-                                       int64_t col_stride, uint8_t* q, float* scale, cudaStream_t stream);
+struct Fp8QuantPerTokenArgs {
+  const void* x = nullptr;
+  InDtype dtype = InDtype::kBF16;
+  int64_t M = 0, K = 0;
+  int64_t row_stride = 0, col_stride = 0;
+  uint8_t* q = nullptr;
+  float* scale = nullptr;
+};
+cudaError_t launch_fp8_quant_per_token(const Fp8QuantPerTokenArgs& a, cudaStream_t stream);
 
-// fp8_quant_per_tensor.cu. x: [M, K] view with strides (rs, cs); q: contiguous [M, K]; static_scale: nullptr for
-// the dynamic path (then workspace holds fp8_quant_per_tensor_workspace_floats(num_sms) floats); scale_out: one
-// float, receives the scale used.
+// fp8_quant_per_tensor.cu. x: [M, K] view with strides (row_stride, col_stride); q: contiguous [M, K];
+// static_scale: nullptr for the dynamic path (then workspace holds fp8_quant_per_tensor_workspace_floats(num_sms)
+// floats); scale_out: one float, receives the scale used.
 int64_t fp8_quant_per_tensor_workspace_floats(int num_sms);
-cudaError_t launch_fp8_quant_per_tensor(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t rs, int64_t cs,
-                                        uint8_t* q, const float* static_scale, float* scale_out, float* workspace,
-                                        int num_sms, cudaStream_t stream);
+struct Fp8QuantPerTensorArgs {
+  const void* x = nullptr;
+  InDtype dtype = InDtype::kBF16;
+  int64_t M = 0, K = 0;
+  int64_t row_stride = 0, col_stride = 0;
+  uint8_t* q = nullptr;
+  const float* static_scale = nullptr;
+  float* scale_out = nullptr;
+  float* workspace = nullptr;
+  int num_sms = 0;
+};
+cudaError_t launch_fp8_quant_per_tensor(const Fp8QuantPerTensorArgs& a, cudaStream_t stream);
 
-// mxfp8_quant.cu. quant: x [M, K] (K % 32 == 0) with strides (rs, cs); q contiguous [M, K]; codes contiguous
-// [M, K/32]. dequant: q [M, K] with strides (q_rs, q_cs), codes [M, K/32] with strides (c_rs, c_cs), out
-// contiguous [M, K] of out_dtype (0 bf16, 1 fp16, 2 fp32).
-cudaError_t launch_mxfp8_quant(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t rs, int64_t cs, bool rceil,
-                               uint8_t* q, uint8_t* codes, cudaStream_t stream);
-cudaError_t launch_mxfp8_dequant(const uint8_t* q, int64_t q_rs, int64_t q_cs, const uint8_t* codes, int64_t c_rs,
-                                 int64_t c_cs, int64_t M, int64_t K, int out_dtype, void* out, cudaStream_t stream);
+// mxfp8_quant.cu. quant: x [M, K] (K % 32 == 0) with strides (row_stride, col_stride); q contiguous [M, K]; codes
+// contiguous [M, K/32]; rceil picks the scale rule.
+struct Mxfp8QuantArgs {
+  const void* x = nullptr;
+  InDtype dtype = InDtype::kBF16;
+  int64_t M = 0, K = 0;
+  int64_t row_stride = 0, col_stride = 0;
+  bool rceil = false;
+  uint8_t* q = nullptr;
+  uint8_t* codes = nullptr;
+};
+cudaError_t launch_mxfp8_quant(const Mxfp8QuantArgs& a, cudaStream_t stream);
+// dequant: q [M, K] with strides (q_row_stride, q_col_stride), codes [M, K/32] with strides (codes_row_stride,
+// codes_col_stride), out contiguous [M, K] of out_dtype (0 bf16, 1 fp16, 2 fp32).
+struct Mxfp8DequantArgs {
+  const uint8_t* q = nullptr;
+  int64_t q_row_stride = 0, q_col_stride = 0;
+  const uint8_t* codes = nullptr;
+  int64_t codes_row_stride = 0, codes_col_stride = 0;
+  int64_t M = 0, K = 0;
+  int out_dtype = 0;
+  void* out = nullptr;
+};
+cudaError_t launch_mxfp8_dequant(const Mxfp8DequantArgs& a, cudaStream_t stream);
 
-// fp8_kv_cache_write.cu. key/value: [T, H, D] with strides (token, head, dim); caches: [num_blocks, block_size,
-// H, D] bytes with strides (block, page, head, dim); slots: [T] int64; k_scale, v_scale: one float each on the
-// device.
-cudaError_t launch_fp8_kv_cache_write(const void* key, const void* value, InDtype dtype, int64_t T, int64_t H,
-                                      int64_t D, int64_t k_ts, int64_t k_hs, int64_t k_ds, int64_t v_ts,
-                                      int64_t v_hs, int64_t v_ds, uint8_t* key_cache, uint8_t* value_cache,
-                                      int64_t num_blocks, int64_t block_size, int64_t c_bs, int64_t c_ps,
-                                      int64_t c_hs, int64_t c_ds, const int64_t* slots, const float* k_scale,
-                                      const float* v_scale, cudaStream_t stream);
-// The same write with K rounded query-aware (plugin/ops/fp8_kv_cache_write.py, fp8_kv_quant_query_aware_ref) when
-// query is not null: query [>= T, H * R, D] with strides (q_ts, q_hs, q_ds) in elements, of key's dtype or E4M3
-// bytes (q_fp8); query heads g*R .. g*R+R-1 read KV head g. V is rounded to nearest either way; a null query is
-// launch_fp8_kv_cache_write. Bounds: 1 <= R <= kKvQueryAwareMaxR, D <= kKvQueryAwareMaxD (one warp holds a head).
+// fp8_kv_cache_write.cu. key/value: [T, H, D] with strides (token, head, dim) in elements; caches: [num_blocks,
+// block_size, H, D] bytes with strides (block, page, head, dim); slots: [T] int64; k_scale, v_scale: one float each
+// on the device. With a query (not null), K is rounded query-aware (plugin/ops/fp8_kv_cache_write.py,
+// fp8_kv_quant_query_aware_ref): query [>= T, H * R, D] with strides (q_ts, q_hs, q_ds) in elements, of key's dtype
+// or E4M3 bytes (q_fp8); query heads g*R .. g*R+R-1 read KV head g. V is rounded to nearest either way. Bounds of
+// the query-aware write: 1 <= R <= kKvQueryAwareMaxR, D <= kKvQueryAwareMaxD (one warp holds a head).
 constexpr int64_t kKvQueryAwareMaxR = 16;
 constexpr int64_t kKvQueryAwareMaxD = 256;
-cudaError_t launch_fp8_kv_cache_write_query_aware(const void* key, const void* value, InDtype dtype, int64_t T,
-                                                  int64_t H, int64_t D, int64_t k_ts, int64_t k_hs, int64_t k_ds,
-                                                  int64_t v_ts, int64_t v_hs, int64_t v_ds, const void* query,
-                                                  bool q_fp8, int64_t R, int64_t q_ts, int64_t q_hs, int64_t q_ds,
-                                                  uint8_t* key_cache, uint8_t* value_cache, int64_t num_blocks,
-                                                  int64_t block_size, int64_t c_bs, int64_t c_ps, int64_t c_hs,
-                                                  int64_t c_ds, const int64_t* slots, const float* k_scale,
-                                                  const float* v_scale, cudaStream_t stream);
+struct Fp8KvCacheWriteArgs {
+  const void* key = nullptr;
+  const void* value = nullptr;
+  InDtype dtype = InDtype::kBF16;
+  int64_t T = 0, H = 0, D = 0;
+  int64_t k_ts = 0, k_hs = 0, k_ds = 0;  // key strides: token, head, dim
+  int64_t v_ts = 0, v_hs = 0, v_ds = 0;  // value strides
+  uint8_t* key_cache = nullptr;
+  uint8_t* value_cache = nullptr;
+  int64_t num_blocks = 0, block_size = 0;
+  int64_t c_bs = 0, c_ps = 0, c_hs = 0, c_ds = 0;  // cache strides: block, page (slot in block), head, dim
+  const int64_t* slots = nullptr;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  const void* query = nullptr;  // null: K rounded to nearest
+  bool q_fp8 = false;
+  int64_t R = 0;                         // query heads per KV head
+  int64_t q_ts = 0, q_hs = 0, q_ds = 0;  // query strides: token, head, dim
+};
+cudaError_t launch_fp8_kv_cache_write(const Fp8KvCacheWriteArgs& a, cudaStream_t stream);
 
 // moe_glue.cu (the MoE routing around fp4_gemm). route: ids [n = T*k] (int32, or int64 with ids64), entries
 // outside [0, E) dropped; x [T, row_bytes] rows x_stride_bytes apart (both multiples of 16); writes xs [n,
 // row_bytes] (the routed rows sorted by expert), offsets [E+1], pos [n], and src [n] (scratch: the row of each
-// place). finalize: y [n, H] (y_stride elements apart, H and y_stride multiples of 8), pos [n], w [T, k]
-// contiguous -> out contiguous [T, H] of y's dtype.
+// place).
 constexpr int kMoeMaxExperts = 1024;
-cudaError_t launch_moe_route(const void* ids, bool ids64, int64_t n, int E, int k, const void* x, int64_t row_bytes,
-                             int64_t x_stride_bytes, void* xs, int* offsets, int* pos, int* src, cudaStream_t stream);
-cudaError_t launch_moe_finalize(const void* y, InDtype y_dtype, int64_t y_stride, const int* pos, const void* w,
-                                InDtype w_dtype, int64_t T, int k, int64_t H, void* out, cudaStream_t stream);
+struct MoeRouteArgs {
+  const void* ids = nullptr;
+  bool ids64 = false;
+  int64_t n = 0;
+  int E = 0, k = 0;
+  const void* x = nullptr;
+  int64_t row_bytes = 0, x_stride_bytes = 0;
+  void* xs = nullptr;
+  int* offsets = nullptr;
+  int* pos = nullptr;
+  int* src = nullptr;
+};
+cudaError_t launch_moe_route(const MoeRouteArgs& a, cudaStream_t stream);
+// finalize: y [T*k, H] (y_stride elements apart, H and y_stride multiples of 8), pos [T*k], w [T, k] contiguous ->
+// out contiguous [T, H] of y's dtype.
+struct MoeFinalizeArgs {
+  const void* y = nullptr;
+  InDtype y_dtype = InDtype::kBF16;
+  int64_t y_stride = 0;
+  const int* pos = nullptr;
+  const void* w = nullptr;
+  InDtype w_dtype = InDtype::kF32;
+  int64_t T = 0;
+  int k = 0;
+  int64_t H = 0;
+  void* out = nullptr;
+};
+cudaError_t launch_moe_finalize(const MoeFinalizeArgs& a, cudaStream_t stream);
 // silu_mul: h [M, 2I] (rows h_stride elements apart; I and h_stride multiples of 8) -> out contiguous [M, I] of h's
 // dtype (bf16 or fp16), out = silu(h[:, :I]) * h[:, I:] rounded as the two torch ops round.
-cudaError_t launch_silu_mul(const void* h, InDtype dtype, int64_t h_stride, int64_t M, int64_t I, void* out,
-                            cudaStream_t stream);
+struct SiluMulArgs {
+  const void* h = nullptr;
+  InDtype dtype = InDtype::kBF16;
+  int64_t h_stride = 0;
+  int64_t M = 0, I = 0;
+  void* out = nullptr;
+};
+cudaError_t launch_silu_mul(const SiluMulArgs& a, cudaStream_t stream);
 
 }  // namespace cublade

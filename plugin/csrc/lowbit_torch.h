@@ -1,5 +1,6 @@
 // The torch side shared by the weight-streaming GEMM ops (w4a16_gemm_torch.cpp, mxfp8_gemm_torch.cpp): after an op has
-// checked its inputs, the same flow turns x [..., K] into y [..., size_n] in x's dtype. Host compiler only.
+// checked its inputs, the same flow turns x [..., K] into y [..., size_n] in x's dtype; and the int4 blob's check
+// and dequant, shared by w4a16_gemm_torch.cpp and w4a16_dequant_torch.cpp. Host compiler only.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,8 +8,28 @@
 #include <vector>
 
 #include "torch_utils.h"
+#include "w4a16_gemm.h"
 
 namespace cublade {
+
+// The blob w4a16_repack makes for (N, K, group_size, symmetric): int32 [ceil(N/64), ceil(K/512), 4, 1024 + records].
+inline void check_w4a16_packed(const char* op, const at::Tensor& packed, int64_t size_n, int64_t K, int64_t group_size,
+                               bool symmetric) {
+  const int64_t groups = cdiv(size_n, kLowbitGroupRows), chunks = cdiv(K, kLowbitChunkK);
+  const int64_t words = kLowbitTileWords + w4a16_gemm_sbytes(static_cast<int>(group_size), !symmetric) / 4;
+  const std::vector<int64_t> want = {groups, chunks, 4, words};
+  CUBLADE_CHECK_VALUE(packed.scalar_type() == at::kInt && packed.sizes() == at::IntArrayRef(want) &&
+                          packed.is_contiguous(),
+                      op, "packed must be a contiguous int32 ", shape(want), " tensor (w4a16_repack of N=",
+                      num(size_n), ", K=", num(K), ", group_size=", num(group_size),
+                      symmetric ? ", symmetric" : ", asymmetric", "), got ", dt(packed.scalar_type()), " ",
+                      shape(packed.sizes()));
+}
+
+// The op w4a16_dequant (w4a16_dequant_torch.cpp): the dense weight [size_n, size_k] in dtype (bf16 / fp16) from
+// the int4 blob. w4a16_gemm's prefill path calls it.
+at::Tensor w4a16_dequant(const at::Tensor& packed, int64_t group_size, bool symmetric, int64_t size_n, int64_t size_k,
+                         at::ScalarType dtype);
 
 // y = x @ W^T. With `prefill` (the op is not forced onto its kernels) and at least `prefill_rows` rows: W = dequant()
 // (the dense weight [size_n, K] in x's dtype) and one cuBLAS GEMM. Else launch(x2d, M, out, workspace) on the op's

@@ -4,14 +4,14 @@
 //   moe_finalize: y [T*k, N] (the expert outputs in xs's order) -> out[t] = sum_j w[t, j] * y[pos[t*k + j]]
 //   silu_mul:     h [M, 2I] (w13's output: gate | up) -> a [M, I] = silu(h[:, :I]) * h[:, I:], the input of w2
 // They replace ~20 small torch kernels (argsort, scatter_add, cumsum, gathers, where, index_copy, casts, the
-// weighted sum), ~50 us of launch-bound work per MoE layer at decode under a CUDA graph (ninth session).
+// weighted sum), ~50 us of launch-bound work per MoE layer at decode under a CUDA graph.
 // Numerics: moe_route copies rows bit for bit; moe_finalize forms each product w * y in fp32 and adds them in
 // j order from 0 (no FMA), as the reference's (y.float() * w.float()).sum(dim=1) does, and rounds once.
 // silu_mul rounds like the reference's two torch ops: silu in fp32 (x / (1 + expf(-x))) rounded to the input type,
 // then the product in fp32 rounded again; one kernel instead of two, reading h once.
 // The order of rows inside an expert's range comes from shared-memory atomics, so it may differ between runs;
 // each row's GEMM result does not depend on its place, so the layer's output does not either.
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is moe_glue_torch.cpp
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is moe_glue_torch.cpp
 #include "common.cuh"
 #include "launchers.h"
 
@@ -106,24 +106,22 @@ __global__ void moe_finalize_kernel(const typename Elem<YT>::type* __restrict__ 
 }
 
 template <InDtype YT, InDtype WT>
-cudaError_t finalize_as(const void* y, int64_t y_stride, const int* pos, const void* w, int64_t T_, int k, int64_t H,
-                        void* out, cudaStream_t stream) {
+cudaError_t finalize_as(const MoeFinalizeArgs& a, cudaStream_t stream) {
   using T = typename Elem<YT>::type;
   constexpr int kThreads = 128;
-  const dim3 grid(static_cast<unsigned>(T_), static_cast<unsigned>(ceil_div(H / 8, kThreads)));
+  const dim3 grid(static_cast<unsigned>(a.T), static_cast<unsigned>(ceil_div(a.H / 8, kThreads)));
   moe_finalize_kernel<YT, WT><<<grid, kThreads, 0, stream>>>(
-      static_cast<const T*>(y), y_stride, pos, static_cast<const typename Elem<WT>::type*>(w), k, H,
-      static_cast<T*>(out));
+      static_cast<const T*>(a.y), a.y_stride, a.pos, static_cast<const typename Elem<WT>::type*>(a.w), a.k, a.H,
+      static_cast<T*>(a.out));
   return cudaGetLastError();
 }
 
 template <InDtype YT>
-cudaError_t finalize_w(const void* y, int64_t y_stride, const int* pos, const void* w, InDtype w_dtype, int64_t T_,
-                       int k, int64_t H, void* out, cudaStream_t stream) {
-  switch (w_dtype) {
-    case InDtype::kF32: return finalize_as<YT, InDtype::kF32>(y, y_stride, pos, w, T_, k, H, out, stream);
-    case InDtype::kBF16: return finalize_as<YT, InDtype::kBF16>(y, y_stride, pos, w, T_, k, H, out, stream);
-    case InDtype::kF16: return finalize_as<YT, InDtype::kF16>(y, y_stride, pos, w, T_, k, H, out, stream);
+cudaError_t finalize_w(const MoeFinalizeArgs& a, cudaStream_t stream) {
+  switch (a.w_dtype) {
+    case InDtype::kF32: return finalize_as<YT, InDtype::kF32>(a, stream);
+    case InDtype::kBF16: return finalize_as<YT, InDtype::kBF16>(a, stream);
+    case InDtype::kF16: return finalize_as<YT, InDtype::kF16>(a, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -151,47 +149,47 @@ __global__ void silu_mul_kernel(const typename Elem<DT>::type* __restrict__ h, i
 }
 
 template <InDtype DT>
-cudaError_t silu_mul_as(const void* h, int64_t h_stride, int64_t M, int64_t I, void* out, cudaStream_t stream) {
+cudaError_t silu_mul_as(const SiluMulArgs& a, cudaStream_t stream) {
   using T = typename Elem<DT>::type;
   constexpr int kThreads = 128;
-  const dim3 grid(static_cast<unsigned>(M), static_cast<unsigned>(ceil_div(I / 8, kThreads)));
-  silu_mul_kernel<DT><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(h), h_stride, I, static_cast<T*>(out));
+  const dim3 grid(static_cast<unsigned>(a.M), static_cast<unsigned>(ceil_div(a.I / 8, kThreads)));
+  silu_mul_kernel<DT><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(a.h), a.h_stride, a.I,
+                                                      static_cast<T*>(a.out));
   return cudaGetLastError();
 }
 
 }  // namespace
 
-cudaError_t launch_silu_mul(const void* h, InDtype dtype, int64_t h_stride, int64_t M, int64_t I, void* out,
-                            cudaStream_t stream) {
-  if (I % 8 || h_stride % 8) return cudaErrorInvalidValue;
-  if (M == 0 || I == 0) return cudaSuccess;
-  if (dtype == InDtype::kBF16) return silu_mul_as<InDtype::kBF16>(h, h_stride, M, I, out, stream);
-  if (dtype == InDtype::kF16) return silu_mul_as<InDtype::kF16>(h, h_stride, M, I, out, stream);
+cudaError_t launch_silu_mul(const SiluMulArgs& a, cudaStream_t stream) {
+  if (a.I % 8 || a.h_stride % 8) return cudaErrorInvalidValue;
+  if (a.M == 0 || a.I == 0) return cudaSuccess;
+  if (a.dtype == InDtype::kBF16) return silu_mul_as<InDtype::kBF16>(a, stream);
+  if (a.dtype == InDtype::kF16) return silu_mul_as<InDtype::kF16>(a, stream);
   return cudaErrorInvalidValue;
 }
 
-cudaError_t launch_moe_route(const void* ids, bool ids64, int64_t n, int E, int k, const void* x, int64_t row_bytes,
-                             int64_t x_stride_bytes, void* xs, int* offsets, int* pos, int* src,
-                             cudaStream_t stream) {
-  if (E < 1 || E > kMoeMaxExperts || k < 1 || row_bytes % 16 || x_stride_bytes % 16) return cudaErrorInvalidValue;
-  if (ids64)
-    moe_route_kernel<int64_t><<<1, kRouteThreads, 0, stream>>>(static_cast<const int64_t*>(ids), n, E, offsets, pos,
-                                                               src);
+cudaError_t launch_moe_route(const MoeRouteArgs& a, cudaStream_t stream) {
+  const int64_t n = a.n;
+  const int E = a.E, k = a.k;
+  if (E < 1 || E > kMoeMaxExperts || k < 1 || a.row_bytes % 16 || a.x_stride_bytes % 16) return cudaErrorInvalidValue;
+  if (a.ids64)
+    moe_route_kernel<int64_t><<<1, kRouteThreads, 0, stream>>>(static_cast<const int64_t*>(a.ids), n, E, a.offsets,
+                                                               a.pos, a.src);
   else
-    moe_route_kernel<int32_t><<<1, kRouteThreads, 0, stream>>>(static_cast<const int32_t*>(ids), n, E, offsets, pos,
-                                                               src);
+    moe_route_kernel<int32_t><<<1, kRouteThreads, 0, stream>>>(static_cast<const int32_t*>(a.ids), n, E, a.offsets,
+                                                               a.pos, a.src);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || n == 0) return err;
-  moe_gather_kernel<<<static_cast<unsigned>(n), 128, 0, stream>>>(
-      static_cast<const uint4*>(x), x_stride_bytes / 16, src, offsets, E, k, row_bytes / 16, static_cast<uint4*>(xs));
+  moe_gather_kernel<<<static_cast<unsigned>(n), 128, 0, stream>>>(static_cast<const uint4*>(a.x),
+                                                                  a.x_stride_bytes / 16, a.src, a.offsets, E, k,
+                                                                  a.row_bytes / 16, static_cast<uint4*>(a.xs));
   return cudaGetLastError();
 }
 
-cudaError_t launch_moe_finalize(const void* y, InDtype y_dtype, int64_t y_stride, const int* pos, const void* w,
-                                InDtype w_dtype, int64_t T, int k, int64_t H, void* out, cudaStream_t stream) {
-  if (H % 8 || y_stride % 8 || k < 1) return cudaErrorInvalidValue;
-  if (T == 0 || H == 0) return cudaSuccess;
-  if (y_dtype == InDtype::kBF16) return finalize_w<InDtype::kBF16>(y, y_stride, pos, w, w_dtype, T, k, H, out, stream);
-  if (y_dtype == InDtype::kF16) return finalize_w<InDtype::kF16>(y, y_stride, pos, w, w_dtype, T, k, H, out, stream);
+cudaError_t launch_moe_finalize(const MoeFinalizeArgs& a, cudaStream_t stream) {
+  if (a.H % 8 || a.y_stride % 8 || a.k < 1) return cudaErrorInvalidValue;
+  if (a.T == 0 || a.H == 0) return cudaSuccess;
+  if (a.y_dtype == InDtype::kBF16) return finalize_w<InDtype::kBF16>(a, stream);
+  if (a.y_dtype == InDtype::kF16) return finalize_w<InDtype::kF16>(a, stream);
   return cudaErrorInvalidValue;
 }
 

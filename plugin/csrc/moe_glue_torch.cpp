@@ -36,10 +36,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& topk_
   const auto i32 = x.options().dtype(at::kInt);
   at::Tensor xs = at::empty({n, x.size(1)}, x.options());
   at::Tensor offsets = at::empty({num_experts + 1}, i32), pos = at::empty({n}, i32), src = at::empty({n}, i32);
-  check_launch(op, launch_moe_route(ids.data_ptr(), ids.scalar_type() == at::kLong, n, static_cast<int>(num_experts),
-                                    static_cast<int>(k), x.data_ptr(), x.size(1) * 2, x.stride(0) * 2, xs.data_ptr(),
-                                    offsets.data_ptr<int>(), pos.data_ptr<int>(), src.data_ptr<int>(),
-                                    current_stream()));
+  MoeRouteArgs a;
+  a.ids = ids.data_ptr(); a.ids64 = ids.scalar_type() == at::kLong;
+  a.n = n; a.E = static_cast<int>(num_experts); a.k = static_cast<int>(k);
+  a.x = x.data_ptr(); a.row_bytes = x.size(1) * 2; a.x_stride_bytes = x.stride(0) * 2;
+  a.xs = xs.data_ptr(); a.offsets = offsets.data_ptr<int>(); a.pos = pos.data_ptr<int>(); a.src = src.data_ptr<int>();
+  check_launch(op, launch_moe_route(a, current_stream()));
   return {xs, offsets, pos};
 }
 
@@ -66,9 +68,13 @@ at::Tensor moe_finalize(const at::Tensor& y_in, const at::Tensor& pos, const at:
   const at::Tensor y = with_16byte_rows(y_in);
   const at::Tensor p = pos.contiguous(), w = topk_weights.contiguous();
   at::Tensor out = at::empty({T, y.size(1)}, y.options());
-  check_launch(op, launch_moe_finalize(y.data_ptr(), in_dtype_of(op, "y", y), y.stride(0), p.data_ptr<int>(),
-                                       w.data_ptr(), w_dt, T, static_cast<int>(k), y.size(1), out.data_ptr(),
-                                       current_stream()));
+  MoeFinalizeArgs a;
+  a.y = y.data_ptr(); a.y_dtype = in_dtype_of(op, "y", y); a.y_stride = y.stride(0);
+  a.pos = p.data_ptr<int>();
+  a.w = w.data_ptr(); a.w_dtype = w_dt;
+  a.T = T; a.k = static_cast<int>(k); a.H = y.size(1);
+  a.out = out.data_ptr();
+  check_launch(op, launch_moe_finalize(a, current_stream()));
   return out;
 }
 
@@ -85,8 +91,11 @@ at::Tensor silu_mul(const at::Tensor& h_in) {
   const c10::cuda::CUDAGuard guard(h_in.device());
   const at::Tensor h = with_16byte_rows(h_in);
   at::Tensor out = at::empty({h.size(0), I}, h.options());
-  check_launch(op, launch_silu_mul(h.data_ptr(), in_dtype_of(op, "h", h), h.stride(0), h.size(0), I, out.data_ptr(),
-                                   current_stream()));
+  SiluMulArgs a;
+  a.h = h.data_ptr(); a.dtype = in_dtype_of(op, "h", h); a.h_stride = h.stride(0);
+  a.M = h.size(0); a.I = I;
+  a.out = out.data_ptr();
+  check_launch(op, launch_silu_mul(a, current_stream()));
   return out;
 }
 

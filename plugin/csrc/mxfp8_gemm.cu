@@ -21,7 +21,7 @@
 //           (g, 2h + 1), (g + 8, 2h + 1), each the row's codes at K0 + 0, 2, 1, 3 in bytes 0..3 (so bytes 0, 2 are
 //           the fragment register of K0, K0 + 1 and bytes 1, 3 that of K0 + 2, K0 + 3).
 //   records per packet and g (4 bytes): e of (row g, half 0), (g + 8, 0), (g, 1), (g + 8, 1).
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is mxfp8_gemm_torch.cpp
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is mxfp8_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
 #include "wide_gemm.cuh"
 #include "w4a16_gemm.h"
@@ -127,10 +127,9 @@ struct Mxfp8Batch {
 };
 
 // The wide kernel's configurations: half-chunk stages everywhere (a whole chunk of 1-byte codes is 33 KB a tile group),
-// two warpgroups. Four (as int4 at 32 tokens) ran where their CTAs fill 3/4 of the SMs until stream-K: on 8192x28672
-// (thirteenth session, benchmarks/tuning/mxfp8_sweep.cu, raw benchmarks/runs/2026-11-23-0826-*) two warpgroups with
-// stream-K run 78.4 / 85.8 us at 32 / 64 tokens against four's 81.7 / 92.6 with stream-K, 83.3 / 92.5 with split-K
-// (the choice before; the other shapes never took four).
+// two warpgroups. Four (which int4 takes at 32 tokens where their CTAs fill 3/4 of the SMs) lose: on 8192x28672
+// (benchmarks/tuning/mxfp8_sweep.cu) two warpgroups with stream-K run 78.4 / 85.8 us at 32 / 64 tokens against four's
+// 81.7 / 92.6 with stream-K, 83.3 / 92.5 with split-K (the other shapes' CTAs of four do not fill 3/4 of the SMs).
 template <typename Run>
 cudaError_t with_config(int ntok, Run&& run) {
   switch (ntok) {
@@ -216,12 +215,16 @@ size_t mxfp8_gemm_workspace_bytes(int64_t M, int64_t K, int split_k, int sms) {
   return static_cast<size_t>(wide::workspace_bytes(m, K, wide::ntok(m), false, sms));
 }
 
-cudaError_t launch_mxfp8_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const void* packed, void* out,
-                              int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
-                              cudaStream_t stream) {
+cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream) {
+  const int64_t K = a.K, N = a.N, x_stride = a.x_stride, out_stride = a.out_stride;
+  const int split_k = a.split_k, sms = a.sms;
+  void* workspace = a.workspace;
+  const void* x = a.x;  // x, out and M move past the wide kernel's passes
+  void* out = a.out;
+  int64_t M = a.M;
   if (M == 0 || N == 0) return cudaSuccess;
   if (K % 32 != 0) return cudaErrorInvalidValue;
-  const auto* w = static_cast<const unsigned char*>(packed);
+  const auto* w = static_cast<const unsigned char*>(a.packed);
   if (mxfp8_gemm_workspace_bytes(M, K, split_k, sms) > 0) {
     if (workspace == nullptr) return cudaErrorInvalidValue;
     while (const int64_t rows = wide_pass_rows(M)) {  // passes of up to 128 rows; fewer than 17 left: streaming
@@ -250,7 +253,7 @@ cudaError_t launch_mxfp8_gemm(const void* x, int64_t M, int64_t K, int64_t x_str
     // Two K slices per chunk (8 consumer warps) and a ring of 3 stages where that still fits 2 CTAs per SM (up to 2
     // rows) and leaves no short second wave (more CTAs than the GPU holds at once, at most 1.5 times as many). As a
     // decode step runs them (benchmarks/tuning/w4a16_layers.cu built with -DCUBLADE_LAYERS_MXFP8: weights of 32
-    // layers replayed from one CUDA graph; us per GEMM at M = 1, fifteenth session, 1 slice (pick_stages) / this):
+    // layers replayed from one CUDA graph; us per GEMM at M = 1, 1 slice (pick_stages) / this):
     // Llama-3-8B qkv 12.80 / 10.60, o 12.18 / 10.18, gate_up 36.58 / 34.87, down 21.85 / 18.71; Llama-70B-like
     // 8192x57344 128.87 / 117.15, 28672x8192 61.57 / 61.09, 8192x8192 21.43 / 21.67; 8192x10240 (320 CTAs, 1.2
     // waves at 2 per SM) 27.78 / 32.59 keeps one slice.
@@ -268,16 +271,17 @@ cudaError_t launch_mxfp8_gemm(const void* x, int64_t M, int64_t K, int64_t x_str
   return lowbit::launch_tpw<Mxfp8Policy<4>>(prm, 1, S, stream);
 }
 
-cudaError_t launch_mxfp8_dequant_packed(const void* packed, int64_t N, int64_t K, void* out, cudaStream_t stream) {
+cudaError_t launch_mxfp8_dequant_packed(const Mxfp8DequantPackedArgs& a, cudaStream_t stream) {
+  const int64_t N = a.N, K = a.K;
   if (N == 0 || K == 0) return cudaSuccess;
-  if (N < 0 || K < 0 || K % 32 != 0 || N > INT32_MAX || K > INT32_MAX - kLowbitChunkK || !is_aligned(packed, 16) ||
+  if (N < 0 || K < 0 || K % 32 != 0 || N > INT32_MAX || K > INT32_MAX - kLowbitChunkK || !is_aligned(a.packed, 16) ||
       ceil_div(N, kLowbitGroupRows) * ceil_div(K, kLowbitChunkK) > INT32_MAX)
     return cudaErrorInvalidValue;
   const int chunks = static_cast<int>(ceil_div(K, kLowbitChunkK));
   const int64_t blocks = ceil_div(N, kLowbitGroupRows) * chunks;
   mxfp8_dequant_packed_kernel<<<static_cast<unsigned>(blocks), kDequantThreads, 0, stream>>>(
-      static_cast<const unsigned char*>(packed), chunks, static_cast<int>(N), static_cast<int>(K),
-      static_cast<__nv_bfloat16*>(out));
+      static_cast<const unsigned char*>(a.packed), chunks, static_cast<int>(N), static_cast<int>(K),
+      static_cast<__nv_bfloat16*>(a.out));
   return cudaGetLastError();
 }
 

@@ -1,5 +1,5 @@
 // Torch wrappers of the MXFP8 weight GEMM and its dequantize: validate the inputs (errors name the op and the bad
-// value, as strings: README.md, "Error messages"), allocate the output, run launch_mxfp8_gemm /
+// value, as strings: docs/kernels.md, "Error messages"), allocate the output, run launch_mxfp8_gemm /
 // launch_mxfp8_dequant_packed (mxfp8_gemm.cu) on the current stream. Compiled by the host C++ compiler.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -10,8 +10,6 @@
 
 namespace cublade {
 namespace {
-
-int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The blob mxfp8_repack makes for (N, K): int32 [ceil(N/64), ceil(K/512), 4, 2048 + 64].
 void check_packed(const char* op, const at::Tensor& packed, int64_t size_n, int64_t K) {
@@ -50,8 +48,12 @@ at::Tensor mxfp8_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
       [&] { return mxfp8_dequant_packed(packed, size_n, K); },
       [&](int64_t M) { return mxfp8_gemm_workspace_bytes(M, K, static_cast<int>(split_k), sm_count(x_in)); },
       [&](const at::Tensor& x, int64_t M, at::Tensor& out, void* workspace) {
-        return launch_mxfp8_gemm(x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), out.data_ptr(), size_n, size_n,
-                                 static_cast<int>(split_k), workspace, sm_count(x_in), current_stream());
+        Mxfp8GemmArgs a;
+        a.x = x.data_ptr(); a.M = M; a.K = K; a.x_stride = x.stride(0);
+        a.packed = packed.data_ptr();
+        a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n;
+        a.split_k = static_cast<int>(split_k); a.workspace = workspace; a.sms = sm_count(x_in);
+        return launch_mxfp8_gemm(a, current_stream());
       });
 }
 
@@ -68,7 +70,9 @@ at::Tensor mxfp8_dequant_packed(const at::Tensor& packed_in, int64_t size_n, int
   const c10::cuda::CUDAGuard guard(packed_in.device());
   const at::Tensor packed = aligned16(packed_in.data_ptr()) ? packed_in : packed_in.clone();
   at::Tensor out = at::empty({size_n, size_k}, packed.options().dtype(at::kBFloat16));
-  check_launch(op, launch_mxfp8_dequant_packed(packed.data_ptr(), size_n, size_k, out.data_ptr(), current_stream()));
+  Mxfp8DequantPackedArgs a;
+  a.packed = packed.data_ptr(); a.N = size_n; a.K = size_k; a.out = out.data_ptr();
+  check_launch(op, launch_mxfp8_dequant_packed(a, current_stream()));
   return out;
 }
 

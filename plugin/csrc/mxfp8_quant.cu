@@ -3,8 +3,8 @@
 //            floor(log2 amax) - 8; clamped to [-127, 127]; all-zero block -127; NaN block code 255),
 //            q = e4m3(x * 2^-e) (exact power-of-two scaling, then RNE + saturation at +-448).
 //   dequant: out = dtype(float(q) * 2^(code - 127)), one rounding (to the output dtype).
-// Layout and the reasons: README.md, "mxfp8_quant / mxfp8_dequant".
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is in mxfp8_quant_torch.cpp
+// Layout and the reasons: docs/kernels.md, "mxfp8_quant / mxfp8_dequant".
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is mxfp8_quant_torch.cpp
 #include "common.cuh"
 
 namespace cublade {
@@ -127,11 +127,13 @@ mx_quant_scalar_kernel(const typename Elem<T>::type* __restrict__ x, int64_t M, 
 }
 
 template <InDtype T, bool kRceil>
-cudaError_t quant_typed(const void* x_, int64_t M, int64_t K, int64_t rs, int64_t cs, uint8_t* q, uint8_t* codes,
-                        cudaStream_t stream) {
+cudaError_t quant_typed(const Mxfp8QuantArgs& a, cudaStream_t stream) {
   using E = typename Elem<T>::type;
   constexpr int N = Elem<T>::kPerVec;
-  const E* x = static_cast<const E*>(x_);
+  const E* x = static_cast<const E*>(a.x);
+  const int64_t M = a.M, K = a.K, rs = a.row_stride, cs = a.col_stride;
+  uint8_t* q = a.q;
+  uint8_t* codes = a.codes;
   const bool fast = cs == 1 && rs % N == 0 && is_aligned(x, 16);
   if (fast) {
     const int64_t nvec_row = K / N, nvec = M * nvec_row;
@@ -216,8 +218,12 @@ mx_dequant_scalar_kernel(const uint8_t* __restrict__ q, int64_t q_rs, int64_t q_
 }
 
 template <OutDtype O>
-cudaError_t dequant_typed(const uint8_t* q, int64_t q_rs, int64_t q_cs, const uint8_t* codes, int64_t c_rs,
-                          int64_t c_cs, int64_t M, int64_t K, void* out, cudaStream_t stream) {
+cudaError_t dequant_typed(const Mxfp8DequantArgs& a, cudaStream_t stream) {
+  const uint8_t* q = a.q;
+  const uint8_t* codes = a.codes;
+  const int64_t q_rs = a.q_row_stride, q_cs = a.q_col_stride, c_rs = a.codes_row_stride, c_cs = a.codes_col_stride;
+  const int64_t M = a.M, K = a.K;
+  void* out = a.out;
   const bool fast = q_cs == 1 && c_cs == 1 && (M == 1 || (q_rs == K && c_rs == K / kMxBlock)) && is_aligned(q, 16);
   if (fast) {
     const int64_t n16 = M * K / 16;
@@ -231,33 +237,31 @@ cudaError_t dequant_typed(const uint8_t* q, int64_t q_rs, int64_t q_cs, const ui
 
 }  // namespace
 
-// x: [M, K] (K % 32 == 0) with strides (rs, cs) in elements; q: contiguous [M, K]; codes: contiguous [M, K/32].
-cudaError_t launch_mxfp8_quant(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t rs, int64_t cs, bool rceil,
-                               uint8_t* q, uint8_t* codes, cudaStream_t stream) {
-  if (M == 0 || K == 0) return cudaSuccess;
-  if (K % kMxBlock != 0) return cudaErrorInvalidValue;
-#define CUBLADE_MX_QUANT(T) \
-  return rceil ? quant_typed<T, true>(x, M, K, rs, cs, q, codes, stream) \
-               : quant_typed<T, false>(x, M, K, rs, cs, q, codes, stream)
-  switch (dtype) {
-    case InDtype::kBF16: CUBLADE_MX_QUANT(InDtype::kBF16);
-    case InDtype::kF16: CUBLADE_MX_QUANT(InDtype::kF16);
-    case InDtype::kF32: CUBLADE_MX_QUANT(InDtype::kF32);
+// x: [M, K] (K % 32 == 0) with strides (row_stride, col_stride) in elements; q: contiguous [M, K]; codes:
+// contiguous [M, K/32].
+cudaError_t launch_mxfp8_quant(const Mxfp8QuantArgs& a, cudaStream_t stream) {
+  if (a.M == 0 || a.K == 0) return cudaSuccess;
+  if (a.K % kMxBlock != 0) return cudaErrorInvalidValue;
+  switch (a.dtype) {
+    case InDtype::kBF16:
+      return a.rceil ? quant_typed<InDtype::kBF16, true>(a, stream) : quant_typed<InDtype::kBF16, false>(a, stream);
+    case InDtype::kF16:
+      return a.rceil ? quant_typed<InDtype::kF16, true>(a, stream) : quant_typed<InDtype::kF16, false>(a, stream);
+    case InDtype::kF32:
+      return a.rceil ? quant_typed<InDtype::kF32, true>(a, stream) : quant_typed<InDtype::kF32, false>(a, stream);
   }
-#undef CUBLADE_MX_QUANT
   return cudaErrorInvalidValue;
 }
 
-// q: [M, K] e4m3 bytes with strides (q_rs, q_cs); codes: [M, K/32] with strides (c_rs, c_cs); out: contiguous
-// [M, K] of out_dtype (0 bf16, 1 fp16, 2 fp32).
-cudaError_t launch_mxfp8_dequant(const uint8_t* q, int64_t q_rs, int64_t q_cs, const uint8_t* codes, int64_t c_rs,
-                                 int64_t c_cs, int64_t M, int64_t K, int out_dtype, void* out, cudaStream_t stream) {
-  if (M == 0 || K == 0) return cudaSuccess;
-  if (K % kMxBlock != 0) return cudaErrorInvalidValue;
-  switch (static_cast<OutDtype>(out_dtype)) {
-    case OutDtype::kBF16: return dequant_typed<OutDtype::kBF16>(q, q_rs, q_cs, codes, c_rs, c_cs, M, K, out, stream);
-    case OutDtype::kF16: return dequant_typed<OutDtype::kF16>(q, q_rs, q_cs, codes, c_rs, c_cs, M, K, out, stream);
-    case OutDtype::kF32: return dequant_typed<OutDtype::kF32>(q, q_rs, q_cs, codes, c_rs, c_cs, M, K, out, stream);
+// q: [M, K] e4m3 bytes with strides (q_row_stride, q_col_stride); codes: [M, K/32] with strides
+// (codes_row_stride, codes_col_stride); out: contiguous [M, K] of out_dtype (0 bf16, 1 fp16, 2 fp32).
+cudaError_t launch_mxfp8_dequant(const Mxfp8DequantArgs& a, cudaStream_t stream) {
+  if (a.M == 0 || a.K == 0) return cudaSuccess;
+  if (a.K % kMxBlock != 0) return cudaErrorInvalidValue;
+  switch (static_cast<OutDtype>(a.out_dtype)) {
+    case OutDtype::kBF16: return dequant_typed<OutDtype::kBF16>(a, stream);
+    case OutDtype::kF16: return dequant_typed<OutDtype::kF16>(a, stream);
+    case OutDtype::kF32: return dequant_typed<OutDtype::kF32>(a, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -1,6 +1,6 @@
 // Torch wrapper of MXFP8 quant and dequant: validates the inputs (errors name the op and the
 // bad value), allocates the outputs, runs the framework-free launcher from mxfp8_quant.cu on the current
-// stream. Compiled by the host C++ compiler (README.md, "Why the wrappers are .cpp").
+// stream. Compiled by the host C++ compiler (docs/kernels.md, "File convention").
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -27,9 +27,12 @@ std::tuple<at::Tensor, at::Tensor> mxfp8_quant(const at::Tensor& x_in, bool rcei
   at::Tensor codes = at::empty(cshape, x_in.options().dtype(at::kByte));
   if (x_in.numel() == 0) return {q, codes};
   const at::Tensor x = as_2d(x_in);
-  check_launch(op, launch_mxfp8_quant(x.data_ptr(), in_dt, x.size(0), K, x.stride(0), x.stride(1), rceil,
-                                      static_cast<uint8_t*>(q.data_ptr()), codes.data_ptr<uint8_t>(),
-                                      current_stream()));
+  Mxfp8QuantArgs a;
+  a.x = x.data_ptr(); a.dtype = in_dt;
+  a.M = x.size(0); a.K = K; a.row_stride = x.stride(0); a.col_stride = x.stride(1);
+  a.rceil = rceil;
+  a.q = static_cast<uint8_t*>(q.data_ptr()); a.codes = codes.data_ptr<uint8_t>();
+  check_launch(op, launch_mxfp8_quant(a, current_stream()));
   return {q, codes};
 }
 
@@ -60,9 +63,12 @@ at::Tensor mxfp8_dequant(const at::Tensor& q_in, const at::Tensor& codes_in, at:
   at::Tensor out = at::empty(q_in.sizes(), q_in.options().dtype(dtype));
   if (q_in.numel() == 0) return out;
   const at::Tensor q = as_2d(q_in), codes = as_2d(codes_in);
-  check_launch(op, launch_mxfp8_dequant(static_cast<const uint8_t*>(q.data_ptr()), q.stride(0), q.stride(1),
-                                        codes.data_ptr<uint8_t>(), codes.stride(0), codes.stride(1), q.size(0), K,
-                                        out_dt, out.data_ptr(), current_stream()));
+  Mxfp8DequantArgs a;
+  a.q = static_cast<const uint8_t*>(q.data_ptr()); a.q_row_stride = q.stride(0); a.q_col_stride = q.stride(1);
+  a.codes = codes.data_ptr<uint8_t>(); a.codes_row_stride = codes.stride(0); a.codes_col_stride = codes.stride(1);
+  a.M = q.size(0); a.K = K;
+  a.out_dtype = out_dt; a.out = out.data_ptr();
+  check_launch(op, launch_mxfp8_dequant(a, current_stream()));
   return out;
 }
 

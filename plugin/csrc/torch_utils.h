@@ -1,9 +1,13 @@
 // Host helpers for the torch wrappers (plugin/csrc/<op>_torch.cpp, compiled by the host C++ compiler, not
-// nvcc: see README.md, "File convention"). Input checks raise ValueError / NotImplementedError in Python with the
+// nvcc: see docs/kernels.md, "File convention"). Input checks raise ValueError / NotImplementedError in Python with the
 // op's name first. Messages pass numbers, shapes, devices and dtypes as strings made by num/shape/dev/dt below,
 // never as integers or c10::ArrayRef: streaming an integer into the message's std::ostringstream from this
-// extension crashed (SIGSEGV) on the H200 image (README.md).
+// extension crashed (SIGSEGV) on the H200 image (docs/kernels.md, "Error messages").
 #pragma once
+
+#ifdef CUBLADE_KERNELS_ONLY
+#error "torch_utils.h is for the torch wrappers (<op>_torch.cpp); a CUBLADE_KERNELS_ONLY file stays framework-free"
+#endif
 
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -31,6 +35,8 @@ inline std::string dev(const c10::Device& d) { return d.str(); }
 inline const char* dt(c10::ScalarType t) { return c10::toString(t); }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // A 2-D tensor whose rows the kernels can read in 16-byte vectors or bulk copies: unit column stride, rows 16 bytes
 // apart and 16-byte aligned. `x` itself when it already is; else a contiguous copy (cloned again if the copy's

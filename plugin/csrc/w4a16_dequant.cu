@@ -3,7 +3,7 @@
 // product is exact in fp32 (|u - z| <= 15 times an 8-bit bf16 significand, subnormals included), so the result
 // is bit for bit the reference's: cublade.ops.w4a16_gemm.w4a16_dequant_repacked(...).to(dtype). For large M
 // the vLLM method dequantizes once and calls cuBLAS, which beats re-reading the weights per 32-token pass of
-// w4a16_gemm (README.md, "w4a16_gemm", "Large M").
+// w4a16_gemm (docs/kernels.md, "w4a16_gemm", "Large M").
 //
 // The blob (documented in w4a16_gemm.cu and plugin/ops/w4a16_gemm.py): int32 [ceil(N/64), ceil(K/512), 4 tiles,
 // 1024 + record words]; per tile block 8 packets x 32 lanes x 4 words (16 bytes), then the chunk's scale
@@ -12,7 +12,7 @@
 // j = 0, 4, 2, 6; row g+8 in j = 1, 5, 3, 7. So words 0, 1 hold 8 consecutive K (8t .. 8t+7 of the packet's
 // first 32) of both rows, words 2, 3 the same 8 of its second 32: each lane writes four 16-byte vectors per
 // packet, and in each store instruction the 4 lanes of a row (t = 0..3) cover 64 contiguous bytes.
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is w4a16_gemm_torch.cpp
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is w4a16_dequant_torch.cpp
 #include "common.cuh"
 #include "w4a16_gemm.h"
 
@@ -104,26 +104,23 @@ w4a16_dequant_kernel(const uint32_t* __restrict__ packed, int chunks, int N, int
 }
 
 template <typename T, int GS, bool ASYM>
-cudaError_t launch_typed(const void* packed, int64_t N, int64_t K, void* out, cudaStream_t stream) {
-  const int chunks = static_cast<int>(ceil_div(K, kLowbitChunkK));
-  const int64_t blocks = ceil_div(N, kLowbitGroupRows) * chunks;
+cudaError_t launch_typed(const W4a16DequantArgs& a, cudaStream_t stream) {
+  const int chunks = static_cast<int>(ceil_div(a.K, kLowbitChunkK));
+  const int64_t blocks = ceil_div(a.N, kLowbitGroupRows) * chunks;
   w4a16_dequant_kernel<T, GS, ASYM><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<const uint32_t*>(packed), chunks, static_cast<int>(N), static_cast<int>(K), static_cast<T*>(out));
+      static_cast<const uint32_t*>(a.packed), chunks, static_cast<int>(a.N), static_cast<int>(a.K),
+      static_cast<T*>(a.out));
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launch_dtype(const void* packed, int group_size, bool asym, int64_t N, int64_t K, void* out,
-                         cudaStream_t stream) {
-  switch (group_size) {
-    case 32: return asym ? launch_typed<T, 32, true>(packed, N, K, out, stream)
-                         : launch_typed<T, 32, false>(packed, N, K, out, stream);
-    case 64: return asym ? launch_typed<T, 64, true>(packed, N, K, out, stream)
-                         : launch_typed<T, 64, false>(packed, N, K, out, stream);
-    case 128: return asym ? launch_typed<T, 128, true>(packed, N, K, out, stream)
-                          : launch_typed<T, 128, false>(packed, N, K, out, stream);
-    case -1: return asym ? launch_typed<T, 0, true>(packed, N, K, out, stream)
-                         : launch_typed<T, 0, false>(packed, N, K, out, stream);
+cudaError_t launch_dtype(const W4a16DequantArgs& a, cudaStream_t stream) {
+  const bool asym = a.asym;
+  switch (a.group_size) {
+    case 32: return asym ? launch_typed<T, 32, true>(a, stream) : launch_typed<T, 32, false>(a, stream);
+    case 64: return asym ? launch_typed<T, 64, true>(a, stream) : launch_typed<T, 64, false>(a, stream);
+    case 128: return asym ? launch_typed<T, 128, true>(a, stream) : launch_typed<T, 128, false>(a, stream);
+    case -1: return asym ? launch_typed<T, 0, true>(a, stream) : launch_typed<T, 0, false>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -132,15 +129,15 @@ cudaError_t launch_dtype(const void* packed, int group_size, bool asym, int64_t 
 
 // packed: the int4 blob [ceil(N/64), ceil(K/512), 4, 1024 + w4a16_gemm_sbytes/4] (16-byte aligned); out:
 // contiguous [N, K] of out_dtype (bf16 or fp16). K % 8 == 0 (and K % group_size == 0, as the repack requires).
-cudaError_t launch_w4a16_dequant(const void* packed, int group_size, bool asym, int64_t N, int64_t K,
-                                 InDtype out_dtype, void* out, cudaStream_t stream) {
+cudaError_t launch_w4a16_dequant(const W4a16DequantArgs& a, cudaStream_t stream) {
+  const int64_t N = a.N, K = a.K;
   if (N == 0 || K == 0) return cudaSuccess;
-  if (N < 0 || K < 0 || K % 8 != 0 || N > INT32_MAX || K > INT32_MAX - kLowbitChunkK || !is_aligned(packed, 16) ||
+  if (N < 0 || K < 0 || K % 8 != 0 || N > INT32_MAX || K > INT32_MAX - kLowbitChunkK || !is_aligned(a.packed, 16) ||
       ceil_div(N, kLowbitGroupRows) * ceil_div(K, kLowbitChunkK) > INT32_MAX)
     return cudaErrorInvalidValue;
-  switch (out_dtype) {
-    case InDtype::kBF16: return launch_dtype<__nv_bfloat16>(packed, group_size, asym, N, K, out, stream);
-    case InDtype::kF16: return launch_dtype<__half>(packed, group_size, asym, N, K, out, stream);
+  switch (a.out_dtype) {
+    case InDtype::kBF16: return launch_dtype<__nv_bfloat16>(a, stream);
+    case InDtype::kF16: return launch_dtype<__half>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -2,7 +2,7 @@
 // (and, asymmetric, one zero point) per group of 32/64/128 K or per output channel. Numerics: the
 // reference's w = (u - z) * s in fp32, summed in fp32 (cublade.ops.w4a16_gemm.w4a16_gemm_ref).
 //
-// Layout and the reasons: README.md, "w4a16_gemm"; the repacked tensors: w4a16_gemm.cuh and
+// Layout and the reasons: docs/kernels.md, "w4a16_gemm"; the repacked tensors: w4a16_gemm.cuh and
 // plugin/ops/w4a16_gemm.py (w4a16_repack).
 //   packed  int32 [ceil(N/64), ceil(K/512), 4 tiles, 1024 + sbytes/4]: per tile block, 8 packets x 32 lanes x 4
 //           words, then the chunk's scale records. Nibble u of lane (g, t), k-step s, in word s at bits 4j:
@@ -10,7 +10,7 @@
 //           7 (g+8, K0+3), so that one mask+OR per pair gives the fragment register order.
 //           Scale records: [512/G groups][8 g] x (s[row g], s[row g+8]) bf16, asymmetric (s[g], s[g+8], z[g],
 //           z[g+8]) (z exact in bf16); per channel: one group, repeated in every chunk.
-#define CUBLADE_KERNELS_ONLY  // the torch wrapper is w4a16_gemm_torch.cpp
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is w4a16_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
 #include "wide_gemm.cuh"
 #include "w4a16_gemm.h"
@@ -100,7 +100,7 @@ __device__ __forceinline__ void unpack_rec(const Rec& r, float& s_lo, float& s_h
 // group's end acc += part * scale, in fp32, so the weights are never rounded. A K slice starts on a group
 // boundary for every GS, so which packet starts / ends a group is known at compile time. (Summing alternate
 // k-steps into two partial sums, two independent mma chains at NT = 1, did not change M = 1 on the H200: 43.95 us
-// either way, benchmarks/runs/2026-11-22-1723-*; the consumers' latency is not what limits M = 1.)
+// either way; the consumers' latency is not what limits M = 1.)
 template <typename T_, int NT_, int GS, bool ASYM>
 struct Int4Policy {
   using T = T_;
@@ -185,29 +185,28 @@ struct Int4Policy {
 // group's fp32 scales fold it into acc (Scaling::kFoldPerBatch), as the streaming kernel does, so the weights are
 // never rounded; per-channel scales multiply the outputs once (kPerChannel).
 //
-// Measured on the H200 (benchmarks/tuning/w4a16_wide.cu, 2026-11-22, us after do_bench's flush, prep included,
-// streaming kernel / wide): 8192x28672 M = 16 59.2 / 62.2, M = 24 80.4 / 66.5, M = 32 88.7 / 67.1, M = 64 168.2 /
-// 84.2; 8192x10240 M = 16 27.1 / 34.3, M = 24 42.4 / 36.8. So it takes M > 16, and 9-16 rows in 16-token passes
-// on large weights (kSmallPassMinWeights, eighth session). Keeping batch i+1's mma's in flight
-// while batch i is folded did not gain at 2 warpgroups (pairs of batches, M = 24-64: -0.8 to +2.5 us), and ptxas
-// serializes the fully pipelined form at group size 128 (C7514: it will not let acc be read while another batch's
-// mma's run).
+// Measured on the H200 (benchmarks/tuning/w4a16_wide.cu, us after do_bench's flush, prep included, streaming kernel /
+// wide): 8192x28672 M = 16 59.2 / 62.2, M = 24 80.4 / 66.5, M = 32 88.7 / 67.1, M = 64 168.2 / 84.2; 8192x10240 M = 16
+// 27.1 / 34.3, M = 24 42.4 / 36.8. So it takes M > 16, and 9-16 rows in 16-token passes on large weights
+// (kSmallPassMinWeights). Keeping batch i+1's mma's in flight while batch i is folded did not gain at 2 warpgroups
+// (pairs of batches, M = 24-64: -0.8 to +2.5 us), and ptxas serializes the fully pipelined form at group size 128
+// (C7514: it will not let acc be read while another batch's mma's run).
 namespace wide {
 
 constexpr int kMinRows = 17;       // from this many rows the wide kernel, on every shape
 constexpr int kMinSmallRows = 9;   // from this many on large weights (kSmallPassMinWeights)
 
 // Passes of 9-16 rows (16 tokens) run the wide kernel when the weight has at least this many elements (96 Mi: 48
-// MiB of int4). Measured (w4a16_wide.cu, 2026-11-22 eighth session, M = 16, us, prep included, streaming kernel /
-// wide): 8192x28672 59.4 / 47.6, 28672x8192 53.6 / 50.5, but 8192x10240 26.8 / 29.5 and 4096x14336 20.2 / 21.4 (the
-// wide kernel's fixed costs, the x prep and the pipeline's fill, weigh more on a shorter call). At 1-8 rows the
-// streaming kernel was faster on all four (8192x28672 M = 8: 43.4 against 46.6 with 8 tokens per pass). The
-// threshold was 2^27 until the fifteenth session timed Llama-3-8B's gate_up (4096x28672, 1.17e8 elements) as a
-// decode step runs it (benchmarks/tuning/w4a16_layers.cu, CUDA graph, us at M = 9 / 12 / 16): streaming 30.12 /
-// 30.54 / 30.93, wide 24.68 / 24.79 / 24.95; the same run kept the smaller ones on the streaming kernel (M = 16:
-// 8192x10240, 8.4e7 elements, 22.88 / 25.01; 4096x14336 16.61 / 17.05; Llama-3-8B qkv, o, down 10.77 / 14.09,
-// 8.41 / 12.32, 19.63 / 22.34). On an H100 (sixteenth session, bench_w4a16_gemm.py, one launch after an L2 clear,
-// us at M = 9 / 12 / 16) gate_up's op took 34.9 / 35.2 / 35.3 against the streaming kernel's 36.4 / 35.6 / 35.6.
+// MiB of int4). Measured (w4a16_wide.cu, M = 16, us, prep included, streaming kernel / wide): 8192x28672 59.4 /
+// 47.6, 28672x8192 53.6 / 50.5, but 8192x10240 26.8 / 29.5 and 4096x14336 20.2 / 21.4 (the wide kernel's fixed
+// costs, the x prep and the pipeline's fill, weigh more on a shorter call). At 1-8 rows the streaming kernel was
+// faster on all four (8192x28672 M = 8: 43.4 against 46.6 with 8 tokens per pass). The threshold sits below
+// Llama-3-8B's gate_up (4096x28672, 1.17e8 elements; 2^27 would leave it on the streaming kernel), timed as a decode
+// step runs it (benchmarks/tuning/w4a16_layers.cu, CUDA graph, us at M = 9 / 12 / 16): streaming 30.12 / 30.54 /
+// 30.93, wide 24.68 / 24.79 / 24.95; the same run kept the smaller ones on the streaming kernel (M = 16: 8192x10240,
+// 8.4e7 elements, 22.88 / 25.01; 4096x14336 16.61 / 17.05; Llama-3-8B qkv, o, down 10.77 / 14.09, 8.41 / 12.32,
+// 19.63 / 22.34). On an H100 (benchmarks/bench_w4a16_gemm.py, one launch after an L2 clear, us at M = 9 / 12 / 16)
+// gate_up's op took 34.9 / 35.2 / 35.3 against the streaming kernel's 36.4 / 35.6 / 35.6.
 constexpr int64_t kSmallPassMinWeights = int64_t(96) << 20;
 
 // Rows of the next wide pass when `left` rows remain (0: the streaming kernel takes them).
@@ -244,12 +243,11 @@ struct Int4Batch {
 };
 
 // The int4 configuration for NTOK tokens per pass; run(PassConfig<...>{}) launches it. 96 and 128 tokens at 2
-// warpgroups with half-chunk stages (3 stages of 66 KB / 2 of 82 KB). Measured (int4, w4a16_wide.cu,
-// 2026-11-22 seventh session, us with PDL): M = 128 on 8192x28672 / 4096x14336 / 28672x8192 / 8192x10240 125.8 /
-// 38.4 / 114.9 / 65.3 in one pass of 128, against 162.8 / 55.1 / 146.8 / 86.9 in two of 64 (no PDL). Four warpgroups
-// (`four`) only up to 32 tokens: at 48-64 they won only on 8192x28672 (seventh session: 77.9 against 79.8 us), and
-// since stream-K (thirteenth session, raw benchmarks/runs/2026-11-23-0826-*) two warpgroups with stream-K run there
-// 64.4 / 69.7 us at 48 / 64 against four's 71.6 / 79.7; at 32 tokens four (split-K) still win, 53.8 against 58.3.
+// warpgroups with half-chunk stages (3 stages of 66 KB / 2 of 82 KB). Measured (int4, w4a16_wide.cu, us with PDL):
+// M = 128 on 8192x28672 / 4096x14336 / 28672x8192 / 8192x10240 125.8 / 38.4 / 114.9 / 65.3 in one pass of 128,
+// against 162.8 / 55.1 / 146.8 / 86.9 in two of 64 (no PDL). Four warpgroups (`four`) only up to 32 tokens: at 48-64
+// they won only on 8192x28672 and only against split-K (77.9 against 79.8 us); two warpgroups with stream-K run there
+// 64.4 / 69.7 us at 48 / 64 against four's 71.6 / 79.7. At 32 tokens four (split-K) still win, 53.8 against 58.3.
 template <typename Run>
 cudaError_t with_config(int ntok_, bool four, Run&& run) {
   switch (ntok_) {
@@ -335,16 +333,15 @@ cudaError_t launch_dtype(const lowbit::GemmParams& prm, int group_size, bool asy
 
 }  // namespace
 
-// Scale-record bytes per tile block (the repacked layout's last dim is 1024 + this / 4 int32 words).
-int w4a16_gemm_sbytes(int group_size, bool asym) {
-  switch (group_size) {
-    case 32: return asym ? int4_sbytes<32, true>() : int4_sbytes<32, false>();
-    case 64: return asym ? int4_sbytes<64, true>() : int4_sbytes<64, false>();
-    case 128: return asym ? int4_sbytes<128, true>() : int4_sbytes<128, false>();
-    case -1: return asym ? int4_sbytes<0, true>() : int4_sbytes<0, false>();
-    default: return -1;
-  }
-}
+static_assert(w4a16_gemm_sbytes(32, false) == int4_sbytes<32, false>() &&
+                  w4a16_gemm_sbytes(32, true) == int4_sbytes<32, true>() &&
+                  w4a16_gemm_sbytes(64, false) == int4_sbytes<64, false>() &&
+                  w4a16_gemm_sbytes(64, true) == int4_sbytes<64, true>() &&
+                  w4a16_gemm_sbytes(128, false) == int4_sbytes<128, false>() &&
+                  w4a16_gemm_sbytes(128, true) == int4_sbytes<128, true>() &&
+                  w4a16_gemm_sbytes(-1, false) == int4_sbytes<0, false>() &&
+                  w4a16_gemm_sbytes(-1, true) == int4_sbytes<0, true>(),
+              "w4a16_gemm.h's w4a16_gemm_sbytes disagrees with Int4Policy's records");
 
 // Workspace bytes launch_w4a16_gemm needs (0: none): the wide kernel's prepped x, one pass of up to 128 rows.
 size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k, int sms) {
@@ -359,17 +356,16 @@ inline int w4a16_stream_split(int64_t groups, int chunks, int64_t M, int sms) {
   return lowbit::pick_split(groups, chunks, sms, M <= 16 ? 4 : 8);
 }
 
-// Small grids: when the streaming kernel's grid (tile groups x splits) has at most 2 CTAs per SM, up to 16 rows, a
-// ring of 3 stages instead of pick_stages' 2, and up to 8 rows two K slices per chunk (8 consumer warps instead of
-// 4). At most 2 CTAs share an SM there, so the deeper ring costs no CTAs, and the consumers, not the copies, set the
-// pace. Measured as a decode step runs the GEMMs (benchmarks/tuning/w4a16_layers.cu: 32 layers' weights replayed
-// from one CUDA graph, each GEMM after a kernel that writes its x; us per GEMM, fifteenth session, 2 stages and 1
-// slice / this): M = 1 Llama-3-8B o (4096x4096) 6.91 / 6.31, down (14336x4096) 16.15 / 13.25, qkv (4096x6144)
-// 8.26 / 8.15; Llama-70B-like 28672x8192 37.04 / 35.62, 8192x8192 13.23 / 13.14. M = 16 (3 stages): down 19.81 /
-// 19.40, o 8.49 / 8.36, qkv and 8192x8192 within 0.2% (weights of 2^27 elements or more take the wide kernel
-// there). Larger grids lost with them (8192x10240, 2.4 CTAs per SM at M = 1: 16.60 / 17.67; gate_up 4096x28672,
-// 3.4: 20.97 / 23.48): pick_stages' choice.
-// Per-channel scales keep one slice (their two-slice kernels spilled 4-8 bytes; not measured).
+// Small grids: when the streaming kernel's grid (tile groups x splits) has at most 2 CTAs per SM, up to 16 rows, a ring
+// of 3 stages instead of pick_stages' 2, and up to 8 rows two K slices per chunk (8 consumer warps instead of 4). At
+// most 2 CTAs share an SM there, so the deeper ring costs no CTAs, and the consumers, not the copies, set the pace.
+// Measured as a decode step runs the GEMMs (benchmarks/tuning/w4a16_layers.cu: 32 layers' weights replayed from one
+// CUDA graph, each GEMM after a kernel that writes its x; us per GEMM, 2 stages and 1 slice / this): M = 1 Llama-3-8B o
+// (4096x4096) 6.91 / 6.31, down (14336x4096) 16.15 / 13.25, qkv (4096x6144) 8.26 / 8.15; Llama-70B-like 28672x8192
+// 37.04 / 35.62, 8192x8192 13.23 / 13.14. M = 16 (3 stages): down 19.81 / 19.40, o 8.49 / 8.36, qkv and 8192x8192
+// within 0.2% (weights of 2^27 elements or more take the wide kernel there). Larger grids lost with them (8192x10240,
+// 2.4 CTAs per SM at M = 1: 16.60 / 17.67; gate_up 4096x28672, 3.4: 20.97 / 23.48): pick_stages' choice. Per-channel
+// scales keep one slice (their two-slice kernels spilled 4-8 bytes; not measured).
 inline void w4a16_small_grid(lowbit::GemmParams& prm, int S, int group_size) {
   if (prm.M > 16 || static_cast<int64_t>(prm.groups) * S > 2 * static_cast<int64_t>(prm.sms)) return;
   prm.stages = 3;
@@ -380,9 +376,16 @@ inline void w4a16_small_grid(lowbit::GemmParams& prm, int S, int group_size) {
 // repacked blob above; out: [M, N] with row stride out_stride. split_k: K splits per cluster (0 = pick; >= 1
 // forces the streaming kernel). workspace: w4a16_gemm_workspace_bytes(...) bytes, 16-byte aligned, or null when
 // that is 0. sms: the multiprocessor count.
-cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t x_stride,
-                              const void* packed, int group_size, bool asym, void* out, int64_t out_stride,
-                              int64_t N, int split_k, void* workspace, int sms, cudaStream_t stream) {
+cudaError_t launch_w4a16_gemm(const W4a16GemmArgs& a, cudaStream_t stream) {
+  const InDtype dtype = a.dtype;
+  const int64_t K = a.K, N = a.N, x_stride = a.x_stride, out_stride = a.out_stride;
+  const void* packed = a.packed;
+  const int group_size = a.group_size, split_k = a.split_k, sms = a.sms;
+  const bool asym = a.asym;
+  void* workspace = a.workspace;
+  const void* x = a.x;  // x, out and M move past the wide kernel's passes
+  void* out = a.out;
+  int64_t M = a.M;
   if (M == 0 || N == 0) return cudaSuccess;
   if (dtype != InDtype::kBF16 && dtype != InDtype::kF16) return cudaErrorInvalidValue;
   const int esize = 2;

@@ -25,11 +25,11 @@
 //   * consumers wait on a stage's "full" barrier, read their 16 bytes per packet from shared memory,
 //     dequantize in registers, issue the mma's, and arrive on the stage's "empty" barrier; the producer
 //     refills a stage once all consumers released it.
-// Why (measured on the H200, see README.md): per-lane loads (LDG or cp.async) keep every request in the
-// L1TEX pipeline, whose outstanding-request budget capped a first version at ~2.3 TB/s; bulk copies move
-// kilobytes per request outside it, but each copy has a fixed cost, so the layout makes them few and large
-// (2 KB copies: 52 us at 8192x28672, 4 KB: 44 us, one 17 KB copy per stage: this version). Weights are
-// loaded evict-first in L2 (read once; they should not push out the activations or a model's KV cache).
+// Why (measured on the H200, docs/kernels.md, "w4a16_gemm"): per-lane loads (LDG or cp.async) keep every request in the
+// L1TEX pipeline, whose outstanding-request budget capped them at ~2.3 TB/s; bulk copies move kilobytes per request
+// outside it, but each copy has a fixed cost, so the layout makes them few and large (2 KB copies: 52 us at 8192x28672,
+// 4 KB: 44 us, one 17 KB copy per stage: this layout). Weights are loaded evict-first in L2 (read once; they should not
+// push out the activations or a model's KV cache).
 #pragma once
 
 #include "common.cuh"
@@ -594,7 +594,7 @@ constexpr int token_tiles(int rows) { return rows <= 8 ? 1 : rows <= 16 ? 2 : 4;
 // Tiles per consumer warp for NT n-tiles of tokens. More tiles per warp divide the shared-memory reads of x by TPW
 // and give each warp TPW independent mma chains, at the cost of registers (TPW x the accumulators) and one
 // reduction through shared memory per token pass. Measured on the H200 (benchmarks/tuning/w4a16_occupancy.cu,
-// 2026-11-22, us after do_bench's flush, best splits/stages of each): 8192x28672 M = 1: 44.0 (1 tile per warp)
+// us after do_bench's flush, best splits/stages of each): 8192x28672 M = 1: 44.0 (1 tile per warp)
 // vs 46.2 (2); M = 16: 63.5 vs 58.0; M = 32: 104.9 vs 95.3; M = 64: 195.8 vs 178.3. Four tiles per warp lost
 // everywhere (one CTA per SM at NT = 4).
 constexpr int default_tpw(int nt) { return nt == 1 ? 1 : 2; }
@@ -621,16 +621,16 @@ cudaError_t launch_tpw(GemmParams prm, int E, int S, cudaStream_t stream) {
 }
 
 // K splits (cluster size): more CTAs per SM means more consumer warps, which is what this kernel needs, but each
-// split's ring fills and drains on its own, so a split must keep at least 8 chunks (4096 K). Rule: double the
-// splits while the grid has fewer than 1.5 CTAs per SM and the chunks allow it. Measured on the H200 (occupancy
-// sweep, 2026-11-22, us after do_bench's flush, 1 / 2 splits at M = 1 / 16 / 32): K 28672 x N 8192 (128 groups,
-// 56 chunks) 52.2 / 42.2, 68.9 / 52.4, 113.2 / 79.7; 8192x10240 (160, 16) 25.1 / 21.1, 31.1 / 26.5, 46.7 / 47.3;
-// 4096x14336 (224, 8) 16.3 / 17.5; 8192x28672 (448, 16) 42.5 / 45.4, 58.5 / 55.8, 89.6 / 93.1.
-// `few_ctas_chunks`: the chunks a split must keep when the doubled grid still has at most 1.5 CTAs per SM. The int4
-// op passes 4 up to 16 rows. On Llama-3-8B's small layers (fourteenth session, w4a16_occupancy, us after a 256 MB
-// read, 1 split / 2 splits at 2 stages, M = 1 / 4 / 16): K 4096 x N 4096 (64 groups, 8 chunks) 12.2 / 10.0,
-// 12.2 / 10.1, 14.6 / 11.6; 4096x6144 (96 groups) 12.6 / 11.4, 12.5 / 11.6, 14.9 / 13.9. 14336x4096 (64 groups, 28
-// chunks) keeps its 2 splits: 4 won by 5-7% at M = 1-4 but lost 4% at 16.
+// split's ring fills and drains on its own, so a split must keep at least 8 chunks (4096 K). Rule: double the splits
+// while the grid has fewer than 1.5 CTAs per SM and the chunks allow it. Measured on the H200
+// (benchmarks/tuning/w4a16_occupancy.cu, us after do_bench's flush, 1 / 2 splits at M = 1 / 16 / 32): K 28672 x N 8192
+// (128 groups, 56 chunks) 52.2 / 42.2, 68.9 / 52.4, 113.2 / 79.7; 8192x10240 (160, 16) 25.1 / 21.1, 31.1 / 26.5, 46.7 /
+// 47.3; 4096x14336 (224, 8) 16.3 / 17.5; 8192x28672 (448, 16) 42.5 / 45.4, 58.5 / 55.8, 89.6 / 93.1.
+// `few_ctas_chunks`: the chunks a split must keep when the doubled grid still has at most 1.5 CTAs per SM. The int4 op
+// passes 4 up to 16 rows. On Llama-3-8B's small layers (w4a16_occupancy.cu, us after a 256 MB read, 1 split / 2 splits
+// at 2 stages, M = 1 / 4 / 16): K 4096 x N 4096 (64 groups, 8 chunks) 12.2 / 10.0, 12.2 / 10.1, 14.6 / 11.6; 4096x6144
+// (96 groups) 12.6 / 11.4, 12.5 / 11.6, 14.9 / 13.9. 14336x4096 (64 groups, 28 chunks) keeps its 2 splits: 4 won by
+// 5-7% at M = 1-4 but lost 4% at 16.
 inline int pick_split(int64_t ctas, int chunks, int sms, int few_ctas_chunks = 8) {
   int S = 1;
   while (S < kMaxSplit && 2 * ctas * S < 3 * static_cast<int64_t>(sms)) {

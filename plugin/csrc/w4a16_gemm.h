@@ -18,8 +18,15 @@ constexpr int kLowbitChunkK = 512;
 constexpr int kLowbitTileWords = 1024;
 constexpr int kLowbitMaxSplit = 8;  // K splits per thread-block cluster
 
-// Scale-record bytes per int4 tile block for a group size (32, 64, 128, -1) and symmetry; -1 for others.
-int w4a16_gemm_sbytes(int group_size, bool asym);
+// Scale-record bytes per int4 tile block for a group size (32, 64, 128, -1: per channel) and symmetry; -1 for others
+// (the repacked layout's last dim is 1024 + this / 4 int32 words). Per group of the chunk's 512 K (one per channel),
+// 8 records of bf16 (s[g], s[g+8]), asymmetric (s[g], s[g+8], z[g], z[g+8]); w4a16_gemm.cu checks it against the
+// kernels' Int4Policy.
+constexpr int w4a16_gemm_sbytes(int group_size, bool asym) {
+  return group_size == 32 || group_size == 64 || group_size == 128 || group_size == -1
+             ? kLowbitChunkK / (group_size == -1 ? kLowbitChunkK : group_size) * 8 * (asym ? 8 : 4)
+             : -1;
+}
 
 // Group sizes the wide (wgmma) kernel takes: 128 and -1 (per channel).
 constexpr bool w4a16_gemm_wide_takes(int64_t group_size) { return group_size == 128 || group_size == -1; }
@@ -30,12 +37,11 @@ constexpr int64_t kLargeWeightElements = int64_t(1) << 27;
 // Rows from which the torch ops run their prefill path (the weight dequantized to x's dtype, then one cuBLAS GEMM)
 // instead of their kernels, which take any rows (the wide kernel in passes of 128). The prefill path pays for the
 // dequant once; the kernels' passes each re-read the weight. Measured with the wide kernel's stream-K schedule
-// (benchmarks/tuning/prefill_switch.py, thirteenth session, raw benchmarks/runs/2026-11-23-0857-*; kernels' time /
-// the prefill path's): int4 g128 on 8192x28672 and 28672x8192 0.77-0.84 at 320-384 rows, 0.95 at 512, 0.97-1.04 at
-// 640, 1.02-1.03 at 768; on 4096x14336 and 8192x10240 0.74-0.90 at 320, 0.94-0.97 at 384, 0.89-1.03 at 448,
-// 1.03-1.10 at 512. MXFP8 on the large two 0.87-0.92 at 320-384, 0.68-0.98 at 448, 1.06-1.07 at 512; on the small two
-// 0.77-0.97 at 320, 0.99-1.03 at 384, 1.09-1.18 at 512. (cuBLAS is uneven between sizes: the prefill path took 762
-// us at 448 rows on 8192x28672 against 513 at 512.) Before, both switched at 320 (the wide kernel without stream-K).
+// (benchmarks/tuning/prefill_switch.py; kernels' time / the prefill path's): int4 g128 on 8192x28672 and 28672x8192
+// 0.77-0.84 at 320-384 rows, 0.95 at 512, 0.97-1.04 at 640, 1.02-1.03 at 768; on 4096x14336 and 8192x10240 0.74-0.90 at
+// 320, 0.94-0.97 at 384, 0.89-1.03 at 448, 1.03-1.10 at 512. MXFP8 on the large two 0.87-0.92 at 320-384, 0.68-0.98 at
+// 448, 1.06-1.07 at 512; on the small two 0.77-0.97 at 320, 0.99-1.03 at 384, 1.09-1.18 at 512. (cuBLAS is uneven
+// between sizes: the prefill path took 762 us at 448 rows on 8192x28672 against 513 at 512.)
 constexpr int64_t w4a16_gemm_prefill_rows(int64_t group_size, int64_t N, int64_t K) {
   return !w4a16_gemm_wide_takes(group_size) ? 128 : N * K >= kLargeWeightElements ? 640 : 448;
 }
@@ -51,16 +57,33 @@ size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_siz
 // int4 blob [ceil(N/64), ceil(K/512), 4, 1024 + sbytes/4]; out: [M, N] (row stride out_stride), x's dtype
 // (bf16 or fp16). split_k: K splits per cluster of the streaming kernel (>= 1 forces it), 0 = pick the kernel and
 // splits. workspace: w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k, sms) bytes, 16-byte aligned (null if
-// 0).
-// sms: the device's multiprocessor count.
-cudaError_t launch_w4a16_gemm(const void* x, InDtype dtype, int64_t M, int64_t K, int64_t x_stride,
-                              const void* packed, int group_size, bool asym, void* out, int64_t out_stride,
-                              int64_t N, int split_k, void* workspace, int sms, cudaStream_t stream);
+// 0). sms: the device's multiprocessor count. As every launcher (launchers.h): an argument struct and the stream.
+struct W4a16GemmArgs {
+  const void* x = nullptr;
+  InDtype dtype = InDtype::kBF16;
+  int64_t M = 0, K = 0, x_stride = 0;
+  const void* packed = nullptr;
+  int group_size = 0;  // 32, 64, 128 or -1 (per channel)
+  bool asym = false;
+  void* out = nullptr;
+  int64_t out_stride = 0, N = 0;
+  int split_k = 0;
+  void* workspace = nullptr;
+  int sms = 0;
+};
+cudaError_t launch_w4a16_gemm(const W4a16GemmArgs& a, cudaStream_t stream);
 
 // w4a16_dequant.cu (the prefill path: dequantize once, then a dense GEMM). packed: the int4 blob as above, 16-byte
 // aligned; out: contiguous [N, K] of out_dtype (bf16 or fp16), w = (u - z) * s in fp32 rounded once. K % 8 == 0.
-cudaError_t launch_w4a16_dequant(const void* packed, int group_size, bool asym, int64_t N, int64_t K,
-                                 InDtype out_dtype, void* out, cudaStream_t stream);
+struct W4a16DequantArgs {
+  const void* packed = nullptr;
+  int group_size = 0;
+  bool asym = false;
+  int64_t N = 0, K = 0;
+  InDtype out_dtype = InDtype::kBF16;
+  void* out = nullptr;
+};
+cudaError_t launch_w4a16_dequant(const W4a16DequantArgs& a, cudaStream_t stream);
 
 // Scale-record bytes per FP4 tile block (64 per packet, both formats).
 constexpr int kFp4RecordBytes = 8 * 64;
@@ -75,10 +98,22 @@ size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, i
 // bound costs passes, not correctness). fmt: 0 = MXFP4, 1 = NVFP4. split_k: K splits of the streaming kernel (>= 1
 // forces it), 0 = pick the kernel. workspace: fp4_gemm_workspace_bytes(M, K, E, offsets != null, split_k) bytes,
 // 16-byte aligned (null if 0).
-cudaError_t launch_fp4_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const int* offsets, int64_t E,
-                            int64_t max_m, const void* packed, const float* row_scale, int fmt, void* out,
-                            int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
-                            cudaStream_t stream);
+struct Fp4GemmArgs {
+  const void* x = nullptr;
+  int64_t M = 0, K = 0, x_stride = 0;
+  const int* offsets = nullptr;
+  int64_t E = 1;  // experts
+  int64_t max_m = 0;
+  const void* packed = nullptr;
+  const float* row_scale = nullptr;
+  int fmt = 0;
+  void* out = nullptr;
+  int64_t out_stride = 0, N = 0;
+  int split_k = 0;
+  void* workspace = nullptr;
+  int sms = 0;
+};
+cudaError_t launch_fp4_gemm(const Fp4GemmArgs& a, cudaStream_t stream);
 
 // MXFP8 (mxfp8_gemm.cu): the same blob geometry with 1-byte codes, a tile block is 2048 int32 words of codes plus
 // 8 x 32 bytes of E8M0 exponent records.
@@ -93,11 +128,24 @@ size_t mxfp8_gemm_workspace_bytes(int64_t M, int64_t K, int split_k, int sms);
 // [ceil(N/64), ceil(K/512), 4, 2048 + 64] (16-byte aligned); out: bf16 [M, N] (row stride out_stride). split_k: K
 // splits of the streaming kernel (>= 1 forces it at any M), 0 = pick. workspace: mxfp8_gemm_workspace_bytes(M, K,
 // split_k, sms) bytes, 16-byte aligned (null if 0).
-cudaError_t launch_mxfp8_gemm(const void* x, int64_t M, int64_t K, int64_t x_stride, const void* packed, void* out,
-                              int64_t out_stride, int64_t N, int split_k, void* workspace, int sms,
-                              cudaStream_t stream);
+struct Mxfp8GemmArgs {
+  const void* x = nullptr;
+  int64_t M = 0, K = 0, x_stride = 0;
+  const void* packed = nullptr;
+  void* out = nullptr;
+  int64_t out_stride = 0, N = 0;
+  int split_k = 0;
+  void* workspace = nullptr;
+  int sms = 0;
+};
+cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream);
 
 // The dense bf16 weight [N, K] (contiguous) from the MXFP8 blob: the prefill path. K % 32 == 0.
-cudaError_t launch_mxfp8_dequant_packed(const void* packed, int64_t N, int64_t K, void* out, cudaStream_t stream);
+struct Mxfp8DequantPackedArgs {
+  const void* packed = nullptr;
+  int64_t N = 0, K = 0;
+  void* out = nullptr;
+};
+cudaError_t launch_mxfp8_dequant_packed(const Mxfp8DequantPackedArgs& a, cudaStream_t stream);
 
 }  // namespace cublade

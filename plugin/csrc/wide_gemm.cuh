@@ -49,7 +49,7 @@ constexpr int kSlotFloats = 64 * 256;
 
 // Tokens per pass (wgmma N) for a pass of `rows` rows. A pass costs about its token count whatever the rows (padded
 // tokens are computed), hence the steps of 16 and 32: int4 8192x28672 at 32 / 64 / 128 tokens 52.7 / 77.9 / 125.8
-// us (seventh session), 47.6 at 16 (eighth).
+// us, 47.6 at 16 (benchmarks/tuning/w4a16_wide.cu).
 constexpr int ntok(int64_t rows) {
   return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 48 ? 48 : rows <= 64 ? 64 : rows <= 96 ? 96 : 128;
 }
@@ -185,13 +185,13 @@ struct Regs {
 // barrier 1 + w before it issues a batch's 8 mma's and lets the other go once they are issued, so the tensor cores run
 // whole batches in turn, one warpgroup's while the other dequantizes (and folds). Left free, both tend to issue
 // together and then dequantize together while the tensor cores idle. benchmarks/tuning/wgmma_rate.cu (no memory
-// traffic, eleventh session), share of the tensor peak, free -> ordered: int4 g128 at 128 / 96 / 64 tokens 72.4% /
+// traffic), share of the tensor peak, free -> ordered: int4 g128 at 128 / 96 / 64 tokens 72.4% /
 // 67.5% / 59.4% -> 84.4% / 79.3% / 65.4%; FP4's loop (no fold) at 128 / 96 85.3% / 75.0% -> 99.1% / 85.4%. At 32
 // tokens (44.7% -> 39.5%) and on 4 warpgroups (e.g. 63.6% -> 54.8% at 48) ordering lost, so those run free.
 // The int4 op (experiments/int4_ab.cu, same machine, alternated, us): 8192x28672 M = 96 / 128 / 256 105.7 / 128.5 /
 // 254.6 -> 102.0 / 119.9 / 237.3, the other three shapes 2-7% at 96-256 rows; at 48 / 64 rows on the shapes that run
 // 2 warpgroups there 4-8% (28672x8192 63.3 / 71.6 -> 59.8 / 66.1). FP4 experts: at 128 tokens (48 a pass) 1.5-3%, from
-// 256 no change beyond noise (the FP4 kernel's time goes elsewhere; NOTES.md, eleventh session).
+// 256 no change beyond noise (the FP4 kernel's time goes elsewhere).
 template <int NTOK, int WG>
 constexpr bool kOrderedIssue = WG == 2 && NTOK >= 48;
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
@@ -496,7 +496,7 @@ inline int pick_split(int64_t ctas, int blob_chunks, int sms) {
 // Stream-K instead of split-K (one pass of one expert, every tile WG tile groups) when it should be 3% faster. Time in
 // ring stages per SM: split-K's grid of ctas x S CTAs (one per SM) runs its waves of ceil(chunks / S) stages each;
 // stream-K runs units / sms stages and about 3 more (each CTA's two cut tiles, the partial sums). Measured (int4 g128,
-// benchmarks/tuning/w4a16_wide.cu, thirteenth session, raw benchmarks/runs/2026-11-23-0826-*; stream-K / split-K
+// benchmarks/tuning/w4a16_wide.cu; stream-K / split-K
 // time, same configuration): units / sms and split-K's stages 6.8 / 8 (4096x14336, 2 warpgroups, 32-64 tokens)
 // 1.11-1.17; 13.6 / 16 (4096x14336 at 96-128; 8192x28672 on 4 warpgroups at 32) 1.02-1.06; 27.2 / 32 (8192x28672,
 // 2 warpgroups, 32-64 tokens) 0.93-0.97; 54.3 / 64 (8192x28672 at 96-256) 0.87-0.89; 9.7 / 16 and 19.4 / 32
@@ -576,11 +576,11 @@ cudaError_t launch_kernel(Params prm, const void* x, int64_t x_stride, int K, in
 }
 
 // Four warpgroups per CTA (256 rows sharing each staged x) when their grid (ctas_of_4 CTAs) still fills 3/4 of the
-// SMs; else two. Measured (int4, w4a16_wide.cu, 2026-11-22, us, best splits, prep included; sixth session, M = 17 /
-// 24 / 32): 8192x28672 (112 CTAs of 4) 51.6 / 52.0 / 52.0 vs 59.3 / 59.4 / 59.9 with 2; 4096x14336 (56 CTAs of 4)
-// 24.1 (2 splits) vs 22.1; 28672x8192 (32) 82.9 vs 53.4. At 64 tokens (half-chunk stages, seventh session, M = 48 /
-// 64, PDL): 8192x28672 76.7 / 77.9 vs 78.9 / 79.8; the three smaller shapes lose (4096x14336 M = 64: 30.4+ vs 26.5).
-// Since stream-K (thirteenth session) the int4 op asks only at 16-32 tokens, the FP4 op at 32, the MXFP8 op never.
+// SMs; else two. Measured with split-K (int4, w4a16_wide.cu, us, best splits, prep included; M = 17 / 24 / 32):
+// 8192x28672 (112 CTAs of 4) 51.6 / 52.0 / 52.0 vs 59.3 / 59.4 / 59.9 with 2; 4096x14336 (56 CTAs of 4) 24.1 (2
+// splits) vs 22.1; 28672x8192 (32) 82.9 vs 53.4. At 64 tokens (half-chunk stages, M = 48 / 64, PDL): 8192x28672
+// 76.7 / 77.9 vs 78.9 / 79.8; the three smaller shapes lose (4096x14336 M = 64: 30.4+ vs 26.5). With stream-K the
+// int4 op asks only at 16-32 tokens, the FP4 op at 32, the MXFP8 op never (their with_config / launch_wide).
 inline bool four_warpgroups(int64_t ctas_of_4, int sms) { return 4 * ctas_of_4 >= 3LL * sms; }
 
 // A kernel configuration: tokens per pass (wgmma N), consumer warpgroups per CTA, K per ring stage.

@@ -1,5 +1,6 @@
 // Host-only driver for tests/ops/test_pick_split.py: prints lowbit::pick_split(ctas, chunks, sms, few_ctas_chunks)
 // for each group of four integers on the command line, one per line. Runs without a GPU (no CUDA call).
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header)
 #include "w4a16_gemm.cuh"
 
 #include <cstdio>

@@ -1,10 +1,11 @@
-"""silu_mul (the MoE layer's activation between w13 and w2): cublade's kernel vs vLLM's silu_and_mul and torch's
-`F.silu(h[:, :I]) * h[:, I:]` (the two ops cublade's kernel is bit-exact to; vLLM's rounds once, so its bytes differ).
+"""moe_glue's silu_mul (the MoE layer's activation between w13 and w2): cublade's kernel vs vLLM's silu_and_mul
+and torch's `F.silu(h[:, :I]) * h[:, I:]` (the two ops cublade's kernel is bit-exact to; vLLM's rounds once, so its
+bytes differ).
 
 Sizes: Mixtral's I = 14336 at 1 / 16 / 256 / 4096 tokens x top-2 rows, bf16. Bytes: 2 M I read + M I written, x2
 bytes. Eager timings (do_bench, L2 cleared) for every size; CUDA-graph replay (how vLLM runs decode) up to 32 rows.
 Baseline column: vLLM's op when importable, else torch's two ops; torch's two ops are timed in the note either way.
-    python benchmarks/bench_silu_mul.py
+    python benchmarks/bench_moe_glue.py
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 kernel class of cublade.vllm.kernels (cublade-mxfp8-gemm, vllm-marlin-mxfp8, cublade-mxfp8-dequant-matmul) built on
 a stand-in layer holding the checkpoint's tensors (its constructor repacks them, as at load time) and timed through
 its `apply`; plus a bf16 linear of the dequantized weight, and cublade's prefill path alone (mxfp8_dequant_packed +
-cuBLAS: where it overtakes the wide kernel sets the op's 320-row switch). bf16 activations, weights MXFP8 (e4m3, one
-E8M0 scale per 32 along K, rceil) quantized from random normal weights.
+cuBLAS: where it overtakes the wide kernel sets the op's switch, mxfp8_gemm_prefill_rows in plugin/csrc/w4a16_gemm.h).
+bf16 activations, weights MXFP8 (e4m3, one E8M0 scale per 32 along K, rceil) quantized from random normal weights.
 
-    python benchmarks/bench_mxfp8_linear.py [--shapes 8192x28672,4096x14336,28672x8192]
-                                            [--m 1,8,16,32,64,128,256,512,1024,4096] [--json FILE]
+    python benchmarks/bench_mxfp8_gemm.py [--shapes 8192x28672,4096x14336,28672x8192]
+                                          [--m 1,8,16,32,64,128,256,512,1024,4096] [--json FILE]
 
 Times: median of triton.testing.do_bench (L2 cleared before every call: the weights come from HBM). TB/s: the MXFP8
 weight bytes (N*K + N*K/32) over the time. Accuracy at M=16: mean|C-ref|/mean|ref| against the fp32 product with the
@@ -69,8 +69,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
 
-    quant = require_op("bench_mxfp8_linear", "mxfp8_quant")
-    require_op("bench_mxfp8_linear", "mxfp8_gemm")
+    quant = require_op("bench_mxfp8_gemm", "mxfp8_quant")
+    require_op("bench_mxfp8_gemm", "mxfp8_gemm")
     from cublade.ops.mxfp8_gemm import mxfp8_dequant_packed, mxfp8_repack
 
     dev = torch.device("cuda")
