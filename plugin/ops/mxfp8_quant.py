@@ -19,10 +19,18 @@ mxfp8_quant_ref = mxfp8_quantize
 mxfp8_dequant_ref = mxfp8_dequantize
 
 
+# Plain strings, built at import: the entry below runs inside torch.compile graphs (fullgraph), and Dynamo in
+# torch 2.11 cannot iterate an Enum class, which ScaleRule.lookup does.
+_RULES = ScaleRule.values()
+_RCEIL = ScaleRule.RCEIL.value
+
+
 def mxfp8_quant(x: torch.Tensor, rule: ScaleRule | str = DEFAULT_SCALE_RULE) -> tuple[torch.Tensor, torch.Tensor]:
-    rule = ScaleRule.lookup(rule, "MX scale rule", "mxfp8_quant")  # here too: the kernel takes rceil=True/False
+    rule = rule.value if isinstance(rule, ScaleRule) else rule
+    if rule not in _RULES:
+        raise ValueError(f"mxfp8_quant: unknown MX scale rule {rule!r}; valid: {', '.join(_RULES)}")
     if use_kernel(x, "mxfp8_quant"):
-        return torch.ops.cublade.mxfp8_quant(x, rule is ScaleRule.RCEIL)
+        return torch.ops.cublade.mxfp8_quant(x, rule == _RCEIL)
     return mxfp8_quant_ref(x, rule)
 
 
