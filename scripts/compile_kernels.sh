@@ -3,14 +3,24 @@
 # header) for sm_90a, to catch a broken kernel build on a machine without a GPU (CI runs this).
 # Prints ptxas' register / spill report per kernel with -v. Exits non-zero if any file fails.
 #   scripts/compile_kernels.sh [-v] [FILE.cu ...]      (default: every plugin/csrc/*.cu)
+# Without nvcc it says so and exits 0 (the tests need no CUDA toolkit), unless CUBLADE_NVCC_REQUIRED=1.
 # Env: NVCC (default nvcc), CUBLADE_CUDA_ARCH (default -gencode=arch=compute_90a,code=sm_90a, as setup.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 verbose=0
 if [ "${1:-}" = "-v" ]; then verbose=1; shift; fi
-NVCC=${NVCC:-nvcc}
+if [ -z "${NVCC:-}" ]; then
+  NVCC=nvcc
+  if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then NVCC=/usr/local/cuda/bin/nvcc; fi
+fi
 ARCH=${CUBLADE_CUDA_ARCH:--gencode=arch=compute_90a,code=sm_90a}
-if ! command -v "$NVCC" >/dev/null; then echo "compile_kernels: $NVCC not found" >&2; exit 2; fi
+if ! command -v "$NVCC" >/dev/null; then
+  if [ -n "${CUBLADE_NVCC_REQUIRED:-}" ]; then echo "compile_kernels: $NVCC not found" >&2; exit 2; fi
+  # The tests need no nvcc (the kernels run on a GPU machine); this step only catches a broken kernel build.
+  echo "compile_kernels: skipped: $NVCC not found (install the CUDA toolkit or set NVCC to compile the kernels;" \
+       "CUBLADE_NVCC_REQUIRED=1 makes this an error)"
+  exit 0
+fi
 files=("$@")
 [ ${#files[@]} -eq 0 ] && files=(plugin/csrc/*.cu)
 if [ ! -e "${files[0]}" ]; then echo "compile_kernels: no .cu files in plugin/csrc" >&2; exit 2; fi
