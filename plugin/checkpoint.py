@@ -1,9 +1,18 @@
-"""Reading Hugging Face safetensors checkpoints tensor by tensor, with errors that name the file and tensor."""
+"""Reading Hugging Face safetensors checkpoints tensor by tensor, with errors that name the file and tensor.
+
+Tensors are read one mapping each (`read_header` + `read_tensor`), not through a mapping of the whole shard:
+mapped file pages count in the process's resident set until they are unmapped, and a shard's mapping lives
+as long as any tensor read from it; a tensor's own mapping goes with the tensor.
+"""
 from __future__ import annotations
 
 import json
+import math
+import mmap
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,6 +21,12 @@ from safetensors import safe_open
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors dtype strings of the float dtypes cublade quantizes.
 FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# Every safetensors dtype string torch has a dtype for.
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+          **{k: getattr(torch, v) for k, v in (("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"),
+                                               ("F8_E8M0", "float8_e8m0fnu")) if hasattr(torch, v)}}
 
 
 class CheckpointError(ValueError):
@@ -61,23 +76,117 @@ def open_shard(path: Path):
 def tensor_infos(model_dir: Path) -> Iterator[tuple[Path, str, tuple[int, ...], str]]:
     """(shard, name, shape, safetensors dtype string) of every tensor, without loading any."""
     for path in shard_files(model_dir):
-        with open_shard(path) as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                yield path, name, tuple(sl.get_shape()), sl.get_dtype()
+        for e in read_header(path):
+            yield path, e.name, e.shape, e.dtype
 
 
 def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor, one at a time (one shard memory-mapped at a time)."""
+    """Every tensor, one at a time, in tensor_infos' order; each holds its file pages only while it lives."""
     for path in shard_files(model_dir):
-        with open_shard(path) as f:
-            for name in f.keys():
+        entries = read_header(path)
+        with open(path, "rb") as f:
+            for e in entries:
                 try:
-                    t = f.get_tensor(name)
-                except Exception as e:
-                    raise CheckpointError(f"cannot read tensor {name} from {path.name}: truncated or "
-                                          f"corrupt file ({e})") from None
-                yield name, t
+                    t = read_tensor(f, e)
+                except (OSError, ValueError) as err:
+                    raise CheckpointError(f"cannot read tensor {e.name} from {path.name}: truncated or "
+                                          f"corrupt file ({err})") from None
+                yield e.name, t
+                del t  # not held while the next one is read
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: name, safetensors dtype string, shape, and its bytes' place in the
+    file (absolute offsets)."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def _corrupt(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"cannot read {path.name}: truncated or corrupt safetensors file ({why})")
+
+
+def read_header(path: Path) -> list[TensorEntry]:
+    """The tensors of a safetensors file (8 bytes of little-endian header length, the JSON header, the data)
+    by name, the order safe_open lists them, checked as safetensors checks them: known dtypes, byte ranges
+    that match the shapes and cover the data without gap or overlap up to the file's end."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little") if size >= 8 else 0
+            if size < 8 or n > size - 8:
+                raise _corrupt(path, f"header of {n} bytes in a file of {size}")
+            raw = f.read(n)
+    except OSError as e:
+        raise _corrupt(path, str(e)) from None
+    try:
+        header = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise _corrupt(path, f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "header is not a JSON object")
+    base = 8 + n
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (a, b) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            ok = (dtype in DTYPES and all(type(d) is int and d >= 0 for d in shape)
+                  and type(a) is int and type(b) is int and 0 <= a <= b)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise _corrupt(path, f"invalid header entry for {name}: {info}")
+        if b - a != math.prod(shape) * DTYPES[dtype].itemsize:
+            raise _corrupt(path, f"{name}: {b - a} bytes for {dtype} {list(shape)}")
+        entries.append(TensorEntry(name, dtype, shape, base + a, base + b))
+    end = base
+    for e in sorted(entries, key=lambda e: (e.start, e.end)):
+        if e.start != end:
+            raise _corrupt(path, f"{e.name}: data at byte {e.start - base}, expected {end - base}")
+        end = e.end
+    if end != size:
+        raise _corrupt(path, f"the header describes {end} bytes, the file has {size}")
+    return sorted(entries, key=lambda e: e.name)
+
+
+def read_tensor(f, e: TensorEntry) -> torch.Tensor:
+    """Tensor `e` of the open file `f`, on a private (copy-on-write) mapping of its own bytes that is unmapped
+    when the tensor (and every view of it) is freed. Reading a mapping costs fewer page faults than copying
+    into fresh memory: this is what keeps the converter as fast as with a whole-shard mapping."""
+    if e.end == e.start:
+        return torch.empty(e.shape, dtype=DTYPES[e.dtype])
+    start = e.start - e.start % mmap.ALLOCATIONGRANULARITY
+    buf = mmap.mmap(f.fileno(), e.end - start, access=mmap.ACCESS_COPY, offset=start)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=e.end - e.start,
+                            offset=e.start - start).view(DTYPES[e.dtype]).reshape(e.shape)
+
+
+# The order in which safetensors' save_file (0.8) lays out tensors: by dtype, in this order, then by name.
+# safetensors_header follows it, so the converter's shards are byte-identical to save_file's.
+SAVE_ORDER = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E5M2FNUZ",
+              "F8_E4M3FNUZ", "F8_E8M0", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def safetensors_header(tensors: list[tuple[str, tuple[int, ...], torch.dtype]], metadata: dict | None = None,
+                       ) -> tuple[bytes, dict[str, int]]:
+    """The file header save_file writes for tensors of these (name, shape, dtype), and where each tensor's
+    bytes go in the file (absolute offsets): write the header at 0 and each tensor at its offset."""
+    head: dict = {"__metadata__": metadata} if metadata is not None else {}
+    offsets, pos = {}, 0
+    for name, shape, dtype in sorted(tensors, key=lambda t: (SAVE_ORDER.index(DTYPE_NAMES[t[2]]), t[0])):
+        nbytes = math.prod(shape) * dtype.itemsize
+        head[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        offsets[name], pos = pos, pos + nbytes
+    raw = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, {k: 8 + len(raw) + v for k, v in offsets.items()}
 
 
 def load_all(model_dir: Path) -> dict[str, torch.Tensor]:

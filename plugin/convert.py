@@ -1,7 +1,9 @@
 """`cublade convert`: a Hugging Face safetensors checkpoint -> a cublade checkpoint, streaming.
 
-Memory: one source tensor at a time (source shards are memory-mapped one at a time) plus the output shard
-being filled, so the peak stays near one shard's size whatever the model's size.
+Memory: one source tensor at a time (each on a mapping of its own, unmapped with it) and its quantization's
+temporaries; no shard is held, source or output. The output's tensor list (names, shapes, dtypes) is known
+from the plan before anything is read, so each output shard's layout is fixed up front and each tensor is
+written to its place in its shard file as it is produced (ShardWriter).
 Crash safety: everything is written into a temporary directory beside OUT and renamed to OUT only when
 complete; on any error (or Ctrl-C) the temporary directory is removed, and a directory left by a killed run
 is removed by the next run. OUT itself never holds a half checkpoint.
@@ -16,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
-from cublade.checkpoint import FLOAT_DTYPES, INDEX_NAME, CheckpointError, iter_tensors, tensor_infos
+from cublade.checkpoint import (DTYPES, FLOAT_DTYPES, INDEX_NAME, CheckpointError, iter_tensors,
+                                safetensors_header, tensor_infos)
 from cublade.config import Policy, UnsupportedShape, to_quantization_config
 from cublade.config.experts import ExpertLayout
 from cublade.convert_experts import check_router_policy, expert_tensor_infos, expert_tensors
@@ -36,6 +38,7 @@ class Plan:
     skipped: dict[str, str] = field(default_factory=dict)  # module -> reason (shape not supported)
     linear_modules: list[str] = field(default_factory=list)  # every module with a 2-D `.weight`
     n_tensors: int = 0
+    tensors: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (name, shape, dtype), in order
 
 
 def plan_conversion(src: Path, policy: Policy, skip_unsupported: bool, layout=None) -> Plan:
@@ -45,6 +48,7 @@ def plan_conversion(src: Path, policy: Policy, skip_unsupported: bool, layout=No
     # MoE experts: fused 3-D tensors are split per expert, expert count and shapes checked (cublade.convert_experts).
     for path, name, shape, dtype in expert_tensor_infos(tensor_infos(src), layout):
         plan.n_tensors += 1
+        plan.tensors.append((name, tuple(shape), dtype))
         if not name.endswith(".weight"):
             continue
         module = name[: -len(".weight")]
@@ -77,41 +81,96 @@ def check_finite(name: str, w: torch.Tensor) -> None:
 
 
 class ShardWriter:
-    """Fills output shards up to max_bytes each; names them model-0000i-of-0000n at the end."""
+    """Writes output shards of at most max_bytes each, straight to disk; names them model-0000i-of-0000n at the end.
 
-    def __init__(self, out_dir: Path, max_bytes: int):
+    `specs`: every tensor the conversion will write, (name, shape, dtype) in the order it writes them, known
+    before any data is read (_output_specs). So the shards are laid out at the start: tensors fill a shard in
+    that order until the next one would take it past max_bytes (one larger than max_bytes gets a shard of its
+    own), and each shard has the layout safetensors' save_file gives the same tensors (safetensors_header).
+    A shard's file is created with its header when its first tensor comes, each tensor is written at its
+    offset as it comes, and the file is closed after its last one: no shard is held in memory."""
+
+    def __init__(self, out_dir: Path, max_bytes: int, specs: list[tuple[str, tuple[int, ...], torch.dtype]]):
         self.out_dir, self.max_bytes = out_dir, max_bytes
-        self.buffer: dict[str, torch.Tensor] = {}
-        self.bytes = 0
-        self.files: list[tuple[Path, list[str]]] = []
+        shards: list[list] = []
+        current, size = [], 0
+        for name, shape, dtype in specs:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            if current and size + nbytes > max_bytes:
+                shards.append(current)
+                current, size = [], 0
+            current.append((name, tuple(shape), dtype))
+            size += nbytes
+        if current:
+            shards.append(current)
+        self.files = [(out_dir / f"part-{i:05d}.safetensors", [n for n, _, _ in shard]) for i, shard in
+                      enumerate(shards, 1)]
+        self.headers, self.where, self.left = [], {}, [len(shard) for shard in shards]
+        for i, shard in enumerate(shards):
+            header, offsets = safetensors_header(shard, {"format": "pt"})
+            self.headers.append(header)
+            for name, shape, dtype in shard:
+                if name in self.where:
+                    raise CheckpointError(f"{name}: the conversion would write this tensor twice")
+                self.where[name] = (i, offsets[name], shape, dtype)
+        self.fds: dict[int, int] = {}
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        if self.buffer and self.bytes + nbytes > self.max_bytes:
-            self.flush()
-        self.buffer[name] = t.contiguous()
-        self.bytes += nbytes
+        i, offset, shape, dtype = self.where.pop(name, (None, 0, None, None))
+        if i is None or tuple(t.shape) != shape or t.dtype != dtype:
+            raise RuntimeError(f"cublade convert: {name} {list(t.shape)} {t.dtype} is not the planned "
+                               f"{list(shape) if shape is not None else 'nothing'} {dtype or ''}")
+        if i not in self.fds:
+            self.fds[i] = os.open(self.files[i][0], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            _pwrite_all(self.fds[i], self.headers[i], 0)
+        _pwrite_all(self.fds[i], t.contiguous().reshape(-1).view(torch.uint8).numpy(), offset)
+        self.left[i] -= 1
+        if not self.left[i]:
+            os.close(self.fds.pop(i))
 
-    def flush(self) -> None:
-        if not self.buffer:
-            return
-        path = self.out_dir / f"part-{len(self.files) + 1:05d}.safetensors"
-        save_file(self.buffer, str(path), metadata={"format": "pt"})
-        self.files.append((path, list(self.buffer)))
-        self.buffer, self.bytes = {}, 0
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
 
     def finish(self) -> None:
-        self.flush()
+        self.close()
+        if self.where:
+            raise RuntimeError(f"cublade convert: {len(self.where)} planned tensor(s) not written, e.g. "
+                               f"{next(iter(self.where))}")
         n = len(self.files)
         weight_map, total = {}, 0
         for i, (path, names) in enumerate(self.files, 1):
             final = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
             path.rename(self.out_dir / final)
-            (self.out_dir / final).chmod(0o644)  # safetensors writes 0600; a checkpoint is for sharing
+            (self.out_dir / final).chmod(0o644)  # whatever the umask: a checkpoint is for sharing
             total += (self.out_dir / final).stat().st_size
             weight_map.update({k: final for k in names})
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view, done = memoryview(data).cast("B"), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _output_specs(plan: Plan, dtype: torch.dtype | None, kv_scales: list[str]
+                  ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every tensor convert writes, in the order it writes them: each source tensor
+    (as the plan lists them, MoE experts already split) unchanged, cast to `dtype` if float, or replaced by
+    its scheme's tensors (scheme.tensor_specs), then the KV-cache scales."""
+    specs = []
+    for name, shape, st_dtype in plan.tensors:
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        scheme = plan.quantize.get(module)
+        if scheme is None:
+            keep = DTYPES[st_dtype]
+            specs.append((name, shape, dtype if dtype is not None and keep.is_floating_point else keep))
+        else:
+            specs += [(f"{module}.{s}", tuple(sh), dt) for s, (sh, dt) in scheme.tensor_specs(*shape).items()]
+    return specs + [(name, (), torch.float32) for name in kv_scales]
 
 
 def _remove_stale_tmp_dirs(out: Path) -> None:
@@ -194,8 +253,10 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
     _remove_stale_tmp_dirs(out)
     tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}"
     tmp.mkdir()
+    writer = None
     try:
-        writer = ShardWriter(tmp, max_shard_bytes)
+        kv_scales = _kv_scale_names(plan) if policy.kv_cache is not None else []
+        writer = ShardWriter(tmp, max_shard_bytes, _output_specs(plan, dtype, kv_scales))
         bar = tqdm(total=plan.n_tensors, desc=f"convert {policy.preset}", unit="tensor",
                    disable=None if progress is None else not progress)  # None: off unless stderr is a tty
         for name, t in expert_tensors(iter_tensors(src), layout):
@@ -225,6 +286,8 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
         else:
             tmp.rename(out)
     except BaseException:
+        if writer is not None:
+            writer.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
@@ -248,16 +311,19 @@ def _quantized(module: str, w: torch.Tensor, scheme, calib) -> dict[str, torch.T
     return tensors
 
 
-def _kv_scales(plan: Plan, calib) -> dict[str, torch.Tensor]:
+def _kv_scale_names(plan: Plan) -> list[str]:
     """`<attention>.k_scale` / `.v_scale` for every attention module (the parent of a `k_proj`)."""
     attns = sorted({m.rsplit(".", 1)[0] for m in plan.linear_modules if m.endswith(".k_proj")})
     if not attns:
         raise ValueError("--kv-cache fp8: found no attention modules (no '*.k_proj' linear) in the checkpoint")
+    return [f"{attn}.{which}" for attn in attns for which in ("k_scale", "v_scale")]
+
+
+def _kv_scales(plan: Plan, calib) -> dict[str, torch.Tensor]:
     out = {}
-    for attn in attns:
-        for which in ("k_scale", "v_scale"):
-            v = calib.get(f"{attn}.{which}") if calib is not None else None
-            if v is None:
-                raise ValueError(f"--kv-cache fp8: calibration produced no {attn}.{which}")
-            out[f"{attn}.{which}"] = v.float().reshape(())
+    for name in _kv_scale_names(plan):
+        v = calib.get(name) if calib is not None else None
+        if v is None:
+            raise ValueError(f"--kv-cache fp8: calibration produced no {name}")
+        out[name] = v.float().reshape(())
     return out
