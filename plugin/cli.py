@@ -38,6 +38,7 @@ def _lines(text: str) -> slice:
 def build_parser() -> argparse.ArgumentParser:
     from cublade.checkpoint import FLOAT_DTYPES
     from cublade.config import PRESETS, Fp4Format, Fp8Activations, KVCacheDtype, KVRounding, ScaleRule, WeightStrategy
+    from cublade.config.format import QuantMethod
     from cublade.numerics.constants import W4A16_GROUP_SIZES
     from cublade.ppl import Backend
 
@@ -81,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "cannot serve unquantized (listed in the checkpoint's ignore list) instead of failing")
     c.add_argument("--dtype", choices=["auto", *dtypes], default="auto",
                    help="dtype of the tensors that stay unquantized (auto: keep the source's)")
+    c.add_argument("--format", choices=QuantMethod.values(), default=QuantMethod.CUBLADE.value, dest="out_format",
+                   help="checkpoint format: cublade (default; every scheme, served by the cublade plugin) or "
+                   "compressed-tensors (fp8 and w4a16 schemes and the FP8 KV cache with K rounded to nearest, "
+                   "in the layout vLLM's own compressed-tensors method loads without cublade; --quantization "
+                   "cublade serves it on cublade's kernels). docs/format.md#compressed-tensors-output")
     g = c.add_argument_group("scheme options (override the preset's defaults)")
     g.add_argument("--group-size", type=int, choices=W4A16_GROUP_SIZES, help="w4a16 group size along K (-1: "
                    "per output channel; default 128)")
@@ -176,8 +182,8 @@ def _convert(args) -> int:
                   skip_unsupported=args.skip_unsupported, allow_quantized_router=args.allow_quantized_router,
                   dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
                   calib_text=args.calib_text, calib_tokens=args.calib_tokens, calib_lines=args.calib_lines,
-                  calib_device=args.device)
-    print(f"wrote {out} ({policy.preset}) in {time.time() - t0:.1f} s")
+                  calib_device=args.device, out_format=args.out_format)
+    print(f"wrote {out} ({policy.preset}, {args.out_format} format) in {time.time() - t0:.1f} s")
     return 0
 
 

@@ -23,7 +23,9 @@ from tqdm import tqdm
 from cublade.checkpoint import (DTYPES, FLOAT_DTYPES, INDEX_NAME, CheckpointError, iter_tensors,
                                 safetensors_header, tensor_infos)
 from cublade.config import Policy, UnsupportedShape, to_quantization_config
+from cublade.config import compressed_tensors as ct_format
 from cublade.config.experts import ExpertLayout
+from cublade.config.format import QuantMethod
 from cublade.convert_experts import check_router_policy, expert_tensor_infos, expert_tensors
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -156,11 +158,12 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _output_specs(plan: Plan, dtype: torch.dtype | None, kv_scales: list[str]
+def _output_specs(plan: Plan, dtype: torch.dtype | None, kv_scales: list[str], out_layout=None
                   ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of every tensor convert writes, in the order it writes them: each source tensor
     (as the plan lists them, MoE experts already split) unchanged, cast to `dtype` if float, or replaced by
-    its scheme's tensors (scheme.tensor_specs), then the KV-cache scales."""
+    its scheme's tensors (scheme.tensor_specs, or `out_layout.specs` for another output format), then the
+    KV-cache scales."""
     specs = []
     for name, shape, st_dtype in plan.tensors:
         module = name[: -len(".weight")] if name.endswith(".weight") else None
@@ -169,7 +172,8 @@ def _output_specs(plan: Plan, dtype: torch.dtype | None, kv_scales: list[str]
             keep = DTYPES[st_dtype]
             specs.append((name, shape, dtype if dtype is not None and keep.is_floating_point else keep))
         else:
-            specs += [(f"{module}.{s}", tuple(sh), dt) for s, (sh, dt) in scheme.tensor_specs(*shape).items()]
+            tensor_specs = scheme.tensor_specs(*shape) if out_layout is None else out_layout.specs(scheme, *shape)
+            specs += [(f"{module}.{s}", tuple(sh), dt) for s, (sh, dt) in tensor_specs.items()]
     return specs + [(name, (), torch.float32) for name in kv_scales]
 
 
@@ -191,12 +195,15 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _write_config(src: Path, cfg: dict, tmp: Path, policy: Policy, plan: Plan, dtype: torch.dtype | None,
-                  calib_info: dict | None) -> None:
-    if plan.skipped:
-        policy = policy.with_ignore(*(re.escape(m) for m in sorted(plan.skipped)))
-    qc = to_quantization_config(policy)
-    if calib_info:
-        qc["calibration"] = calib_info
+                  calib_info: dict | None, out_layout=None) -> None:
+    if out_layout is not None:
+        qc = out_layout.config(policy, plan.quantize, plan.linear_modules)
+    else:
+        if plan.skipped:
+            policy = policy.with_ignore(*(re.escape(m) for m in sorted(plan.skipped)))
+        qc = to_quantization_config(policy)
+        if calib_info:
+            qc["calibration"] = calib_info
     cfg["quantization_config"] = qc
     if dtype is not None:
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -223,13 +230,18 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, skip_unsupported: bool = False,
             dtype: torch.dtype | None = None, calib_text=None, calib_tokens: int | None = None,
             calib_lines: slice | None = None, progress: bool | None = None,
-            allow_quantized_router: bool = False, calib_device: str | None = None) -> Path:
+            allow_quantized_router: bool = False, calib_device: str | None = None,
+            out_format: str = QuantMethod.CUBLADE.value) -> Path:
     """Convert the checkpoint at `src` with `policy` into a new directory `out`; returns `out`.
+
+    out_format: "cublade" (cublade's checkpoint format) or "compressed-tensors" (what vLLM's own
+    compressed-tensors method loads, for the policies it can express: cublade.config.compressed_tensors).
 
     dtype: cast the tensors that stay unquantized (embeddings, norms, biases, ignored layers) to this dtype
     (None keeps the source's). calib_*: run calibration (GPTQ for w4a16, static FP8 input scales, FP8
     KV-cache scales) over that text first (cublade.calib)."""
     src, out = Path(src), Path(out)
+    out_layout = output_layout(out_format, policy)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
     if out.resolve() == src.resolve():
@@ -242,6 +254,9 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
     layout = ExpertLayout.from_config(cfg) if isinstance(cfg, dict) else None
     plan = plan_conversion(src, policy, skip_unsupported, layout)
     check_router_policy(policy, layout, allow_quantized_router, plan.linear_modules)
+    if out_layout is not None:  # the format's own rules, and a config it can write, before anything is written
+        out_layout.check_plan(plan, skip_unsupported, experts=layout is not None)
+        out_layout.config(policy, plan.quantize, plan.linear_modules)
 
     calib = None
     if calib_text is not None:
@@ -256,7 +271,7 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
     writer = None
     try:
         kv_scales = _kv_scale_names(plan) if policy.kv_cache is not None else []
-        writer = ShardWriter(tmp, max_shard_bytes, _output_specs(plan, dtype, kv_scales))
+        writer = ShardWriter(tmp, max_shard_bytes, _output_specs(plan, dtype, kv_scales, out_layout))
         bar = tqdm(total=plan.n_tensors, desc=f"convert {policy.preset}", unit="tensor",
                    disable=None if progress is None else not progress)  # None: off unless stderr is a tty
         for name, t in expert_tensors(iter_tensors(src), layout):
@@ -268,7 +283,10 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
                 writer.add(name, t)
             else:
                 check_finite(name, t)
-                for suffix, q in _quantized(module, t, scheme, calib).items():
+                q_tensors = _quantized(module, t, scheme, calib)
+                if out_layout is not None:
+                    q_tensors = out_layout.tensors(scheme, q_tensors, *t.shape)
+                for suffix, q in q_tensors.items():
                     writer.add(f"{module}.{suffix}", q)
             bar.update()
             del t
@@ -277,7 +295,7 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
                 writer.add(name, scale)
         bar.close()
         writer.finish()
-        _write_config(src, cfg, tmp, policy, plan, dtype, calib.info if calib is not None else None)
+        _write_config(src, cfg, tmp, policy, plan, dtype, calib.info if calib is not None else None, out_layout)
         if out.exists():
             old = out.parent / f".{out.name}.cublade-old-{os.getpid()}"
             out.rename(old)
@@ -291,6 +309,16 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def output_layout(out_format: str, policy: Policy):
+    """None for cublade's own format; the layout object of another format, once `policy` is checked against it
+    (before anything is read or written)."""
+    fmt = QuantMethod.lookup(out_format, "output format", "--format")
+    if fmt is QuantMethod.CUBLADE:
+        return None
+    ct_format.check_expressible(policy)
+    return ct_format.CompressedTensorsLayout()
 
 
 def _quantized(module: str, w: torch.Tensor, scheme, calib) -> dict[str, torch.Tensor]:

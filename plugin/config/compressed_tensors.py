@@ -8,6 +8,11 @@ differ (`tensor_specs` gives the compressed-tensors one per scheme):
     [N, groups]): `unpack_zero_points` / `pack_zero_points` convert;
   * a W4A16 layer also stores `weight_shape` ([2] int64), which only describes the weight (DESCRIPTIVE).
 The vLLM layer (cublade.vllm.linear) loads these layouts and brings them to cublade's after loading.
+
+Writing (`cublade convert --format compressed-tensors`) runs the same tables the other way:
+`check_expressible` refuses a policy compressed-tensors cannot express, `CompressedTensorsLayout` gives the
+tensors of each quantized module in compressed-tensors' layout and the quantization_config, which is read back
+with `policy_from_compressed_tensors` and checked to give every module the scheme it was converted with.
 """
 from __future__ import annotations
 
@@ -16,13 +21,20 @@ import re
 import torch
 
 from cublade.config.format import QuantMethod
-from cublade.config.policy import Policy, Rule
-from cublade.config.schemes import Fp8Scheme, KVCacheDtype, KVCacheScheme, Scheme, W4A16Scheme, WeightStrategy
+from cublade.config.policy import EXPERT_PATTERN, Policy, Rule
+from cublade.config.schemes import (FP4Scheme, Fp8Scheme, KVCacheDtype, KVCacheScheme, KVRounding, MXFP8Scheme, Scheme,
+                                    UnsupportedShape, W4A16Scheme, WeightStrategy)
 from cublade.numerics.constants import INT4_PER_INT32
 from cublade.numerics.fp8 import Fp8Activations
 from cublade.numerics.int4 import pack_int4, unpack_int4
 
 CT_METHOD = QuantMethod.COMPRESSED_TENSORS.value
+FLOAT_FORMAT, PACK_FORMAT = "float-quantized", "pack-quantized"
+# cublade's FP8 activation modes as compressed-tensors input_activations (strategy, dynamic).
+FP8_ACTIVATION_ARGS = {Fp8Activations.DYNAMIC_TOKEN: ("token", True), Fp8Activations.DYNAMIC_TENSOR: ("tensor", True),
+                       Fp8Activations.STATIC_TENSOR: ("tensor", False)}
+# The FP8 KV cache with static per-tensor scales, as compressed-tensors' kv_cache_scheme.
+KV_CACHE_ARGS = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 # Tensors that only describe another one: loaded and dropped.
 DESCRIPTIVE = ("weight_shape",)
 
@@ -61,8 +73,7 @@ def _ct_scheme(name: str, group: dict, fmt: str | None) -> Scheme:
             raise NotImplementedError(f"{where}.input_activations: expected 8-bit float, got "
                                       f"type={a.get('type')!r} num_bits={a.get('num_bits')!r}")
         a_strategy, dynamic = a.get("strategy"), a.get("dynamic")
-        modes = {("token", True): Fp8Activations.DYNAMIC_TOKEN, ("tensor", True): Fp8Activations.DYNAMIC_TENSOR,
-                 ("tensor", False): Fp8Activations.STATIC_TENSOR}
+        modes = {args: mode for mode, args in FP8_ACTIVATION_ARGS.items()}
         if (a_strategy, dynamic) not in modes:
             raise NotImplementedError(f"{where}.input_activations: strategy={a_strategy!r} dynamic={dynamic!r} "
                                       f"is not one of cublade's FP8 activation modes (token+dynamic, tensor+dynamic, "
@@ -148,3 +159,131 @@ def pack_zero_points(zp: torch.Tensor) -> torch.Tensor:
 def unpack_zero_points(packed: torch.Tensor, N: int) -> torch.Tensor:
     """compressed-tensors' int32 zero points [ceil(N/8), groups] -> cublade's uint8 [N, groups]."""
     return unpack_int4(packed.t().contiguous())[:, :N].t().contiguous()
+
+
+# ---- writing ---------------------------------------------------------------------------------------------
+
+def check_expressible(policy: Policy) -> None:
+    """A ValueError naming the first scheme (or KV-cache setting) of `policy` that compressed-tensors cannot
+    express so that vLLM's own method computes what cublade does."""
+    why = {MXFP8Scheme: "compressed-tensors' MXFP8 quantizes activations to MXFP8 too (W8A8); cublade's mxfp8 "
+                        "keeps them in bf16",
+           FP4Scheme: "compressed-tensors has no FP4-weight, bf16-activation scheme for MoE experts that vLLM "
+                      "serves as cublade does"}
+    for name, scheme in policy.schemes:
+        if type(scheme) in why:
+            raise ValueError(f"--format {CT_METHOD}: scheme {name!r} ({scheme.describe()}) cannot be written in "
+                             f"this format: {why[type(scheme)]}; use --format {QuantMethod.CUBLADE.value}")
+    if policy.kv_cache is not None and policy.kv_cache.rounding is not KVRounding.NEAREST:
+        raise ValueError(f"--format {CT_METHOD}: --kv-rounding {policy.kv_cache.rounding} cannot be written in this "
+                         f"format (its kv_cache_scheme has no rounding mode; vLLM rounds K to nearest); use --format "
+                         f"{QuantMethod.CUBLADE.value}")
+
+
+def _scheme_args(scheme: Scheme) -> dict:
+    """The config group (weights, input_activations, format) of a cublade scheme."""
+    if isinstance(scheme, Fp8Scheme):
+        a_strategy, dynamic = FP8_ACTIVATION_ARGS[scheme.activations]
+        return {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": scheme.weight_strategy.value,
+                            "group_size": None, "block_structure": None, "dynamic": False, "actorder": None},
+                "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": a_strategy,
+                                      "group_size": None, "block_structure": None, "dynamic": dynamic,
+                                      "actorder": None},
+                "output_activations": None, "format": FLOAT_FORMAT}
+    if isinstance(scheme, W4A16Scheme):
+        channel = scheme.group_size == -1
+        return {"weights": {"num_bits": 4, "type": "int", "symmetric": scheme.symmetric,
+                            "strategy": "channel" if channel else "group",
+                            "group_size": None if channel else scheme.group_size, "block_structure": None,
+                            "dynamic": False, "actorder": None},
+                "input_activations": None, "output_activations": None, "format": PACK_FORMAT}
+    raise ValueError(f"--format {CT_METHOD}: scheme {scheme.describe()} cannot be written in this format")
+
+
+def _ignore_target(pattern: str) -> str:
+    """A cublade ignore regex (whole-name match) as a compressed-tensors `re:` target (matched from the start)."""
+    return f"re:(?:{pattern})$" if "|" in pattern else f"re:{pattern}$"
+
+
+def check_shape(scheme: Scheme, module: str, N: int, K: int) -> None:
+    """What compressed-tensors' layout adds to the scheme's own shape rules (Scheme.check_shape)."""
+    if isinstance(scheme, W4A16Scheme) and not scheme.symmetric and N % INT4_PER_INT32:
+        raise scheme._unsupported(module, f"out_features={N} is not a multiple of {INT4_PER_INT32} "
+                                          f"(compressed-tensors packs zero points {INT4_PER_INT32} per int32 along "
+                                          f"the output dim)")
+
+
+class CompressedTensorsLayout:
+    """What `cublade convert --format compressed-tensors` writes in place of cublade's layout: per quantized
+    module the tensors of `tensor_specs` (with concrete dtypes: the scales cublade computed, fp32 for FP8 and
+    bf16 for int4), and the quantization_config."""
+
+    method = CT_METHOD
+
+    @staticmethod
+    def specs(scheme: Scheme, N: int, K: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        ours = scheme.tensor_specs(N, K)
+        return {name: (shape, dtype if dtype is not None else ours[name][1])
+                for name, (shape, dtype) in tensor_specs(scheme, N, K).items()}
+
+    @staticmethod
+    def tensors(scheme: Scheme, t: dict[str, torch.Tensor], N: int, K: int) -> dict[str, torch.Tensor]:
+        """cublade's tensors of one [N, K] module in compressed-tensors' layout: the same numbers."""
+        out = dict(t)
+        if isinstance(scheme, Fp8Scheme) and scheme.per_channel:
+            out["weight_scale"] = t["weight_scale"].reshape(N, 1)
+        if "weight_zero_point" in t:
+            out["weight_zero_point"] = pack_zero_points(t["weight_zero_point"])
+        if isinstance(scheme, W4A16Scheme):
+            out["weight_shape"] = torch.tensor([N, K], dtype=torch.int64)
+        return out
+
+    @staticmethod
+    def check_plan(plan, skip_unsupported: bool, experts: bool) -> None:
+        """This format's own rules on a conversion's plan (cublade.convert.Plan): routed experts are not written
+        in it, and shapes its layout cannot hold are refused, or left unquantized with `skip_unsupported` (as
+        for Scheme.check_shape)."""
+        shapes = {name[: -len(".weight")]: shape for name, shape, _ in plan.tensors if name.endswith(".weight")}
+        for module, scheme in list(plan.quantize.items()):
+            if experts and re.fullmatch(EXPERT_PATTERN, module):
+                raise ValueError(f"--format {CT_METHOD}: {module} is a routed MoE expert; cublade writes experts "
+                                 f"in its own format only (--ignore 're:{EXPERT_PATTERN}' keeps them unquantized)")
+            try:
+                check_shape(scheme, module, *shapes[module])
+            except UnsupportedShape as e:
+                if not skip_unsupported:
+                    raise UnsupportedShape(f"{e} (use --skip-unsupported to leave such layers unquantized)") from None
+                del plan.quantize[module]
+                plan.skipped[module] = str(e)
+
+    @staticmethod
+    def config(policy: Policy, quantize: dict[str, Scheme], linear_modules: list[str]) -> dict:
+        """The quantization_config for a conversion that quantizes `quantize` (module -> scheme) and leaves the
+        other `linear_modules` unquantized. One scheme: one group targeting 'Linear', every unquantized linear
+        the policy's ignore patterns miss named in `ignore`. Several: one group per scheme naming its modules.
+        Read back (policy_from_compressed_tensors), it must give every module its scheme."""
+        by_scheme: dict[Scheme, list[str]] = {}
+        for module, scheme in quantize.items():
+            by_scheme.setdefault(scheme, []).append(module)
+        if not by_scheme:
+            raise ValueError(f"--format {CT_METHOD}: the policy quantizes no module of this checkpoint")
+        ignore = [_ignore_target(p) for p in policy.ignore]
+        groups = {}
+        if len(by_scheme) == 1:
+            scheme = next(iter(by_scheme))
+            groups["group_0"] = {"targets": ["Linear"], **_scheme_args(scheme)}
+            ignore += [m for m in linear_modules if m not in quantize and not policy.is_ignored(m)]
+        else:
+            for i, (scheme, modules) in enumerate(by_scheme.items()):
+                groups[f"group_{i}"] = {"targets": sorted(modules), **_scheme_args(scheme)}
+        formats = {g["format"] for g in groups.values()}
+        qc = {"quant_method": CT_METHOD, "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+              "quantization_status": "compressed", "config_groups": groups, "ignore": ignore,
+              "kv_cache_scheme": dict(KV_CACHE_ARGS) if policy.kv_cache is not None else None,
+              "global_compression_ratio": None}
+        back = policy_from_compressed_tensors(qc)
+        for module in linear_modules:
+            if back.scheme_for(module) != quantize.get(module):
+                raise RuntimeError(f"--format {CT_METHOD}: the written config gives {module} "
+                                   f"{back.scheme_for(module)}, not {quantize.get(module)}")
+        return qc

@@ -24,7 +24,7 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from cublade.config import QUANT_METHOD, Policy, Scheme, parse_quantization_config
-from cublade.config.compressed_tensors import CT_METHOD, policy_from_compressed_tensors
+from cublade.config.compressed_tensors import CT_METHOD, KV_CACHE_ARGS, policy_from_compressed_tensors
 from cublade.config.format import QuantMethod
 
 # Fused vLLM modules and the checkpoint modules they hold, for models that do not declare their own
@@ -42,8 +42,7 @@ class CubladeConfig(QuantizationConfig):
         self.source = QuantMethod.lookup(source, "checkpoint source format", "cublade")
         # Read by vLLM's Attention layer: a declared KV-cache scheme makes `--kv-cache-dtype auto` mean fp8,
         # so the cache dtype follows the checkpoint (an explicit --kv-cache-dtype still wins).
-        self.kv_cache_scheme = ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
-                                 "symmetric": True} if policy.kv_cache is not None else None)
+        self.kv_cache_scheme = dict(KV_CACHE_ARGS) if policy.kv_cache is not None else None
 
     def __repr__(self) -> str:
         return f"CubladeConfig(source={self.source.value!r}, preset={self.policy.preset!r})"
