@@ -52,8 +52,8 @@ def dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """e4m3(clamp(x * (1/scale), ±448)); `scale` broadcasts against `x` (fp32)."""
     inv = torch.reciprocal(scale.float())
-    y = x.float() * inv
-    return y.clamp(-F8E4M3_MAX, F8E4M3_MAX).to(FP8_DTYPE)
+    y = x.float() * inv  # a new tensor: clamped in place, so a weight's quantization holds one fp32 temporary
+    return y.clamp_(-F8E4M3_MAX, F8E4M3_MAX).to(FP8_DTYPE)
 
 
 def quantize_div_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

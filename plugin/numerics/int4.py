@@ -27,8 +27,9 @@ SCALE_DTYPE = torch.bfloat16
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
     """[..., 8] nibbles (j = 0..7, values 0..15) -> int32 [...] with nibble j in bits [4j, 4j+4) (two's
     complement view of the unsigned word)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=u.device)
-    words = (u.to(torch.int64) << shifts).sum(dim=-1)  # < 2^32, fits int64
+    words = torch.zeros(u.shape[:-1], dtype=torch.int64, device=u.device)  # < 2^32, fits int64
+    for j in range(u.shape[-1]):  # one nibble plane at a time: temporaries of 2 x 8 bytes per word, not 8 x 8
+        words |= u[..., j].to(torch.int64) << (4 * j)
     return (words - ((words >= 2**31).to(torch.int64) << 32)).to(torch.int32)
 
 
@@ -78,14 +79,15 @@ def group_params(w: torch.Tensor, group_size: int, symmetric: bool
 
 def quantize_groups(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
                     ) -> torch.Tensor:
-    """Unsigned nibbles u [N, K] of w under the given per-group scale/zero."""
+    """Unsigned nibbles u [N, K] of w under the given per-group scale/zero. In place on one fp32 temporary: the
+    converter's peak memory holds one weight's temporaries (tests/test_convert_memory.py)."""
     N, K = w.shape
-    wg = group_view(w.float(), group_size)
-    s = scale.float().unsqueeze(-1)
+    q = group_view(w.float(), group_size) / scale.float().unsqueeze(-1)
+    q.round_()
     if zero is None:
-        q = torch.round(wg / s).clamp(INT4_SYM_QMIN, INT4_SYM_QMAX) + INT4_SYM_OFFSET
+        q.clamp_(INT4_SYM_QMIN, INT4_SYM_QMAX).add_(INT4_SYM_OFFSET)
     else:
-        q = (torch.round(wg / s) + zero.float().unsqueeze(-1)).clamp(0, INT4_ASYM_QMAX)
+        q.add_(zero.float().unsqueeze(-1)).clamp_(0, INT4_ASYM_QMAX)
     return q.reshape(N, K).to(torch.uint8)
 
 
