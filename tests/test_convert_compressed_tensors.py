@@ -41,14 +41,18 @@ CASES = [
 CASE_IDS = [c[0] for c in CASES]
 
 
+_CONVERTED: dict = {}
+
+
 @pytest.fixture(scope="session")
 def both_formats(tmp_path_factory, padded_model_dir, valid_text):
     """case id -> (cublade-format dir, compressed-tensors dir, policy), the bundled model converted once each;
-    a calibrated case is calibrated once, both conversions take that result."""
+    a calibrated case is calibrated once, both conversions take that result. Shared with the modules that import
+    this fixture (tests/vllm), so each case is converted once per test run."""
     import cublade.calib
     from cublade.convert import convert
 
-    cache: dict = {}
+    cache = _CONVERTED
 
     def get(case_id: str):
         if case_id not in cache:
