@@ -22,6 +22,7 @@ from cublade.vllm.kernels.base import LinearKernel, MoEKernel
 from cublade.vllm.kernels.cublade_fp4_moe import CubladeFp4MoE
 from cublade.vllm.kernels.cublade_mxfp8_dequant_matmul import CubladeMxfp8DequantMatmul
 from cublade.vllm.kernels.cublade_mxfp8_gemm import CubladeMxfp8Gemm
+from cublade.vllm.kernels.cublade_w4a16_fp8_prefill import CubladeW4A16Fp8Prefill
 from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
 from cublade.vllm.kernels.reference import ReferenceKernel
 from cublade.vllm.kernels.reference_moe import ReferenceMoE
@@ -38,7 +39,8 @@ CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel] | type[MoEKernel], ...]]
     # cublade has no FP8 GEMM of its own: vLLM's CUTLASS, activations quantized by cublade's per-token /
     # per-tensor op.
     Fp8Scheme: (VllmCutlassScaledMM, ReferenceKernel),
-    W4A16Scheme: (CubladeW4A16Gemm, VllmMachete, VllmMarlin, ReferenceKernel),
+    # The FP8 tensor-core path first, but only when asked for (CUBLADE_W4A16_PREFILL=fp8): it rounds activations.
+    W4A16Scheme: (CubladeW4A16Fp8Prefill, CubladeW4A16Gemm, VllmMachete, VllmMarlin, ReferenceKernel),
     # W8A16 on the 1-byte weights (bf16 activations); then Marlin (fp16 activations, block scales above 2^7); then
     # dequantize to the activation dtype with cublade's op and a dense GEMM (no MX tensor cores before sm_100).
     MXFP8Scheme: (CubladeMxfp8Gemm, VllmMarlinMxfp8, CubladeMxfp8DequantMatmul, ReferenceKernel),
