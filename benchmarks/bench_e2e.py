@@ -13,7 +13,11 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
     vllm-w4a16            cublade's w4a16 checkpoint relabelled as compressed-tensors pack-quantized (the same
                           tensors: cublade writes that layout), served by vLLM's own WNA16 method (Machete on
                           Hopper; `VLLM_DISABLED_KERNELS=MacheteLinearKernel` gives Marlin)
+    vllm-w4a16-humming    the same, on vLLM's Humming kernel (every earlier WNA16 kernel disabled; needs the
+                          humming-kernels package)
     cublade-w4a16         `cublade convert ... --scheme w4a16` (RTN, group 128, symmetric)
+    cublade-w4a16-fp8     the same checkpoint with CUBLADE_W4A16_PREFILL=fp8 (batches of 512 tokens or more on
+                          FP8 tensor cores, activations rounded to E4M3 per 1 x 128)
     cublade-fp8-kv-vllm   cublade-fp8 with an FP8 KV cache (k_scale = v_scale = KV_SCALE in every layer: the
                           step's time does not depend on them), K rounded to nearest, vLLM's FlashAttention and
                           its own cache write
@@ -60,7 +64,11 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-mxfp8": ("cublade-mxfp8", None, {}, None),
     "vllm-w4a16": ("ct-w4a16", None, {}, None),
     "vllm-w4a16-marlin": ("ct-w4a16", None, {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}, None),
+    "vllm-w4a16-humming": ("ct-w4a16", None, {"VLLM_DISABLED_KERNELS": ",".join(
+        f"{k}LinearKernel" for k in ("CutlassW4A8", "Machete", "AllSpark", "Marlin", "Conch", "Exllama",
+                                     "TritonW4A16"))}, None),
     "cublade-w4a16": ("cublade-w4a16", None, {}, None),
+    "cublade-w4a16-fp8": ("cublade-w4a16", None, {"CUBLADE_W4A16_PREFILL": "fp8"}, None),
     "cublade-fp8-kv-vllm": ("cublade-fp8-kv-nearest", None, {}, None),
     "cublade-fp8-kv": ("cublade-fp8-kv-nearest", None, {}, "CUSTOM"),
     "cublade-fp8-kv-qa": ("cublade-fp8-kv-query-aware", None, {}, "CUSTOM"),

@@ -5,6 +5,8 @@ their fp32 summation order differs), and the quant steps inside them are bit-exa
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cublade.numerics.fp4 import Fp4Format, fp4_dequant_weight
@@ -45,10 +47,44 @@ def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     return _finish(y, bias, x.dtype).reshape(*x.shape[:-1], -1)
 
 
+W4A16_PREFILL_ENV = "CUBLADE_W4A16_PREFILL"
+W4A16_PREFILL_CHOICES = ("bf16", "fp8")
+# Rows from which CUBLADE_W4A16_PREFILL=fp8 rounds a w4a16 layer's activations to E4M3 per 1 x 128 (the FP8
+# tensor-core path, cublade.ops.w4a16_gemm_fp8; the measurement behind 512: docs/decisions.md).
+W4A16_FP8_MIN_ROWS = 512
+
+
+def w4a16_prefill_math() -> str:
+    """CUBLADE_W4A16_PREFILL: "bf16" (default: bf16/fp16 activations at every batch size) or "fp8" (calls of
+    W4A16_FP8_MIN_ROWS rows or more take their activations in E4M3 per 1 x 128, on FP8 tensor cores)."""
+    v = os.environ.get(W4A16_PREFILL_ENV, "").strip().lower() or "bf16"
+    if v not in W4A16_PREFILL_CHOICES:
+        raise ValueError(f"{W4A16_PREFILL_ENV}={os.environ[W4A16_PREFILL_ENV]!r}: expected one of "
+                         f"{', '.join(W4A16_PREFILL_CHOICES)}")
+    return v
+
+
+def fp8_activations_per_group(x2: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K % 128 == 0) rounded to E4M3 per 1 x 128 group with the dynamic per-token rule per group, back in
+    fp32 (q * scale, exact)."""
+    M, K = x2.shape
+    q, s = quantize_per_token(x2.reshape(M, K // 128, 128))
+    return (q.float() * s).reshape(M, K)
+
+
 def w4a16_linear_ref(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                      weight_zero_point: torch.Tensor | None, group_size: int,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _dense(x, int4_dequant_weight(weight_packed, weight_scale, weight_zero_point, group_size), bias)
+    """bf16/fp16 activations times the exact int4 weights. With CUBLADE_W4A16_PREFILL=fp8, calls of
+    W4A16_FP8_MIN_ROWS rows or more at group size 128 or per channel compute what the FP8 tensor-core path does:
+    activations rounded to E4M3 per 1 x 128 first."""
+    w = int4_dequant_weight(weight_packed, weight_scale, weight_zero_point, group_size)
+    K = x.shape[-1]
+    if (group_size in (128, -1) and K % 128 == 0 and x.numel() // max(K, 1) >= W4A16_FP8_MIN_ROWS
+            and w4a16_prefill_math() == "fp8"):
+        y = fp8_activations_per_group(x.reshape(-1, K).float()) @ w.float().t()
+        return _finish(y, bias, x.dtype).reshape(*x.shape[:-1], -1)
+    return _dense(x, w, bias)
 
 
 def mxfp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from cublade.numerics.linear import W4A16_FP8_MIN_ROWS
 from cublade.ops._dispatch import use_kernel
 from cublade.ops.fp8_quant_per_group import fp8_quant_per_group, fp8_quant_per_group_ref
 from cublade.ops.w4a16_dequant import w4a16_dequant_fp8, w4a16_dequant_fp8_ref
@@ -91,10 +92,11 @@ def blockwise_fp8_supported() -> bool:
     return hasattr(F, "scaled_mm") and hasattr(getattr(F, "ScalingType", None), "BlockWise1x128")
 
 
+
 def fp8_min_rows(size_n: int, size_k: int) -> int:
-    """Rows from which the FP8 path runs. Measured on an H200 (benchmarks/bench_w4a16_gemm.py, "fp8-tc" against
-    "cublade", on the Llama-3-8B and -70B shapes; docs/decisions.md): from 512 rows it is the faster on every shape
-    but 4096x6144 (0.84x there at 512, 1.14x at 1024); at 384 it loses on 8192x10240 and 28672x8192 (0.82-0.89x),
-    at 256 on four of seven shapes. Below, the fixed cost of quantizing both operands per call outweighs the
-    faster tensor cores."""
-    return 512
+    """Rows from which the FP8 path runs (the same for every shape: cublade.numerics.linear.W4A16_FP8_MIN_ROWS).
+    Measured on an H200 (benchmarks/bench_w4a16_gemm.py, "fp8-tc" against "cublade", on the Llama-3-8B and -70B
+    shapes; docs/decisions.md): from 512 rows it is the faster on every shape but 4096x6144 (0.84x there at 512,
+    1.14x at 1024); at 384 it loses on 8192x10240 and 28672x8192 (0.82-0.89x), at 256 on four of seven shapes.
+    Below, the fixed cost of quantizing both operands per call outweighs the faster tensor cores."""
+    return W4A16_FP8_MIN_ROWS

@@ -87,3 +87,22 @@ def test_kernel_fp16_and_3d_input():
     ref = w4a16_gemm_fp8_ref(x, rp.packed.cpu(), 128, True, 512, 128)
     assert y.shape == (2, 300, 512) and y.dtype == torch.float16
     assert rel_err(y.cpu(), ref.float()) < 2e-3
+
+
+@pytest.mark.parametrize("G,sym", [(128, True), (-1, False)])
+def test_scheme_reference_follows_the_switch(monkeypatch, G, sym):
+    """The scheme's reference linear (what `cublade ppl` computes) takes the FP8 path's numerics with
+    CUBLADE_W4A16_PREFILL=fp8 from the same row count, and bf16 activations otherwise."""
+    from cublade.numerics.linear import W4A16_FP8_MIN_ROWS, w4a16_linear_ref
+
+    N, K = 64, 256
+    wp, ws, wz = checkpoint(N, K, G, sym, seed=3)
+    rp = w4a16_repack(wp, ws, wz, G)
+    for rows in (W4A16_FP8_MIN_ROWS - 1, W4A16_FP8_MIN_ROWS):
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "fp8")
+        got = w4a16_linear_ref(x, wp, ws, wz, G)
+        assert torch.equal(got, w4a16_gemm_fp8_ref(x, rp.packed, G, sym, N, W4A16_FP8_MIN_ROWS))
+        monkeypatch.delenv("CUBLADE_W4A16_PREFILL")
+        plain = w4a16_linear_ref(x, wp, ws, wz, G)
+        assert torch.equal(got, plain) == (rows < W4A16_FP8_MIN_ROWS)

@@ -2,25 +2,12 @@
 CUBLADE_W4A16_PREFILL=fp8."""
 from __future__ import annotations
 
-import os
-
 import torch
 
+from cublade.numerics.linear import W4A16_PREFILL_ENV, w4a16_prefill_math
 from cublade.ops.w4a16_gemm_fp8 import blockwise_fp8_supported, fp8_min_rows
 from cublade.vllm.kernels.base import why_no_kernel
 from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
-
-ENV = "CUBLADE_W4A16_PREFILL"
-CHOICES = ("bf16", "fp8")
-
-
-def prefill_math() -> str:
-    """CUBLADE_W4A16_PREFILL: "bf16" (default: the weights' exact values times bf16 activations at every batch size)
-    or "fp8" (from fp8_min_rows tokens, activations rounded to E4M3 per 1 x 128 and FP8 tensor cores)."""
-    v = os.environ.get(ENV, "bf16").strip().lower() or "bf16"
-    if v not in CHOICES:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected one of {', '.join(CHOICES)}")
-    return v
 
 
 class CubladeW4A16Fp8Prefill(CubladeW4A16Gemm):
@@ -34,8 +21,8 @@ class CubladeW4A16Fp8Prefill(CubladeW4A16Gemm):
 
     @classmethod
     def can_implement(cls, layer):
-        if prefill_math() != "fp8":
-            return False, f"runs when asked for ({ENV}=fp8)"
+        if w4a16_prefill_math() != "fp8":
+            return False, f"runs when asked for ({W4A16_PREFILL_ENV}=fp8)"
         ok, why = super().can_implement(layer)
         if not ok:
             return ok, why
