@@ -27,8 +27,8 @@ takes kernels out), one class each in cublade.vllm.kernels:
                      repacked once into Marlin's layout. NVFP4 needs one global scale per expert for w1 and w3.
   reference          pure PyTorch: every expert linear is scheme.linear_ref on the stored FP4 tensors (the
                      reference backend's numerics, cublade.numerics.moe.experts_forward_ref); the CPU path. On a GPU
-                     it is the last resort: slow, and it syncs with the host, so it refuses CUDA-graph capture
-                     (serve with --enforce-eager).
+                     only with CUBLADE_ALLOW_REFERENCE=1: slow, and it syncs with the host, so it refuses CUDA-graph
+                     capture (serve with --enforce-eager).
 """
 from __future__ import annotations
 

@@ -270,6 +270,38 @@ def test_cublade_kernel_passed_over_on_other_gpus(monkeypatch):
     assert not ok and why == "cublade's kernels are built for sm_90a, this GPU is sm_80"
 
 
+@pytest.mark.parametrize("cap,want", [(80, "vllm-marlin-moe"), (86, "vllm-marlin-moe"), (89, "vllm-marlin-moe"),
+                                      (90, "cublade-fp4-moe")])
+def test_kernel_per_gpu(vllm_cpu, monkeypatch, fmt, cap, want):
+    """FP4 experts on each GPU family (capability mocked, tests/gpu_mock.py): cublade's grouped FP4 GEMM on sm_90,
+    vLLM's fused Marlin MoE on sm_80-89; an intermediate size per rank Marlin's tiles do not take (96: not a
+    multiple of 64) stops the load there with every candidate's reason, as the fp32 reference runs on a GPU only
+    when asked for (CUBLADE_ALLOW_REFERENCE=1)."""
+    from gpu_mock import mocked_gpu
+
+    from cublade.vllm.kernels import CANDIDATES, first_runnable, select_moe_kernel
+
+    scheme = FP4Scheme(format=fmt)
+    bf16 = make_layer(vllm_cpu, scheme).routed_experts
+    odd = make_layer(vllm_cpu, scheme, inter=96).routed_experts
+    with mocked_gpu(monkeypatch, cap):
+        k, reason, _ = first_runnable(CANDIDATES[FP4Scheme], lambda k: k.can_implement(bf16, scheme))
+        assert k.name == want, reason
+        k, _, skipped = first_runnable(CANDIDATES[FP4Scheme], lambda k: k.can_implement(odd, scheme))
+        if cap == 90:
+            assert k.name == "cublade-fp4-moe"
+        else:
+            assert k is None
+            assert skipped[1] == ("vllm-marlin-moe: Marlin MoE tiles need hidden_size % 128 == 0 and intermediate % "
+                                  "64 == 0 (H=128, I=96)")
+            with pytest.raises(NotImplementedError, match=r"^experts: no kernel can run MoE experts fp4.*\[E=8, "
+                                                          r"H=128, I=96, torch.bfloat16\]: cublade-fp4-moe: cublade's "
+                                                          r"kernels are built for sm_90a, this GPU is sm_\d\d; "
+                                                          r"vllm-marlin-moe: .*; reference: fp32 reference math, on a "
+                                                          r"GPU only when asked for"):
+                select_moe_kernel(odd, scheme, "experts")
+
+
 def test_cublade_kernel_grouping_on_cpu(vllm_cpu, ckpt, fmt):
     """The cublade-fp4-moe kernel's host logic (repack once, sort tokens by expert on the device, offsets,
     one grouped GEMM per projection, unsort + weighted sum; ids of other ranks' experts masked), run here with
@@ -341,7 +373,11 @@ def test_marlin_moe_is_found_through_vllms_kernel_loader(monkeypatch):
         pytest.skip("vLLM's MoE ops are loaded in this process (tests/moe/test_moe_gpu.py runs Marlin itself)")
     loads = []
     monkeypatch.setattr(current_platform, "import_kernels", lambda: loads.append(1))
-    layer = types.SimpleNamespace(w13_weight_packed=types.SimpleNamespace(is_cuda=True), params_dtype=torch.bfloat16)
+    from cublade.vllm.kernels import base
+
+    monkeypatch.setattr(base, "_capability", lambda device: 90)
+    layer = types.SimpleNamespace(w13_weight_packed=types.SimpleNamespace(device=torch.device("cpu")),
+                                  params_dtype=torch.bfloat16)
     ok, why = VllmMarlinMoE.can_implement(layer, FP4Scheme(format="mxfp4"))
     assert not ok and "moe_wna16_marlin_gemm" in why and loads
     lib = torch.library.Library("_moe_C", "FRAGMENT")
