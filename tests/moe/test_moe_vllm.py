@@ -247,8 +247,9 @@ def test_bad_scale_values_refused_after_load(vllm_cpu, ckpt, fmt):
 def test_refusals(vllm_cpu, monkeypatch):
     with pytest.raises(NotImplementedError, match=r"experts: cublade serves MoE experts in fp4.*not fp8"):
         make_layer(vllm_cpu, Fp8Scheme())
-    with pytest.raises(UnsupportedShape, match=r"intermediate_size per TP rank=200 is not a multiple of the "
-                                               r"mxfp4 block size 32"):
+    with pytest.raises(UnsupportedShape, match=r"^model\.layers\.0\.block_sparse_moe\.experts: intermediate_size "
+                                               r"I=200 breaks a rule of scheme fp4\(format=mxfp4, scale_rule=rceil\): "
+                                               r"it must be a multiple of the mxfp4 block size 32"):
         make_layer(vllm_cpu, FP4Scheme(), inter=200)
     monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "reference")
     layer = make_layer(vllm_cpu, FP4Scheme())
@@ -268,6 +269,32 @@ def test_cublade_kernel_passed_over_on_other_gpus(monkeypatch):
     w = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
     ok, why = CubladeFp4MoE.can_implement(types.SimpleNamespace(w13_weight_packed=w), FP4Scheme())
     assert not ok and why == "cublade's kernels are built for sm_90a, this GPU is sm_80"
+
+
+@pytest.mark.parametrize("fmt_,H,I,tp,refused", [
+    ("mxfp4", 128, 48, 2, "intermediate_size I=48 per rank (intermediate_size 96 at tensor-parallel size 2)"),
+    ("mxfp4", 128, 16, 4, "intermediate_size I=16 per rank (intermediate_size 64 at tensor-parallel size 4)"),
+    ("mxfp4", 80, 64, 1, "hidden_size H=80"),
+    ("nvfp4", 128, 48, 2, None), ("nvfp4", 128, 16, 4, None),
+    ("nvfp4", 128, 24, 2, "intermediate_size I=24 per rank (intermediate_size 48 at tensor-parallel size 2)"),
+    ("mxfp4", 128, 32, 8, None),
+])
+def test_expert_sharding_rules(fmt_, H, I, tp, refused):
+    """The rules on one rank's sizes, called directly: I per rank (and H) a multiple of the FP4 block (32 mxfp4,
+    16 nvfp4). nvfp4 at I = 16 or 48 per rank passes these rules; the kernels' own needs (cublade's K % 32, Marlin's
+    intermediate % 64) are the selection's (test_kernel_per_gpu)."""
+    from cublade.vllm.moe import check_expert_partition
+
+    scheme = FP4Scheme(format=fmt_)
+    if refused is None:
+        check_expert_partition(scheme, "experts", H, I, tp)
+        return
+    block = scheme.block
+    with pytest.raises(UnsupportedShape) as e:
+        check_expert_partition(scheme, "experts", H, I, tp)
+    assert str(e.value) == (f"experts: {refused} breaks a rule of scheme {scheme.describe()}: it must be a multiple "
+                            f"of the {fmt_} block size {block} (a block and its scale live on one rank; FP4 packs 2 "
+                            f"values per byte along K)")
 
 
 @pytest.mark.parametrize("cap,want", [(80, "vllm-marlin-moe"), (86, "vllm-marlin-moe"), (89, "vllm-marlin-moe"),
@@ -356,6 +383,12 @@ def test_tensor_parallel_2(converted, moe_fixture, tmp_path):
     for f, c in ckpts.items():
         want = _reference(c, f, x, x @ router(c).t())
         torch.testing.assert_close(torch.load(tmp_path / f"{f}.pt"), want, rtol=1e-5, atol=1e-6)
+    for r in range(2):  # vLLM's per-rank intermediate size reaches the sharding rule
+        assert (tmp_path / f"refusal-rank{r}.txt").read_text() == (
+            "model.layers.0.block_sparse_moe.experts: intermediate_size I=48 per rank (intermediate_size 96 at "
+            "tensor-parallel size 2) breaks a rule of scheme fp4(format=mxfp4, scale_rule=rceil): it must be a "
+            "multiple of the mxfp4 block size 32 (a block and its scale live on one rank; FP4 packs 2 values per "
+            "byte along K)")
 
 
 def test_marlin_moe_is_found_through_vllms_kernel_loader(monkeypatch):

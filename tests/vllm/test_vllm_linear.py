@@ -168,8 +168,9 @@ def test_w4a16_group_that_does_not_divide_k_is_refused(vllm_ctx):
     from vllm.model_executor.layers.linear import RowParallelLinear
 
     cfg = single_scheme_config(W4A16Scheme(128))
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: w4a16 group_size=128 does not divide "
-                                         r"in_features per rank 192"):
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj: K=192 breaks a rule of scheme "
+                                         r"w4a16\(group_size=128, symmetric=True\): in_features per rank must be a "
+                                         r"multiple of the group size 128"):
         RowParallelLinear(192, 128, bias=False, quant_config=cfg, prefix="model.layers.0.mlp.down_proj")
 
 
