@@ -141,3 +141,65 @@ def test_only_reference_left_stops_the_load(vllm_ctx, monkeypatch, cap):
     with mocked_gpu(monkeypatch, cap):
         got, _, skipped = choice(layer)
     assert got is None and skipped[-1].startswith("reference: fp32 reference math, on a GPU only when asked for")
+
+
+def test_asymmetric_w4a16_rows_off_the_zero_point_packing(vllm_ctx, monkeypatch):
+    """N per rank not a multiple of 8 (12 here, e.g. 24 rows over 2 ranks) with zero points: cublade's kernel takes it
+    on sm_90; vLLM's Marlin packs zero points 8 per int32 along N, so on sm_80-89 the load stops with the reasons."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+
+    from cublade.vllm import kernels
+
+    torch.set_default_dtype(torch.bfloat16)
+    layer = ColumnParallelLinear(128, 12, bias=False, quant_config=single_scheme_config(W4A16Scheme(64, False)),
+                                 prefix="model.layers.0.self_attn.k_proj")
+    with mocked_gpu(monkeypatch, 90):
+        assert choice(layer)[0] == "cublade-w4a16-gemm"
+    with mocked_gpu(monkeypatch, 86):
+        with pytest.raises(NotImplementedError, match=r"^model\.layers\.0\.self_attn\.k_proj: no kernel can run .* "
+                                                      r"\[N=12, K=128, torch\.bfloat16\]: .*vllm-marlin: zero points "
+                                                      r"pack 8 per int32 along N; N=12; reference: fp32 reference"):
+            kernels.select_kernel(layer, "model.layers.0.self_attn.k_proj")
+
+
+@pytest.mark.parametrize("strategy,N,K", [("channel", 200, 136), ("tensor", 256, 128)])
+def test_fp8_marlin_prepares_weight_and_scales(vllm_ctx, monkeypatch, strategy, N, K):
+    """vllm-marlin-fp8's one-time preparation, on CPU with vLLM's repack op recorded instead of run: the e4m3 weight
+    zero-padded to the smaller of Marlin's tile families (N % 64 with K % 128, or N % 128 with K % 64) and packed
+    4 codes per int32 along K; the scales per channel (a per-tensor scale repeated), padded, in Marlin's order, times
+    the exponent bias and rounded once (fp8_w8a16_scale); the static input scale dropped."""
+    import vllm._custom_ops as vllm_ops
+    from vllm.model_executor.layers.quantization.utils import marlin_utils as mu
+
+    from cublade.numerics.linear import fp8_w8a16_scale
+    from cublade.vllm.kernels import VllmMarlinFp8
+
+    scheme = Fp8Scheme(strategy, "static-tensor")
+    g = torch.Generator().manual_seed(0)
+    t = scheme.quantize(torch.randn(N, K, generator=g) * torch.linspace(0.05, 1.0, N).unsqueeze(1))
+    layer = torch.nn.Module()
+    for name, v in {**t, "input_scale": torch.tensor([0.01])}.items():
+        layer.register_parameter(name, torch.nn.Parameter(v, requires_grad=False))
+    layer.output_size_per_partition, layer.input_size_per_partition = N, K
+    layer.params_dtype, layer.cublade_scheme = torch.bfloat16, scheme
+    calls = []
+
+    def repack(b_q_weight, perm, size_k, size_n, num_bits):
+        calls.append((b_q_weight, size_k, size_n, num_bits))
+        return torch.zeros(size_k // 16, size_n * 16 // 4, dtype=torch.int32)
+
+    monkeypatch.setattr(vllm_ops, "gptq_marlin_repack", repack)
+    monkeypatch.setattr(mu, "marlin_make_workspace_new", lambda device, max_blocks_per_sm=1: torch.zeros(1))
+    VllmMarlinFp8(layer)
+    pN, pK = mu.marlin_padded_nk(N, K)
+    assert (pN % 64, pK % 128) == (0, 0) or (pN % 128, pK % 64) == (0, 0)
+    (q, size_k, size_n, bits), = calls
+    assert (size_k, size_n, bits) == (pK, pN, 8) and q.shape == (pK // 4, pN)
+    codes = q.t().contiguous().view(torch.uint8).reshape(pN, pK)  # back to [N, K] bytes
+    assert torch.equal(codes[:N, :K], t["weight"].view(torch.uint8))
+    assert not codes[N:].any() and not codes[:, K:].any()
+    scale = fp8_w8a16_scale(t["weight_scale"], N, torch.bfloat16)
+    want = mu.marlin_permute_scales(torch.nn.functional.pad(scale.reshape(1, N), (0, pN - N)), pK, pN, -1)
+    assert layer.weight_scale.dtype == torch.bfloat16 and layer.weight_scale.shape == (1, pN)
+    assert torch.equal(layer.weight_scale, want)
+    assert not hasattr(layer, "input_scale")
