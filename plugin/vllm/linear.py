@@ -2,7 +2,9 @@
 tensors are, cublade.vllm.kernels says how a layer runs.
 
 Lifecycle of a layer (vLLM calls these in order):
-  create_weights   the scheme's tensors as vLLM parameter classes (ModelWeightParameter, Channel/Group/
+  create_weights   the rank's shapes checked against the scheme's sharding rules (check_partition: K per rank
+                   a multiple of the int4 packing, the group size, the MX block; one error naming the rule), then
+                   the scheme's tensors as vLLM parameter classes (ModelWeightParameter, Channel/Group/
                    PerTensor scale parameters, PackedvLLMParameter), so vLLM's own loaders shard them for
                    tensor parallelism and place fused shards (q/k/v, gate/up). Each loader is wrapped to
                    check the checkpoint tensor against the scheme (shape, dtype) and record which shards
@@ -57,9 +59,9 @@ def check_partition(scheme: Scheme, layer: str, parts: list[int], K: int, K_full
                     tp_size: int = 1, compressed_tensors: bool = False) -> None:
     """The sharding rules of a linear layer's scheme on one tensor-parallel rank: `parts` are the rank's output
     sizes (one per fused shard: vLLM splits each of q/k/v or gate/up along its rows; N_full in all), K its input
-    size (K_full over tp_size ranks for a row-parallel layer). A rule broken is one ValueError naming the layer, N or K per rank,
-    the tensor-parallel size and the rule. Shapes every rule allows and a kernel's tiles do not are the kernel
-    selection's to refuse (docs/kernel-selection.md#tensor-parallelism)."""
+    size (K_full over tp_size ranks for a row-parallel layer). A rule broken is one ValueError naming the layer, N
+    or K per rank, the tensor-parallel size and the rule. Shapes every rule allows and a kernel's tiles do not are
+    the kernel selection's to refuse (docs/kernel-selection.md#tensor-parallelism)."""
     def refuse(rule: str, dim: str, per_rank, full: int) -> ValueError:
         return ValueError(f"{layer}: {_per_rank(dim, per_rank, full, tp_size)} breaks a rule of scheme "
                           f"{scheme.describe()}: {rule}")

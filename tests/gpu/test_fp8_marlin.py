@@ -12,7 +12,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def fp8_layer(scheme, N: int, K: int, dtype, amax: float = 0.3, seed: int = 0) -> tuple[torch.nn.Module, dict]:
-    """A stand-in for a vLLM linear layer after loading (cublade's fp8 tensors), and a copy of its checkpoint tensors."""
+    """A stand-in for a vLLM linear layer after loading (cublade's fp8 tensors), and a copy of its checkpoint
+    tensors."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=g) * torch.linspace(0.05, 1.0, N).unsqueeze(1)
     t = scheme.quantize(w * (amax / w.abs().max()))

@@ -4,8 +4,9 @@ ordered candidates per scheme and the one selector.
 
 The selector walks the scheme's candidates in order and takes the first that can run the layer: cublade's own op
 where it exists, else a named fallback, and last the pure-PyTorch reference (the CPU path, bit-exact to
-`scheme.linear_ref`; on a GPU only with CUBLADE_ALLOW_REFERENCE=1, so that no layer runs fp32 math by surprise). It logs one line per distinct choice, with the reason, and the reasons of the candidates it
-passed over; if none can run the layer it raises one error listing them all. `CUBLADE_DISABLED_KERNELS=name,name`
+`scheme.linear_ref`; on a GPU only with CUBLADE_ALLOW_REFERENCE=1, so that no layer runs fp32 math by surprise). It
+logs one line per distinct choice, with the reason, and the reasons of the candidates it passed over; if none can
+run the layer it raises one error listing them all. `CUBLADE_DISABLED_KERNELS=name,name`
 takes kernels out of the running (as VLLM_DISABLED_KERNELS does). Why each list is in this order:
 docs/kernel-selection.md.
 """
