@@ -132,21 +132,34 @@ def build_parser() -> argparse.ArgumentParser:
                    "vLLM's choice for any other)")
 
     sub.add_parser("presets", help="list the preset policies")
+    sub.add_parser("doctor", help="versions, the GPU, the CUDA extension's state, each op's kernel or reference, "
+                   "and the kernel each scheme takes here",
+                   description="Prints what this machine gives cublade: versions of cublade, torch, vLLM, CUDA and "
+                   "Python; the GPU and its compute capability; whether the CUDA extension is loaded (installed, "
+                   "built on first use into the cache, or why not); which ops run a CUDA kernel; and the kernel "
+                   "class vLLM's layers would take for each preset's schemes on this GPU.")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cublade.ops._build import ExtensionUnavailable
+
     args = build_parser().parse_args(argv)
     try:
         if args.command == "convert":
             return _convert(args)
         if args.command == "ppl":
             return _ppl(args)
+        if args.command == "doctor":
+            from cublade.doctor import report
+
+            print("\n".join(report()))
+            return 0
         if args.command == "presets":
             for k, v in PRESET_HELP.items():
                 print(f"{k:<22} {v}")
             return 0
-    except (ValueError, NotImplementedError, FileExistsError, FileNotFoundError) as e:
+    except (ValueError, NotImplementedError, FileExistsError, FileNotFoundError, ExtensionUnavailable) as e:
         print(f"cublade {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 1
