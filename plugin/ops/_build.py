@@ -151,7 +151,7 @@ def _build(d: Path) -> None:
         try:
             load(name="_C", sources=[str(s) for s in sources()], extra_include_paths=[str(CSRC)],
                  extra_cflags=CXX_FLAGS, extra_cuda_cflags=NVCC_FLAGS, build_directory=str(d),
-                 is_python_module=False, verbose=False)
+                 is_python_module=True, verbose=False)  # linked and defined as setup.py's cublade._C
         except Exception as e:  # noqa: BLE001  (the compiler's output goes to the log, the reason to one line)
             log.write_text(f"{type(e).__name__}: {e}\n")
             raise ExtensionUnavailable(f"cublade: building the CUDA extension into {d} failed (compiler output in "
