@@ -65,8 +65,24 @@ def check_output_target(src: Path, out: Path, overwrite: bool) -> None:
 @contextmanager
 def output_lock(out: Path):
     """Hold `.<OUT>.cublade-lock` beside OUT for the whole conversion: a second conversion to the same OUT fails
-    at once, naming the first one's process. The lock file is removed when released."""
+    at once, naming the first one's process. The lock file is removed when released, and OUT's parent
+    directories that this call created are removed again when the conversion fails."""
+    created = [d for d in (out.parent, *out.parent.parents) if not d.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _locked(out):
+            yield
+    except BaseException:
+        for d in created:  # innermost first; a directory something else wrote into stays
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+
+
+@contextmanager
+def _locked(out: Path):
     path = out.parent / f".{out.name}{LOCK_MARK}"
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -106,6 +106,12 @@ def test_index_entries_no_shard_holds(capsys, src, tmp_path):
     assert f"{name}: {INDEX_NAME} puts it in {other}, but {shard} holds it" in _convert(capsys, src, tmp_path / "out")
 
 
+def test_a_failed_conversion_leaves_no_parent_directories_it_created(capsys, src, tmp_path):
+    _edit(src, lambda t: t["model.norm.weight"].__setitem__(0, float("nan")))
+    assert "model.norm.weight: 1 NaN/Inf" in _convert(capsys, src, tmp_path / "new" / "dirs" / "out")
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_tensor_in_two_shards(capsys, src, tmp_path):
     weight_map = _shard(src, 2)
     name = next(k for k, v in weight_map.items() if v.startswith("model-00001"))
