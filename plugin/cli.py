@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cublade.ops._build import ExtensionUnavailable
+    from cublade.extension import ExtensionUnavailable
 
     args = build_parser().parse_args(argv)
     try:

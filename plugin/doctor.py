@@ -26,7 +26,7 @@ def _version(dist: str) -> str:
 
 def op_names() -> list[str]:
     """Every op of the extension, from the schemas in bindings.cpp (shipped with the package)."""
-    from cublade.ops._build import CSRC
+    from cublade.extension import CSRC
 
     return re.findall(r'm\.def\("(\w+)\(', (CSRC / "bindings.cpp").read_text())
 
@@ -63,15 +63,15 @@ def gpu() -> list[tuple[str, str]]:
 
 
 def extension() -> list[tuple[str, str]]:
-    from cublade.ops import _build
+    from cublade import extension
 
     try:
         from cublade.ops import _dispatch
-    except _build.ExtensionUnavailable as e:
+    except extension.ExtensionUnavailable as e:
         return [("extension", f"missing: {e}")]
     if _dispatch.extension_loaded():
         where = _dispatch.extension_path()
-        how = "built on first use into the cache" if where and where.startswith(str(_build.cache_root())) else \
+        how = "built on first use into the cache" if where and where.startswith(str(extension.cache_root())) else \
             "installed"
         return [("extension", f"loaded, {how}: {where}")]
     why = _dispatch.extension_load_error()
@@ -79,7 +79,7 @@ def extension() -> list[tuple[str, str]]:
         state = "not loaded: CUBLADE_DISABLE_KERNELS=1 (every op runs its PyTorch reference)"
     else:
         state = f"not installed ({why}); not needed on this machine (cublade's kernels are sm_90a only)"
-    return [("extension", state), ("cache", f"{_build.cache_dir()} (where a Hopper GPU builds it)")]
+    return [("extension", state), ("cache", f"{extension.cache_dir()} (where a Hopper GPU builds it)")]
 
 
 def ops() -> list[tuple[str, str]]:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a Hopper GPU machine: install cublade without its extension into an empty directory and check the first-use
-# build (cublade.ops._build): one process builds into a fresh cache and says so in one line, later processes load
+# build (cublade.extension): one process builds into a fresh cache and says so in one line, later processes load
 # the cached library, several processes started together build it once, the ops then run their CUDA kernels, and
-# `cublade doctor` reports the cached build. Prints the build's wall time (BUILD_MINUTES in _build.py says it).
+# `cublade doctor` reports the cached build. Prints the build's wall time (BUILD_MINUTES in plugin/extension.py
+# says it).
 #   bash scripts/jit_check.sh            Env: PYTHON (default python3), MAX_JOBS
 set -euo pipefail
 cd "$(dirname "$0")/.."

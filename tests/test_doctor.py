@@ -11,7 +11,8 @@ import torch
 import cublade.ops
 from cublade import doctor
 from cublade.config import PRESETS, preset
-from cublade.ops import _build, _dispatch
+from cublade import extension
+from cublade.ops import _dispatch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,8 +48,8 @@ def test_extension_built_into_the_cache_is_reported_as_such(monkeypatch, tmp_pat
 
 
 def test_extension_that_cannot_be_built_is_reported_with_the_fix(monkeypatch):
-    monkeypatch.setattr(_build, "kernels_target_this_gpu", lambda: True)
-    monkeypatch.setattr(_build, "_toolchain_problem", lambda: "nvcc not found")
+    monkeypatch.setattr(extension, "kernels_target_this_gpu", lambda: True)
+    monkeypatch.setattr(extension, "_toolchain_problem", lambda: "nvcc not found")
     monkeypatch.setenv("CUBLADE_EXT_CACHE", "/nonexistent/cache")
     monkeypatch.delenv("CUBLADE_DISABLE_KERNELS", raising=False)
     monkeypatch.setitem(sys.modules, "cublade._C", None)

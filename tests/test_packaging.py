@@ -1,5 +1,5 @@
 """The wheel carries what a first-use build needs: every source of the CUDA extension under cublade/csrc (the
-package data cublade.ops._build compiles from), and the doctor's op list (bindings.cpp)."""
+package data cublade.extension compiles from), and the doctor's op list (bindings.cpp)."""
 from __future__ import annotations
 
 import os

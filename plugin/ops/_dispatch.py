@@ -4,7 +4,7 @@ else the pure-PyTorch reference (the CPU path, and the numerics every kernel rep
 The extension `cublade._C` is imported once, when this module is first imported (not lazily inside an op
 call), so that `torch.compile` never traces an import: under dynamo, `use_kernel` is plain attribute reads.
 Where the installed package has no extension and the GPU is one the kernels target (sm_90), it is built on first
-use into a cache (cublade.ops._build); when that cannot be done, importing this module raises
+use into a cache (cublade.extension); when that cannot be done, importing this module raises
 ExtensionUnavailable with the fix. Set CUBLADE_DISABLE_KERNELS=1 to force the references everywhere."""
 from __future__ import annotations
 
@@ -37,12 +37,12 @@ def _load() -> bool:
         from cublade import _C  # (registers TORCH_LIBRARY(cublade) and the CUDA kernels)
         _LOADED_FROM = _C.__file__
     except ImportError as e:  # no build (CPU machines, a pure-Python install), or a build for another torch
-        from cublade.ops import _build
+        from cublade import extension
 
-        if not _build.kernels_target_this_gpu():
+        if not extension.kernels_target_this_gpu():
             _LOAD_ERROR = f"{type(e).__name__}: {e}"
             return False
-        _LOADED_FROM = str(_build.load_or_build())  # raises ExtensionUnavailable when it cannot
+        _LOADED_FROM = str(extension.load_or_build())  # raises ExtensionUnavailable when it cannot
     _CUDA_OPS = ops_with_cuda_kernel("cublade")
     return True
 

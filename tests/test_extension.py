@@ -1,4 +1,4 @@
-"""cublade.ops._build and the extension load in cublade.ops._dispatch, on a CPU machine: a GPU the kernels target
+"""cublade.extension and the extension load in cublade.ops._dispatch, on a CPU machine: a GPU the kernels target
 (sm_90) is mocked, and torch.utils.cpp_extension.load is replaced by a fake that records its arguments."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 import torch.utils.cpp_extension
 from filelock import FileLock
 
-from cublade.ops import _build, _dispatch
+from cublade import extension
+from cublade.ops import _dispatch
 
 
 @pytest.fixture
@@ -19,14 +20,14 @@ def hopper(monkeypatch, tmp_path):
     """An sm_90 GPU with no installed extension, a toolchain, and a cache under tmp_path; yields the build calls."""
     monkeypatch.setenv("CUBLADE_EXT_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("CUBLADE_DISABLE_KERNELS", raising=False)
-    monkeypatch.setattr(_build, "gpu_capability", lambda: (9, 0))
-    monkeypatch.setattr(_build, "_toolchain_problem", lambda: None)
+    monkeypatch.setattr(extension, "gpu_capability", lambda: (9, 0))
+    monkeypatch.setattr(extension, "_toolchain_problem", lambda: None)
     monkeypatch.setitem(sys.modules, "cublade._C", None)  # `from cublade import _C` fails
     builds, loaded = [], []
 
     def fake_load(**kw):
         builds.append(kw)
-        (tmp_path / "cache" / _build.cache_key() / _build.LIBRARY).write_bytes(b"")
+        (tmp_path / "cache" / extension.cache_key() / extension.LIBRARY).write_bytes(b"")
         return kw["build_directory"]
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
@@ -41,12 +42,12 @@ def test_missing_extension_on_sm90_is_built_into_the_cache_with_setup_flags(hopp
     builds, loaded = hopper
     assert _dispatch._load() is True
     (kw,) = builds
-    d = tmp_path / "cache" / _build.cache_key()
+    d = tmp_path / "cache" / extension.cache_key()
     assert kw["build_directory"] == str(d)
-    assert _build.ARCH_FLAG in kw["extra_cuda_cflags"] and "--expt-relaxed-constexpr" in kw["extra_cuda_cflags"]
+    assert extension.ARCH_FLAG in kw["extra_cuda_cflags"] and "--expt-relaxed-constexpr" in kw["extra_cuda_cflags"]
     assert not any("fast" in f for f in kw["extra_cuda_cflags"] + kw["extra_cflags"])
     assert {p.rsplit("/", 1)[-1] for p in kw["sources"]} >= {"bindings.cpp", "w4a16_gemm.cu"}
-    assert loaded == [str(d / _build.LIBRARY)] and _dispatch._LOADED_FROM == str(d / _build.LIBRARY)
+    assert loaded == [str(d / extension.LIBRARY)] and _dispatch._LOADED_FROM == str(d / extension.LIBRARY)
     assert (d / "build.lock").exists()
     err = capsys.readouterr().err.splitlines()
     assert any(line.startswith("cublade: building the CUDA extension for sm_90a into " + str(d)) and "minutes"
@@ -56,15 +57,15 @@ def test_missing_extension_on_sm90_is_built_into_the_cache_with_setup_flags(hopp
 def test_cached_build_is_loaded_without_a_toolchain(hopper, monkeypatch):
     builds, loaded = hopper
     _dispatch._load()
-    monkeypatch.setattr(_build, "_toolchain_problem", lambda: "nvcc not found")
+    monkeypatch.setattr(extension, "_toolchain_problem", lambda: "nvcc not found")
     assert _dispatch._load() is True
     assert len(builds) == 1 and len(loaded) == 2
 
 
 def test_no_toolchain_stops_with_one_line_naming_the_fix(hopper, monkeypatch):
     builds, _ = hopper
-    monkeypatch.setattr(_build, "_toolchain_problem", lambda: "nvcc not found (no CUDA toolkit)")
-    with pytest.raises(_build.ExtensionUnavailable) as e:
+    monkeypatch.setattr(extension, "_toolchain_problem", lambda: "nvcc not found (no CUDA toolkit)")
+    with pytest.raises(extension.ExtensionUnavailable) as e:
         _dispatch._load()
     msg = str(e.value)
     assert "\n" not in msg and "nvcc not found" in msg
@@ -74,11 +75,11 @@ def test_no_toolchain_stops_with_one_line_naming_the_fix(hopper, monkeypatch):
 
 def test_toolchain_problem_names_nvcc(monkeypatch):
     monkeypatch.setattr(torch.utils.cpp_extension, "CUDA_HOME", None)
-    monkeypatch.setattr(_build.shutil, "which", lambda name: None)
-    assert _build._toolchain_problem().startswith("nvcc not found")
-    monkeypatch.setattr(_build.shutil, "which", lambda name: "/usr/bin/nvcc" if name == "nvcc" else None)
+    monkeypatch.setattr(extension.shutil, "which", lambda name: None)
+    assert extension._toolchain_problem().startswith("nvcc not found")
+    monkeypatch.setattr(extension.shutil, "which", lambda name: "/usr/bin/nvcc" if name == "nvcc" else None)
     monkeypatch.setitem(sys.modules, "ninja", None)
-    assert _build._toolchain_problem() == "ninja not found (pip install ninja)"
+    assert extension._toolchain_problem() == "ninja not found (pip install ninja)"
 
 
 def test_compile_error_stops_with_one_line_and_keeps_the_log(hopper, monkeypatch, tmp_path):
@@ -86,10 +87,10 @@ def test_compile_error_stops_with_one_line_and_keeps_the_log(hopper, monkeypatch
         raise RuntimeError("Error building extension '_C'\nw4a16_gemm.cu(12): error: something\n2 errors")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", failing_load)
-    with pytest.raises(_build.ExtensionUnavailable) as e:
+    with pytest.raises(extension.ExtensionUnavailable) as e:
         _dispatch._load()
     msg = str(e.value)
-    log = tmp_path / "cache" / _build.cache_key() / "build.log"
+    log = tmp_path / "cache" / extension.cache_key() / "build.log"
     assert "\n" not in msg and str(log) in msg and "Fix:" in msg
     assert "w4a16_gemm.cu(12): error" in log.read_text()
 
@@ -104,45 +105,45 @@ def test_references_on_sm90_need_the_explicit_opt_in(hopper, monkeypatch):
 @pytest.mark.parametrize("cap", [None, (8, 9), (10, 0)])
 def test_nothing_is_built_off_hopper(hopper, monkeypatch, cap):
     builds, loaded = hopper
-    monkeypatch.setattr(_build, "gpu_capability", lambda: cap)
+    monkeypatch.setattr(extension, "gpu_capability", lambda: cap)
     assert _dispatch._load() is False
     assert builds == [] and loaded == [] and "_C" in _dispatch._LOAD_ERROR
 
 
 def test_a_second_process_waits_for_the_build_lock_and_reuses_the_library(hopper, tmp_path):
     builds, _ = hopper
-    d = tmp_path / "cache" / _build.cache_key()
+    d = tmp_path / "cache" / extension.cache_key()
     d.mkdir(parents=True)
     lock = FileLock(str(d / "build.lock"))
     lock.acquire()
-    t = threading.Thread(target=_build._build, args=(d,))
+    t = threading.Thread(target=extension._build, args=(d,))
     t.start()
     time.sleep(0.5)
     assert t.is_alive() and builds == []  # waiting for the lock
-    (d / _build.LIBRARY).write_bytes(b"")  # what the holder built
+    (d / extension.LIBRARY).write_bytes(b"")  # what the holder built
     lock.release()
     t.join(10)
     assert not t.is_alive() and builds == []
 
 
 def test_cache_key_names_torch_cuda_python_arch_and_the_sources(monkeypatch, tmp_path):
-    key = _build.cache_key()
+    key = extension.cache_key()
     assert key.startswith(f"torch{torch.__version__.replace('+', '-')}-cuda{torch.version.cuda}-"
                           f"py{sys.version_info.major}{sys.version_info.minor}-sm_90a-")
     src = tmp_path / "csrc"
     src.mkdir()
     (src / "a.cu").write_text("x")
-    monkeypatch.setattr(_build, "CSRC", src)
-    k1 = _build.cache_key()
+    monkeypatch.setattr(extension, "CSRC", src)
+    k1 = extension.cache_key()
     (src / "a.cu").write_text("y")
-    assert _build.cache_key() != k1
+    assert extension.cache_key() != k1
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    assert "-cuda13.0-" in _build.cache_key()
+    assert "-cuda13.0-" in extension.cache_key()
 
 
 def test_cache_root_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("CUBLADE_EXT_CACHE", str(tmp_path / "x"))
-    assert _build.cache_root() == tmp_path / "x"
+    assert extension.cache_root() == tmp_path / "x"
     monkeypatch.delenv("CUBLADE_EXT_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert _build.cache_root() == tmp_path / "xdg" / "cublade" / "ext"
+    assert extension.cache_root() == tmp_path / "xdg" / "cublade" / "ext"

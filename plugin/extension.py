@@ -29,7 +29,7 @@ ARCH_FLAG = "-gencode=arch=compute_90a,code=sm_90a"
 CXX_FLAGS = ["-O3", "-std=c++17"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", ARCH_FLAG]
 KERNEL_CAPABILITY = (9, 0)  # sm_90a code runs on sm_90 only
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+CSRC = Path(__file__).resolve().parent / "csrc"
 LIBRARY = "_C.so"
 BUILD_MINUTES = "5-15"  # nvcc on the kernels' templates; MAX_JOBS parallel jobs
 FIX = ("install a cublade wheel built with the extension (bash scripts/build_wheel.sh), or "
