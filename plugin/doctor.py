@@ -78,7 +78,8 @@ def extension() -> list[tuple[str, str]]:
     if why == "CUBLADE_DISABLE_KERNELS=1":
         state = "not loaded: CUBLADE_DISABLE_KERNELS=1 (every op runs its PyTorch reference)"
     else:
-        state = f"not installed ({why}); not needed on this machine (cublade's kernels are sm_90a only)"
+        here = "no GPU" if not torch.cuda.is_available() else "cublade's kernels are sm_90a only"
+        state = f"not installed ({why}); not needed here ({here})"
     return [("extension", state), ("cache", f"{extension.cache_dir()} (where a Hopper GPU builds it)")]
 
 
