@@ -14,7 +14,7 @@ mkdir -p "$dir"
 rm -f "$dir"/cublade-*.whl
 echo "build_wheel: building the wheel with cublade._C for sm_90a into $dir (nvcc: several minutes)"
 CUBLADE_BUILD_EXT=1 "$py" -m pip wheel --no-deps --no-build-isolation -w "$dir" .
-whl=$(ls "$dir"/cublade-*.whl)
+whl=$(cd "$dir" && echo "$PWD"/cublade-*.whl)
 target=$(mktemp -d)
 trap 'rm -rf "$target"' EXIT
 "$py" -m pip install -q --no-deps --no-index --target "$target" "$whl"
