@@ -305,14 +305,15 @@ def _ppl(args) -> int:
                  "--tensor-parallel-size": args.tensor_parallel_size if args.tensor_parallel_size != 1 else None}
     extra = {}
     if backend is Backend.VLLM:
-        import torch
+        # counted without initializing CUDA here: vLLM forks its engine from this process
+        from cublade.extension import gpu_count
 
-        if not torch.cuda.is_available():
+        gpus = gpu_count()
+        if gpus == 0:
             raise ValueError("--backend vllm needs a CUDA GPU and this machine has none; --backend reference "
                              "scores the same checkpoint on the CPU")
-        if args.tensor_parallel_size < 1 or args.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: this machine has "
-                             f"{torch.cuda.device_count()} GPU(s)")
+        if args.tensor_parallel_size < 1 or args.tensor_parallel_size > gpus:
+            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: this machine has {gpus} GPU(s)")
         extra = {"attention_backend": args.attention_backend, "tensor_parallel_size": args.tensor_parallel_size,
                  "max_model_len": args.max_model_len}
         extra = {k: v for k, v in extra.items() if v is not None}

@@ -70,23 +70,34 @@ def cache_dir() -> Path:
 
 
 def gpu_capability() -> tuple[int, int] | None:
-    """(major, minor) of the first visible CUDA GPU, None without one or with a CPU build of torch. Inside vLLM
-    through its platform (NVML: never initializes CUDA in a process that forks workers later)."""
+    """(major, minor) of the first visible CUDA GPU, None without one or with a CPU build of torch. Through vLLM's
+    platform where vLLM is installed (NVML: never initializes CUDA in a process that forks vLLM's engine later,
+    which would then fail with "Cannot re-initialize CUDA in forked subprocess"), else through torch."""
     if torch.version.cuda is None:
         return None
-    if "vllm" in sys.modules:
-        try:
-            from vllm.platforms import current_platform
-
-            if not current_platform.is_cuda():
-                return None
-            cap = current_platform.get_device_capability()
-            return None if cap is None else (cap.major, cap.minor)
-        except Exception:  # noqa: BLE001  (fall back to torch's own query)
-            pass
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # noqa: BLE001  (no vLLM, or one that does not import here: torch's own query)
+        current_platform = None
+    if current_platform is not None:
+        if not current_platform.is_cuda():
+            return None
+        cap = current_platform.get_device_capability()
+        return None if cap is None else (cap.major, cap.minor)
     if not torch.cuda.is_available():
         return None
     return tuple(torch.cuda.get_device_capability(0))
+
+
+def gpu_count() -> int:
+    """Visible CUDA GPUs, counted as gpu_capability finds them (NVML through vLLM where installed)."""
+    if torch.version.cuda is None:
+        return 0
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # noqa: BLE001
+        return torch.cuda.device_count()
+    return current_platform.device_count() if current_platform.is_cuda() else 0
 
 
 def kernels_target_this_gpu() -> bool:
