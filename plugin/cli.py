@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (default: float32 for reference, bfloat16 for vllm)")
     q.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="vllm backend: GPUs to shard the model over (vLLM's --tensor-parallel-size; default 1)")
+    q.add_argument("--enable-expert-parallel", action="store_true",
+                   help="vllm backend: shard MoE experts over the GPUs instead of each expert's matrices "
+                        "(vLLM's --enable-expert-parallel)")
     q.add_argument("--max-model-len", type=int, metavar="N", help="vllm backend: vLLM's --max-model-len "
                    "(default: the window + 1, the positions a window's prompt logprobs need)")
     q.add_argument("--attention-backend", metavar="NAME", help="vllm backend: vLLM's attention backend (default: "
@@ -302,7 +305,8 @@ def _ppl(args) -> int:
     backend = Backend(args.backend)
     dtype = args.dtype or ("float32" if backend is Backend.REFERENCE else "bfloat16")
     vllm_only = {"--attention-backend": args.attention_backend, "--max-model-len": args.max_model_len,
-                 "--tensor-parallel-size": args.tensor_parallel_size if args.tensor_parallel_size != 1 else None}
+                 "--tensor-parallel-size": args.tensor_parallel_size if args.tensor_parallel_size != 1 else None,
+                 "--enable-expert-parallel": True if args.enable_expert_parallel else None}
     extra = {}
     if backend is Backend.VLLM:
         # counted without initializing CUDA here: vLLM forks its engine from this process
@@ -315,7 +319,8 @@ def _ppl(args) -> int:
         if args.tensor_parallel_size < 1 or args.tensor_parallel_size > gpus:
             raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: this machine has {gpus} GPU(s)")
         extra = {"attention_backend": args.attention_backend, "tensor_parallel_size": args.tensor_parallel_size,
-                 "max_model_len": args.max_model_len}
+                 "max_model_len": args.max_model_len,
+                 "enable_expert_parallel": True if args.enable_expert_parallel else None}
         extra = {k: v for k, v in extra.items() if v is not None}
     else:
         given = [k for k, v in vllm_only.items() if v is not None]
