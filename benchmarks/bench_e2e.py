@@ -13,7 +13,11 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
     vllm-w4a16            cublade's w4a16 checkpoint relabelled as compressed-tensors pack-quantized (the same
                           tensors: cublade writes that layout), served by vLLM's own WNA16 method (Machete on
                           Hopper; `VLLM_DISABLED_KERNELS=MacheteLinearKernel` gives Marlin)
+    vllm-w4a16-humming    the same, on vLLM's Humming kernel (every earlier WNA16 kernel disabled; needs the
+                          humming-kernels package)
     cublade-w4a16         `cublade convert ... --scheme w4a16` (RTN, group 128, symmetric)
+    cublade-w4a16-fp8     the same checkpoint with CUBLADE_W4A16_PREFILL=fp8 (batches of 512 tokens or more on
+                          FP8 tensor cores, activations rounded to E4M3 per 1 x 128)
     cublade-fp8-kv-vllm   cublade-fp8 with an FP8 KV cache (k_scale = v_scale = KV_SCALE in every layer: the
                           step's time does not depend on them), K rounded to nearest, vLLM's FlashAttention and
                           its own cache write
@@ -27,8 +31,12 @@ of P prompt tokens each, the median of --reps pairs; tokens/s = B / step. "promp
 host time). Request 0's first 16 tokens go into the JSON only: with random weights the top logits are close, so
 kernels of different rounding part ways within a few tokens even on the same quantized tensors.
 
-    python benchmarks/bench_e2e.py make WORKDIR [--layers 32]       # source checkpoint + conversions (CPU ok)
-    python benchmarks/bench_e2e.py run WORKDIR [CONFIG ...] [--batches 1,16,64] [--json FILE]
+    python benchmarks/bench_e2e.py make WORKDIR [--shape 8b|70b] [--layers N] [--presets w4a16,...]   # (CPU ok)
+    python benchmarks/bench_e2e.py run WORKDIR [CONFIG ...] [--batches 1,16,64] [--tensor-parallel-size N] [--json FILE]
+
+--shape 70b makes a Llama-3-70B-shaped model instead (hidden 8192, MLP 28672, 64 heads / 8 KV heads, vocab 128256;
+80 layers in the real one: --layers picks how many, e.g. 8 where memory or time asks). --presets limits the
+conversions (and the configurations that need them) to those listed.
 """
 from __future__ import annotations
 
@@ -60,11 +68,17 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-mxfp8": ("cublade-mxfp8", None, {}, None),
     "vllm-w4a16": ("ct-w4a16", None, {}, None),
     "vllm-w4a16-marlin": ("ct-w4a16", None, {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}, None),
+    "vllm-w4a16-humming": ("ct-w4a16", None, {"VLLM_DISABLED_KERNELS": ",".join(
+        f"{k}LinearKernel" for k in ("CutlassW4A8", "Machete", "AllSpark", "Marlin", "Conch", "Exllama",
+                                     "TritonW4A16"))}, None),
     "cublade-w4a16": ("cublade-w4a16", None, {}, None),
+    "cublade-w4a16-fp8": ("cublade-w4a16", None, {"CUBLADE_W4A16_PREFILL": "fp8"}, None),
     "cublade-fp8-kv-vllm": ("cublade-fp8-kv-nearest", None, {}, None),
     "cublade-fp8-kv": ("cublade-fp8-kv-nearest", None, {}, "CUSTOM"),
     "cublade-fp8-kv-qa": ("cublade-fp8-kv-query-aware", None, {}, "CUSTOM"),
 }
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_attention_heads=64)
+SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
 PRESETS = ("fp8-dynamic", "mxfp8", "w4a16")
 KV_SCALE = 0.02  # K and V of these random weights are about N(0, 1.3): abs-max about 9 = 448 * 0.02
 
@@ -81,12 +95,12 @@ def layer_shapes(cfg: dict, i: int) -> dict[str, tuple[int, ...]]:
             p + "mlp.gate_proj.weight": (m, h), p + "mlp.up_proj.weight": (m, h), p + "mlp.down_proj.weight": (h, m)}
 
 
-def make_source(out: Path, layers: int, seed: int = 0) -> None:
-    """A bf16 Llama checkpoint with N(0, 0.02) matrices and unit norms, one shard per layer."""
+def make_source(out: Path, layers: int, seed: int = 0, shape: str = "8b") -> None:
+    """A bf16 Llama checkpoint of `shape` (SHAPES) with N(0, 0.02) matrices and unit norms, one shard per layer."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    cfg = dict(LLAMA3_8B, num_hidden_layers=layers)
+    cfg = dict(SHAPES[shape], num_hidden_layers=layers)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(dev).manual_seed(seed)
     h, v = cfg["hidden_size"], cfg["vocab_size"]
@@ -173,9 +187,13 @@ def cmd_make(args) -> None:
     src = work / "src"
     if not src.exists():
         t0 = time.perf_counter()
-        make_source(src, args.layers)
-        print(f"source: {src} ({args.layers} layers) in {time.perf_counter() - t0:.0f} s", flush=True)
-    for preset in PRESETS:
+        make_source(src, args.layers, shape=args.shape)
+        print(f"source: {src} ({args.shape}, {args.layers} layers) in {time.perf_counter() - t0:.0f} s", flush=True)
+    presets = args.presets or PRESETS
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown:
+        raise SystemExit(f"--presets: unknown {unknown}; known: {', '.join(PRESETS)}")
+    for preset in presets:
         out = work / f"cublade-{preset}"
         if out.exists():
             continue
@@ -183,9 +201,9 @@ def cmd_make(args) -> None:
         subprocess.run([sys.executable, "-m", "cublade.cli", "convert", str(src), str(out), "--scheme", preset],
                        check=True)
         print(f"{preset}: {out} in {time.perf_counter() - t0:.0f} s", flush=True)
-    if not (work / "ct-w4a16").exists():
+    if "w4a16" in presets and not (work / "ct-w4a16").exists():
         make_ct_w4a16(work / "cublade-w4a16", work / "ct-w4a16")
-    for rounding in ("nearest", "query-aware"):
+    for rounding in ("nearest", "query-aware") if "fp8-dynamic" in presets else ():
         if not (work / f"cublade-fp8-kv-{rounding}").exists():
             make_fp8_kv(work / "cublade-fp8-dynamic", work / f"cublade-fp8-kv-{rounding}", rounding)
 
@@ -193,7 +211,7 @@ def cmd_make(args) -> None:
 # ---- run: decode step time per configuration ------------------------------------------------------------------
 
 def measure(model: str, quantization: str | None, batches: list[int], prompt: int, steps: int, reps: int,
-            attention_backend: str | None = None) -> dict:
+            attention_backend: str | None = None, tensor_parallel_size: int = 1) -> dict:
     """Runs in the configuration's own process: one engine, every batch size."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -201,6 +219,7 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
     t0 = time.perf_counter()
     llm = LLM(model=model, quantization=quantization, skip_tokenizer_init=True, max_model_len=prompt + steps + 8,
               max_num_seqs=max(batches), gpu_memory_utilization=0.5, enable_prefix_caching=False, seed=0,
+              tensor_parallel_size=tensor_parallel_size,
               compilation_config={"cudagraph_capture_sizes": sorted(set(batches))},
               **({"attention_backend": attention_backend} if attention_backend else {}))
     startup = time.perf_counter() - t0
@@ -234,7 +253,7 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
 
 def cmd_measure(args) -> None:
     res = measure(args.model, args.quantization, args.batches, args.prompt, args.steps, args.reps,
-                  args.attention_backend)
+                  args.attention_backend, args.tensor_parallel_size)
     Path(args.result).write_text(json.dumps(res))
 
 
@@ -255,7 +274,8 @@ def cmd_run(args) -> None:
         result = work / f"result-{name}.json"
         cmd = [sys.executable, __file__, "measure", str(work / sub), "--result", str(result),
                "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt),
-               "--steps", str(args.steps), "--reps", str(args.reps)] + (["--quantization", quant] if quant else []) \
+               "--steps", str(args.steps), "--reps", str(args.reps),
+               "--tensor-parallel-size", str(args.tensor_parallel_size)] + (["--quantization", quant] if quant else []) \
             + (["--attention-backend", backend] if backend else [])
         log = work / f"log-{name}.txt"
         print(f"{name}: {work / sub}" + (f" --quantization {quant}" if quant else "") +
@@ -306,7 +326,10 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make", help="write the synthetic source checkpoint and its conversions into WORKDIR")
     m.add_argument("workdir")
-    m.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-3-8B has 32)")
+    m.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-3-8B has 32, -70B 80)")
+    m.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="Llama-3-8B (default) or -70B shapes")
+    m.add_argument("--presets", type=lambda v: [x for x in v.split(",") if x], default=None,
+                   help=f"conversions to make (default all: {','.join(PRESETS)})")
     r = sub.add_parser("run", help="time decode steps for each configuration (default: all)")
     r.add_argument("workdir")
     r.add_argument("configs", nargs="*", help=", ".join(CONFIGS))
@@ -315,6 +338,7 @@ def main() -> None:
         q.add_argument("--prompt", type=int, default=128, help="prompt tokens per request (default 128)")
         q.add_argument("--steps", type=int, default=128, help="decode steps timed (default 128)")
         q.add_argument("--reps", type=int, default=3, help="timed pairs per batch size; the median is kept")
+        q.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (vLLM's TP size)")
     r.add_argument("--json", help="append the results as one JSON line to this file")
     me.add_argument("model")
     me.add_argument("--quantization")

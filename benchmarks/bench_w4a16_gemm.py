@@ -1,5 +1,5 @@
-"""Benchmark cublade's w4a16_gemm against vLLM's Machete and Marlin (its W4A16 kernels on Hopper) and a bf16
-matmul of the dequantized weight, in the same run. int4 weights, group 128, symmetric (uint4b8), bf16
+"""Benchmark cublade's w4a16_gemm against vLLM's Machete, Marlin and Humming (its W4A16 kernels on Hopper) and a
+bf16 matmul of the dequantized weight, in the same run. int4 weights, group 128, symmetric (uint4b8), bf16
 activations.
 
     python benchmarks/bench_w4a16_gemm.py [--shapes 8192x28672,4096x14336] [--m 1,4,16,32,64,128,256,1024,4096]
@@ -7,13 +7,17 @@ activations.
 
 The op picks its path by M: the streaming decode kernel, or for large M the prefill path (w4a16_dequant into a
 bf16 weight, then cuBLAS). Both paths are also timed on their own ("stream": split_k=1 forces the kernel, up to
-M=256; "deq+mm": w4a16_dequant + torch's linear) to show where they cross.
+M=256; "deq+mm": w4a16_dequant + torch's linear) to show where they cross. "fp8-tc" is the opt-in FP8 tensor-core
+path (cublade.ops.w4a16_gemm_fp8 with min_rows 0: activations quantized to E4M3 per 1 x 128, the int4 values as
+E4M3 codes, a blockwise-scaled FP8 GEMM), timed from M = 64; it changes numerics (its error column).
 
 Times: median of triton.testing.do_bench (it clears L2 before every call, so the weights come from HBM).
 Bandwidth: weight + scale bytes (N*K/2 + N*K/128*2) over the time; % of the 4.28 TB/s
 device-to-device copy ceiling measured on the H200. Accuracy: mean|C-ref|/mean|ref| at M=16 against the fp32
 product with the dequantized weights. --sweep also times every split_k (warps per 16-row tile) for tuning.
-Without vLLM (not importable) the baseline columns say so and the rest still runs.
+Without vLLM (not importable) the baseline columns say so and the rest still runs. Humming needs the
+`humming-kernels` package (vLLM's optional dependency; it compiles its kernels on first use, so the first M of a
+shape takes longer to set up, not to time).
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ G = 128
 
 
 def vllm_kernels(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int) -> tuple[dict, str]:
-    """{name: fn(x)} for vLLM's Machete and Marlin on the checkpoint tensors (compressed-tensors' int4 layout,
+    """{name: fn(x)} for vLLM's Machete, Marlin and Humming on the checkpoint tensors (compressed-tensors' int4 layout,
     which is cublade's), set up the way vLLM's MPLinearKernel classes do at load time."""
     try:
         import vllm
@@ -45,13 +49,18 @@ def vllm_kernels(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int) -> tuple[di
     cfg = vl.MPLinearLayerConfig(full_weight_shape=(K, N), partition_weight_shape=(K, N),
                                  weight_type=scalar_types.uint4b8, act_type=torch.bfloat16, group_size=G,
                                  zero_points=False, has_g_idx=False)
-    for name in ("MacheteLinearKernel", "MarlinLinearKernel"):
-        cls = getattr(vl, name)
-        ok, why = cls.can_implement(cfg)
+    for name in ("MacheteLinearKernel", "MarlinLinearKernel", "HummingLinearKernel"):
+        cls = getattr(vl, name, None)
+        ok, why = cls.can_implement(cfg) if cls else (False, f"vLLM {vllm.__version__} has no {name}")
         if not ok:
-            out[name] = why
+            out[name.replace("LinearKernel", "")] = why
             continue
         layer = torch.nn.Module()
+        # what vLLM's linear layers carry and Humming's preparation reads
+        layer.input_size = layer.input_size_per_partition = K
+        layer.output_size = layer.output_size_per_partition = N
+        layer.output_partition_sizes = [N]
+        layer.params_dtype, layer.has_bias = torch.bfloat16, False
         layer.register_parameter("weight_packed", PackedvLLMParameter(
             data=wp.clone(), input_dim=1, output_dim=0, packed_dim=1, packed_factor=8, weight_loader=noop))
         layer.register_parameter("weight_scale", GroupQuantScaleParameter(
@@ -59,7 +68,9 @@ def vllm_kernels(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int) -> tuple[di
         k = cls(cfg, w_q_param_name="weight_packed", w_s_param_name="weight_scale")
         k.process_weights_after_loading(layer)
         out[name.replace("LinearKernel", "")] = (lambda kk, ll: (lambda x: kk.apply_weights(ll, x)))(k, layer)
-    return out, f"baseline: vLLM {vllm.__version__} Machete / Marlin (MPLinearKernel)"
+    skipped = "; ".join(f"{k}: {v}" for k, v in out.items() if not callable(v))
+    return out, f"baseline: vLLM {vllm.__version__} Machete / Marlin / Humming (MPLinearKernel)" + (
+        f"; not run: {skipped}" if skipped else "")
 
 
 def main() -> None:
@@ -71,6 +82,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from cublade.ops.w4a16_gemm import w4a16_dequant_repacked, w4a16_repack
+    from cublade.ops.w4a16_gemm_fp8 import blockwise_fp8_supported, w4a16_gemm_fp8
 
     op = require_op("bench_w4a16_gemm", "w4a16_gemm")
     dequant = torch.ops.cublade.w4a16_dequant
@@ -97,6 +109,9 @@ def main() -> None:
         errs = {"cublade": rel_err(op(x16, rp.packed, G, True, N), ref16),
                 "deq+mm": rel_err(deq_mm(x16, rp.packed, N), ref16),
                 "bf16": rel_err(torch.nn.functional.linear(x16, wbf), ref16)}
+        fp8tc = blockwise_fp8_supported()
+        if fp8tc:
+            errs["fp8-tc"] = rel_err(w4a16_gemm_fp8(x16, rp.packed, G, True, N, 0), ref16)
         for name, fn in base.items():
             if callable(fn):
                 errs[name] = rel_err(fn(x16), ref16)
@@ -108,6 +123,7 @@ def main() -> None:
             r["stream_us"] = bench(lambda: op(x, rp.packed, G, True, N, 1)) if M <= 256 else None
             r["deq_mm_us"] = bench(lambda: deq_mm(x, rp.packed, N))
             r["bf16_us"] = bench(lambda: torch.nn.functional.linear(x, wbf))
+            r["fp8tc_us"] = bench(lambda: w4a16_gemm_fp8(x, rp.packed, G, True, N, 0)) if fp8tc and M >= 64 else None
             for name, fn in base.items():
                 r[f"{name}_us"] = bench(lambda: fn(x)) if callable(fn) else None
             if args.sweep:
@@ -127,17 +143,25 @@ def main() -> None:
     print("\nw4a16_gemm, int4 g128 sym, bf16 activations; median us (do_bench, L2 cleared); TB/s = weight+scale "
           f"bytes / time; % of the {REFERENCE_COPY_TBPS} TB/s copy ceiling")
     hdr = f"{'K x N':>12} {'M':>4} {'cublade':>8} {'TB/s':>5} {'%ceil':>5} {'Machete':>8} {'Marlin':>8} " \
-          f"{'best vLLM/cublade':>17} {'bf16':>7} {'stream':>7} {'deq+mm':>7}"
+          f"{'Humming':>8} {'best vLLM/cublade':>17} {'bf16':>7} {'bf16/cublade':>12} {'stream':>7} {'deq+mm':>7} " \
+          f"{'fp8-tc':>7} {'best vLLM/fp8-tc':>16} {'bf16/fp8-tc':>11}"
     print(hdr)
+    nan = float("nan")
     for r in rows:
-        mach, marl = r.get("Machete_us"), r.get("Marlin_us")
-        best = min(v for v in (mach, marl) if v is not None) if (mach or marl) else None
+        vl = [r.get(f"{k}_us") for k in ("Machete", "Marlin", "Humming")]
+        best = min((v for v in vl if v is not None), default=None)
         tbs = r["weight_bytes"] / r["cublade_us"] / 1e6
-        nan = float("nan")
         print(f"{r['K']:>5}x{r['N']:<6} {r['M']:>4} {r['cublade_us']:>8.1f} {tbs:>5.2f} "
-              f"{100 * tbs / REFERENCE_COPY_TBPS:>4.0f}% {mach or nan:>8.1f} {marl or nan:>8.1f} "
-              f"{(best / r['cublade_us']) if best else nan:>16.2f}x {r['bf16_us']:>7.1f} "
-              f"{r['stream_us'] or nan:>7.1f} {r['deq_mm_us']:>7.1f}")
+              f"{100 * tbs / REFERENCE_COPY_TBPS:>4.0f}% " + " ".join(f"{v or nan:>8.1f}" for v in vl) +
+              f" {(best / r['cublade_us']) if best else nan:>16.2f}x {r['bf16_us']:>7.1f} "
+              f"{r['bf16_us'] / r['cublade_us']:>11.2f}x {r['stream_us'] or nan:>7.1f} {r['deq_mm_us']:>7.1f} "
+              f"{r['fp8tc_us'] or nan:>7.1f} {(best / r['fp8tc_us']) if best and r['fp8tc_us'] else nan:>15.2f}x "
+              f"{(r['bf16_us'] / r['fp8tc_us']) if r['fp8tc_us'] else nan:>10.2f}x")
+    losses = [r for r in rows if any(r.get(f"{k}_us") for k in ("Machete", "Marlin", "Humming"))
+              and min(r[f"{k}_us"] for k in ("Machete", "Marlin", "Humming") if r.get(f"{k}_us"))
+              < 0.98 * r["cublade_us"]]
+    print(f"\npoints where cublade is under 0.98x the best vLLM kernel: {len(losses)} of {len(rows)}" + (
+        ": " + ", ".join(f"{r['K']}x{r['N']} M={r['M']}" for r in losses) if losses else ""))
     if args.sweep:
         print("\nsplit_k sweep (us): " + " | ".join(
             f"{r['K']}x{r['N']} M={r['M']}: " + " ".join(f"{s}:{r[f'split{s}_us']:.1f}" for s in (1, 2, 4, 8))

@@ -10,6 +10,7 @@ import json
 import math
 import mmap
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,30 +34,84 @@ class CheckpointError(ValueError):
     """A source checkpoint that cannot be read: the message names the file or tensor."""
 
 
+SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors")
+
+
 def shard_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory, in index order (or sorted when unindexed)."""
+    """The safetensors files of a checkpoint directory, in index order (or sorted when unindexed). Sharded files
+    (`model-0000i-of-0000n.safetensors`) without their index must all be there: the tensor set is then their
+    union, and a missing shard would drop tensors without a word."""
     model_dir = Path(model_dir)
+    if model_dir.is_file():
+        raise CheckpointError(f"{model_dir} is a file; the checkpoint is its directory ({model_dir.parent})")
     if not model_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
     if not (model_dir / "config.json").is_file():
         raise CheckpointError(f"{model_dir} has no config.json: not a Hugging Face checkpoint directory")
     index = model_dir / INDEX_NAME
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
-        names = list(dict.fromkeys(weight_map.values()))
-        missing = [n for n in names if not (model_dir / n).is_file()]
-        if missing:
-            raise CheckpointError(f"{index} lists shard(s) that are missing: {', '.join(missing)}")
-        return [model_dir / n for n in names]
+        return [model_dir / n for n in _index_shards(index)]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         other = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
         hint = f" (found {', '.join(other)}: convert them to safetensors first)" if other else ""
         raise CheckpointError(f"{model_dir} holds no *.safetensors files{hint}")
+    _check_unindexed_shards(model_dir, files)
     return files
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """The index's weight_map (tensor -> shard file name)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index} is not a valid safetensors index (weight_map is not tensor -> file name)")
+    return weight_map
+
+
+def _index_shards(index: Path) -> list[str]:
+    names = list(dict.fromkeys(read_index(index).values()))
+    missing = [n for n in names if not (index.parent / n).is_file()]
+    if missing:
+        raise CheckpointError(f"{index} lists shard(s) that are missing: {', '.join(missing)}")
+    return names
+
+
+def _check_unindexed_shards(model_dir: Path, files: list[Path]) -> None:
+    groups: dict[tuple[str, int], set[int]] = {}
+    for f in files:
+        m = SHARD_NAME.fullmatch(f.name)
+        if m:
+            groups.setdefault((m["stem"], int(m["n"])), set()).add(int(m["i"]))
+    for (stem, n), have in sorted(groups.items()):
+        missing = [f"{stem}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1) if i not in have]
+        if missing:
+            raise CheckpointError(f"{model_dir} has {len(have)} of the {n} shards {stem}-*-of-{n:05d}.safetensors "
+                                  f"and no {INDEX_NAME}: missing {', '.join(missing[:3])}"
+                                  f"{' ...' if len(missing) > 3 else ''}; a sharded checkpoint needs every shard")
+
+
+def check_index_matches_shards(model_dir: Path, headers: dict[Path, list]) -> None:
+    """Every tensor the index lists is in the shard it names, and no tensor is in two shards."""
+    model_dir = Path(model_dir)
+    where: dict[str, Path] = {}
+    for path, entries in headers.items():
+        for e in entries:
+            if e.name in where:
+                raise CheckpointError(f"{e.name}: in both {where[e.name].name} and {path.name}; a tensor must be in "
+                                      f"one shard")
+            where[e.name] = path
+    index = model_dir / INDEX_NAME
+    if not index.is_file():
+        return
+    for name, shard in read_index(index).items():
+        if name not in where:
+            raise CheckpointError(f"{name}: {INDEX_NAME} puts it in {shard}, which does not hold it (no shard "
+                                  f"does): the checkpoint is incomplete")
+        if where[name].name != shard:
+            raise CheckpointError(f"{name}: {INDEX_NAME} puts it in {shard}, but {where[name].name} holds it")
 
 
 @contextmanager
@@ -74,9 +129,12 @@ def open_shard(path: Path):
 
 
 def tensor_infos(model_dir: Path) -> Iterator[tuple[Path, str, tuple[int, ...], str]]:
-    """(shard, name, shape, safetensors dtype string) of every tensor, without loading any."""
-    for path in shard_files(model_dir):
-        for e in read_header(path):
+    """(shard, name, shape, safetensors dtype string) of every tensor, without loading any; the index and the
+    shards' headers checked against each other first (check_index_matches_shards)."""
+    headers = {path: read_header(path) for path in shard_files(model_dir)}
+    check_index_matches_shards(model_dir, headers)
+    for path, entries in headers.items():
+        for e in entries:
             yield path, e.name, e.shape, e.dtype
 
 
@@ -122,7 +180,7 @@ def read_header(path: Path) -> list[TensorEntry]:
                 raise _corrupt(path, f"header of {n} bytes in a file of {size}")
             raw = f.read(n)
     except OSError as e:
-        raise _corrupt(path, str(e)) from None
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
     try:
         header = json.loads(raw)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError

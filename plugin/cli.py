@@ -18,6 +18,12 @@ PRESET_HELP = {
 }
 
 
+# The preset fields the scheme options set (cublade.config.preset's keyword arguments).
+SCHEME_OPTIONS = {"group_size": "--group-size", "symmetric": "--asymmetric", "weight_strategy": "--weight-strategy",
+                  "activations": "--activations", "scale_rule": "--scale-rule", "format": "--fp4-format",
+                  "kv_cache": "--kv-cache", "kv_rounding": "--kv-rounding"}
+
+
 def _size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*", text, re.I)
     if not m:
@@ -131,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (default: float32 for reference, bfloat16 for vllm)")
     q.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="vllm backend: GPUs to shard the model over (vLLM's --tensor-parallel-size; default 1)")
+    q.add_argument("--enable-expert-parallel", action="store_true",
+                   help="vllm backend: shard MoE experts over the GPUs instead of each expert's matrices "
+                        "(vLLM's --enable-expert-parallel)")
     q.add_argument("--max-model-len", type=int, metavar="N", help="vllm backend: vLLM's --max-model-len "
                    "(default: the window + 1, the positions a window's prompt logprobs need)")
     q.add_argument("--attention-backend", metavar="NAME", help="vllm backend: vLLM's attention backend (default: "
@@ -138,24 +147,88 @@ def build_parser() -> argparse.ArgumentParser:
                    "vLLM's choice for any other)")
 
     sub.add_parser("presets", help="list the preset policies")
+    sub.add_parser("doctor", help="versions, the GPU, the CUDA extension's state, each op's kernel or reference, "
+                   "and the kernel each scheme takes here",
+                   description="Prints what this machine gives cublade: versions of cublade, torch, vLLM, CUDA and "
+                   "Python; the GPU and its compute capability; whether the CUDA extension is loaded (installed, "
+                   "built on first use into the cache, or why not); which ops run a CUDA kernel; and the kernel "
+                   "class vLLM's layers would take for each preset's schemes on this GPU.")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cublade.extension import ExtensionUnavailable
+
     args = build_parser().parse_args(argv)
     try:
+        _check_options(args)
         if args.command == "convert":
             return _convert(args)
         if args.command == "ppl":
             return _ppl(args)
+        if args.command == "doctor":
+            from cublade.doctor import report
+
+            print("\n".join(report()))
+            return 0
         if args.command == "presets":
             for k, v in PRESET_HELP.items():
                 print(f"{k:<22} {v}")
             return 0
-    except (ValueError, NotImplementedError, FileExistsError, FileNotFoundError) as e:
-        print(f"cublade {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, NotImplementedError, OSError, ExtensionUnavailable) as e:
+        print(f"cublade {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        what = "; the temporary output was removed and OUT is unchanged" if args.command == "convert" else ""
+        print(f"cublade {args.command}: interrupted{what}", file=sys.stderr)
+        return 130
     return 1
+
+
+def _one_line(e: BaseException) -> str:
+    """An error as one line: an OS error as its path(s) and the OS's reason, others as their message."""
+    import errno
+
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        code = f" [{errno.errorcode[e.errno]}]" if e.errno in errno.errorcode else ""
+        where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else f"{e.filename}"
+        return f"{where}: {e.strerror}{code}"
+    return " ".join(str(e).split("\n"))
+
+
+def _check_options(args) -> None:
+    """Values that would make no sense, named by their options."""
+    if args.command == "convert":
+        if args.max_shard_size <= 0:
+            raise ValueError(f"--max-shard-size must be positive (got {args.max_shard_size} bytes)")
+        if args.calib_text is None:
+            given = [o for o, v in (("--calib-tokens", args.calib_tokens), ("--calib-lines", args.calib_lines),
+                                    ("--device", args.device)) if v is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} {'sets' if len(given) == 1 else 'set'} how calibration "
+                                 f"runs; {'it needs' if len(given) == 1 else 'they need'} --calib-text")
+    if args.command == "ppl":
+        if args.window < 2:
+            raise ValueError(f"--window {args.window}: a window needs at least 2 tokens (one to predict from)")
+        if args.max_model_len is not None and args.max_model_len < 2:
+            raise ValueError(f"--max-model-len {args.max_model_len}: must be at least 2")
+        for m in args.models:
+            positions = _max_positions(m)
+            if positions is not None and args.window > positions:
+                raise ValueError(f"--window {args.window} is longer than {m}'s {positions} positions "
+                                 f"(max_position_embeddings in config.json); use --window {positions} or less")
+
+
+def _max_positions(model: Path) -> int | None:
+    import json
+
+    try:
+        cfg = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # the scorer's own load says what is wrong with the checkpoint
+    text = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+    n = text.get("max_position_embeddings") if isinstance(text, dict) else None
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def _convert(args) -> int:
@@ -172,11 +245,18 @@ def _convert(args) -> int:
             raise ValueError(f"--policy takes its schemes from the file; drop {', '.join(given)}")
         policy = _read_policy(args.policy)
     else:
-        policy = preset(args.scheme, **overrides)
+        if args.kv_rounding is not None and args.kv_cache is None:
+            raise ValueError(f"--kv-rounding {args.kv_rounding} sets how the FP8 KV cache is written; it needs "
+                             f"--kv-cache fp8")
+        try:
+            policy = preset(args.scheme, **overrides)
+        except ValueError as e:  # the preset's fields, as the options that set them
+            msg = str(e)
+            for field, option in SCHEME_OPTIONS.items():
+                msg = re.sub(rf"\b{field}\b", option, msg)
+            raise ValueError(msg) from None
     if args.ignore:
         policy = policy.with_ignore(*_ignore_patterns(args.src, args.ignore))
-    if args.device is not None and args.calib_text is None:
-        raise ValueError("--device sets where calibration runs; it needs --calib-text")
     t0 = time.time()
     out = convert(args.src, args.out, policy, overwrite=args.overwrite, max_shard_bytes=args.max_shard_size,
                   skip_unsupported=args.skip_unsupported, allow_quantized_router=args.allow_quantized_router,
@@ -213,10 +293,16 @@ def _read_policy(path: Path):
     from cublade.config import Policy
 
     try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--policy {path}: cannot read a JSON policy ({e})") from None
-    return Policy.from_dict({"preset": f"custom:{path.name}", **d})
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"--policy {path}: cannot read a JSON policy ({_one_line(e)})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"--policy {path}: a policy is a JSON object (docs/format.md)")
+    try:
+        return Policy.from_dict({"preset": f"custom:{path.name}", **d})
+    except (TypeError, KeyError, AttributeError, ValueError) as e:
+        raise ValueError(f"--policy {path}: not a valid policy ({type(e).__name__}: {e}; the fields: "
+                         f"docs/format.md)") from None
 
 
 def _ppl(args) -> int:
@@ -225,19 +311,22 @@ def _ppl(args) -> int:
     backend = Backend(args.backend)
     dtype = args.dtype or ("float32" if backend is Backend.REFERENCE else "bfloat16")
     vllm_only = {"--attention-backend": args.attention_backend, "--max-model-len": args.max_model_len,
-                 "--tensor-parallel-size": args.tensor_parallel_size if args.tensor_parallel_size != 1 else None}
+                 "--tensor-parallel-size": args.tensor_parallel_size if args.tensor_parallel_size != 1 else None,
+                 "--enable-expert-parallel": True if args.enable_expert_parallel else None}
     extra = {}
     if backend is Backend.VLLM:
-        import torch
+        # counted without initializing CUDA here: vLLM forks its engine from this process
+        from cublade.extension import gpu_count
 
-        if not torch.cuda.is_available():
+        gpus = gpu_count()
+        if gpus == 0:
             raise ValueError("--backend vllm needs a CUDA GPU and this machine has none; --backend reference "
                              "scores the same checkpoint on the CPU")
-        if args.tensor_parallel_size < 1 or args.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: this machine has "
-                             f"{torch.cuda.device_count()} GPU(s)")
+        if args.tensor_parallel_size < 1 or args.tensor_parallel_size > gpus:
+            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: this machine has {gpus} GPU(s)")
         extra = {"attention_backend": args.attention_backend, "tensor_parallel_size": args.tensor_parallel_size,
-                 "max_model_len": args.max_model_len}
+                 "max_model_len": args.max_model_len,
+                 "enable_expert_parallel": True if args.enable_expert_parallel else None}
         extra = {k: v for k, v in extra.items() if v is not None}
     else:
         given = [k for k, v in vllm_only.items() if v is not None]

@@ -26,11 +26,14 @@ from cublade.config import Policy, UnsupportedShape, to_quantization_config
 from cublade.config import compressed_tensors as ct_format
 from cublade.config.experts import ExpertLayout
 from cublade.config.format import QuantMethod
+from cublade.convert_checks import (check_layers_complete, check_output_target, check_quantizes_something,
+                                    check_source_values, check_values, clean_after_killed_runs, output_lock, say)
 from cublade.convert_experts import check_router_policy, expert_tensor_infos, expert_tensors
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt)$|.*\.safetensors\.index\.json$|.*\.bin\.index\.json$")
 TMP_MARK = ".cublade-tmp-"
+OLD_MARK = ".cublade-old-"
 
 
 @dataclass
@@ -178,20 +181,8 @@ def _output_specs(plan: Plan, dtype: torch.dtype | None, kv_scales: list[str], o
 
 
 def _remove_stale_tmp_dirs(out: Path) -> None:
-    for d in out.parent.glob(f".{out.name}{TMP_MARK}*"):
-        pid = d.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(d, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    for line in clean_after_killed_runs(out, TMP_MARK, OLD_MARK):
+        say(line)
 
 
 def _write_config(src: Path, cfg: dict, tmp: Path, policy: Policy, plan: Plan, dtype: torch.dtype | None,
@@ -215,10 +206,17 @@ def _write_config(src: Path, cfg: dict, tmp: Path, policy: Policy, plan: Plan, d
 
 def _source_config(src: Path) -> dict:
     path = src / "config.json"
+    if src.is_file():
+        raise CheckpointError(f"{src} is a file; the checkpoint is its directory ({src.parent})")
     if not path.is_file():
         raise CheckpointError(f"{src} has no config.json: not a Hugging Face checkpoint directory"
                               if src.is_dir() else f"checkpoint directory {src} does not exist")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path}: not a JSON text ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
     if "quantization_config" in cfg:
         method = cfg["quantization_config"].get("quant_method", "?")
         raise CheckpointError(f"{path} already has a quantization_config (quant_method {method!r}); "
@@ -226,7 +224,20 @@ def _source_config(src: Path) -> dict:
     return cfg
 
 
-def convert(src, out, policy: Policy, *, overwrite: bool = False,
+def convert(src, out, policy: Policy, *, overwrite: bool = False, **options) -> Path:
+    """Convert the checkpoint at `src` with `policy` into a new directory `out` (options: _convert_locked); returns
+    `out`. OUT must be new, or with `overwrite` a directory cublade convert wrote; one conversion to OUT at a time
+    (a lock file beside it)."""
+    src, out = Path(src), Path(out)
+    output_layout(options.get("out_format", QuantMethod.CUBLADE.value), policy)  # refused before anything is written
+    if out.parent.is_dir():
+        _remove_stale_tmp_dirs(out)  # first: a killed --overwrite run may have left OUT moved aside
+    check_output_target(src, out, overwrite)
+    with output_lock(out):
+        return _convert_locked(src, out, policy, overwrite=overwrite, **options)
+
+
+def _convert_locked(src, out, policy: Policy, *, overwrite: bool = False,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, skip_unsupported: bool = False,
             dtype: torch.dtype | None = None, calib_text=None, calib_tokens: int | None = None,
             calib_lines: slice | None = None, progress: bool | None = None,
@@ -254,6 +265,8 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
     layout = ExpertLayout.from_config(cfg) if isinstance(cfg, dict) else None
     plan = plan_conversion(src, policy, skip_unsupported, layout)
     check_router_policy(policy, layout, allow_quantized_router, plan.linear_modules)
+    check_layers_complete((name for name, _, _ in plan.tensors), cfg)
+    check_quantizes_something(plan, policy, policy.kv_cache is not None)
     if out_layout is not None:  # the format's own rules, and a config it can write, before anything is written
         out_layout.check_plan(plan, skip_unsupported, experts=layout is not None)
         out_layout.config(policy, plan.quantize, plan.linear_modules)
@@ -262,10 +275,11 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
     if calib_text is not None:
         from cublade.calib import calibrate  # heavy: only when asked for
 
+        check_source_values(src, lambda name: dtype if _module(name) not in plan.quantize else None)
+
         calib = calibrate(src, policy, Path(calib_text), calib_tokens, lines=calib_lines, device=calib_device)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp_dirs(out)
     tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}"
     tmp.mkdir()
     writer = None
@@ -278,6 +292,7 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
             module = name[: -len(".weight")] if name.endswith(".weight") else None
             scheme = plan.quantize.get(module)
             if scheme is None:
+                check_values(name, t, dtype)
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)
                 writer.add(name, t)
@@ -296,17 +311,22 @@ def convert(src, out, policy: Policy, *, overwrite: bool = False,
         bar.close()
         writer.finish()
         _write_config(src, cfg, tmp, policy, plan, dtype, calib.info if calib is not None else None, out_layout)
+        if out.exists() and not overwrite:
+            raise FileExistsError(f"{out} appeared while converting; it is left as it is (pass --overwrite to "
+                                  f"replace a cublade output directory)")
         if out.exists():
-            old = out.parent / f".{out.name}.cublade-old-{os.getpid()}"
+            old = out.parent / f".{out.name}{OLD_MARK}{os.getpid()}"
             out.rename(old)
             tmp.rename(out)
             shutil.rmtree(old)
         else:
             tmp.rename(out)
-    except BaseException:
+    except BaseException as e:
         if writer is not None:
             writer.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno is not None and e.filename is None:  # os.pwrite names no file
+            e.filename = str(tmp)
         raise
     return out
 
@@ -319,6 +339,8 @@ def output_layout(out_format: str, policy: Policy):
         return None
     ct_format.check_expressible(policy)
     return ct_format.CompressedTensorsLayout()
+def _module(name: str) -> str | None:
+    return name[: -len(".weight")] if name.endswith(".weight") else None
 
 
 def _quantized(module: str, w: torch.Tensor, scheme, calib) -> dict[str, torch.Tensor]:

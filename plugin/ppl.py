@@ -69,6 +69,10 @@ def _vllm_nll(model_dir, wins: list[list[int]], dtype: str, **llm_kwargs) -> flo
     # vLLM samples at least one token after each prompt, so a full window needs window + 1 positions; the
     # model's config allows exactly `window` (stories260K: 512). The extra position is never scored.
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    if dtype == "float32":
+        # fp32 scoring asks for cublade's reference kernels (no tensor-core kernel takes fp32 activations); on a GPU
+        # they run only when asked for (docs/kernel-selection.md#environment).
+        os.environ.setdefault("CUBLADE_ALLOW_REFERENCE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -29,9 +29,18 @@ def format_lines(lines: slice | None) -> str | None:
 
 def read_lines(text_path, lines: slice | None = None) -> list[str]:
     text_path = Path(text_path)
+    if text_path.is_dir():
+        raise IsADirectoryError(f"{text_path} is a directory; a text file (one sample per line) is needed")
     if not text_path.is_file():
         raise FileNotFoundError(f"text file {text_path} does not exist")
-    all_lines = [ln for ln in text_path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    data = text_path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{text_path}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}, byte offset "
+                         f"{e.start}); save it as UTF-8") from None
+    all_lines = [ln for ln in text.splitlines() if ln.strip()]
     chosen = all_lines[lines] if lines is not None else all_lines
     if not chosen:
         raise ValueError(f"{text_path}: no non-empty lines{f' in lines {format_lines(lines)}' if lines else ''}")

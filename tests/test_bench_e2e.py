@@ -75,3 +75,19 @@ def test_fp8_kv_is_cublade_fp8_checkpoint_with_kv_scales(bench_e2e, converted, t
     assert all(dst_t[n].item() == pytest.approx(bench_e2e.KV_SCALE) for n in extra)
     _, policy = load_reference_model(dst)
     assert policy.kv_cache.rounding == rounding
+
+
+def test_70b_shape_layer_shapes(bench_e2e):
+    shapes = bench_e2e.layer_shapes(bench_e2e.SHAPES["70b"], 3)
+    assert shapes["model.layers.3.self_attn.q_proj.weight"] == (8192, 8192)
+    assert shapes["model.layers.3.self_attn.k_proj.weight"] == (1024, 8192)
+    assert shapes["model.layers.3.mlp.gate_proj.weight"] == (28672, 8192)
+    assert shapes["model.layers.3.mlp.down_proj.weight"] == (8192, 28672)
+
+
+def test_make_refuses_unknown_presets(bench_e2e, tmp_path):
+    import argparse
+
+    (tmp_path / "src").mkdir()  # no source made: the preset check comes first
+    with pytest.raises(SystemExit, match=r"--presets: unknown \['w8a8'\]"):
+        bench_e2e.cmd_make(argparse.Namespace(workdir=str(tmp_path), layers=1, shape="8b", presets=["w8a8"]))

@@ -149,14 +149,14 @@ def test_killed_run_leaves_no_checkpoint_and_next_run_cleans_up(tmp_path):
 
 
 def test_existing_output_refused_unless_overwrite(tmp_path, padded_model_dir):
-    out = tmp_path / "out"
-    out.mkdir()
+    out = convert(padded_model_dir, tmp_path / "out", preset("fp8-dynamic"), progress=False)
     (out / "keep").write_text("x")
     with pytest.raises(FileExistsError, match="--overwrite"):
         convert(padded_model_dir, out, preset("mxfp8"))
     assert (out / "keep").exists()
     convert(padded_model_dir, out, preset("mxfp8"), overwrite=True, progress=False)
     assert not (out / "keep").exists() and (out / "config.json").exists()
+    assert "mxfp8" in json.loads((out / "config.json").read_text())["quantization_config"]["schemes"]
 
 
 def test_missing_and_truncated_shards_are_named(tmp_path):
@@ -229,7 +229,8 @@ def test_cli_errors_and_help():
 
 def test_cli_kv_rounding(tmp_path, padded_model_dir, valid_text):
     r = _cli("convert", padded_model_dir, tmp_path / "x", "--scheme", "fp8-dynamic", "--kv-rounding", "query-aware")
-    assert r.returncode == 2 and "kv_rounding='query-aware' needs an FP8 KV cache" in r.stderr
+    assert r.returncode == 2 and "--kv-rounding query-aware sets how the FP8 KV cache is written; it needs " \
+        "--kv-cache fp8" in r.stderr
     r = _cli("convert", padded_model_dir, tmp_path / "kv", "--scheme", "fp8-dynamic", "--kv-cache", "fp8",
              "--kv-rounding", "query-aware", "--calib-text", valid_text, "--calib-lines", ":2")
     assert r.returncode == 0, r.stderr

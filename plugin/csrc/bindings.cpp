@@ -9,6 +9,8 @@ TORCH_LIBRARY(cublade, m) {
   m.def("fp8_quant_per_token(Tensor x) -> (Tensor, Tensor)");
   // Per-tensor FP8, dynamic (scale=None) or static: x -> (e4m3 of x's shape, fp32 scale [1]).
   m.def("fp8_quant_per_tensor(Tensor x, Tensor? scale=None) -> (Tensor, Tensor)");
+  // Dynamic FP8 per 1 x 128 group: x [M, K] -> (e4m3 [M, K], fp32 scale [M, K/128] column-major).
+  m.def("fp8_quant_per_group(Tensor x) -> (Tensor, Tensor)");
   // MXFP8: x [..., K] -> (e4m3 [..., K], uint8 E8M0 [..., K/32]); rceil picks the scale rule.
   m.def("mxfp8_quant(Tensor x, bool rceil) -> (Tensor, Tensor)");
   m.def("mxfp8_dequant(Tensor q, Tensor codes, ScalarType dtype) -> Tensor");
@@ -21,6 +23,10 @@ TORCH_LIBRARY(cublade, m) {
   // W4A16 dequant (the prefill path): the same blob -> the dense weight [size_n, size_k] in dtype (bf16 / fp16).
   m.def("w4a16_dequant(Tensor packed, int group_size, bool symmetric, int size_n, int size_k, ScalarType dtype) "
         "-> Tensor");
+  // Its FP8 form (group size 128 / per channel): (E4M3 codes u - z [size_n, size_k], fp32 scales [size_n,
+  // size_k/128] column-major), the weight operand of a 1x128 blockwise-scaled FP8 GEMM.
+  m.def("w4a16_dequant_fp8(Tensor packed, int group_size, bool symmetric, int size_n, int size_k) "
+        "-> (Tensor, Tensor)");
   // FP4 (MXFP4 / NVFP4) GEMM for MoE experts: x [T, K] bf16 (rows sorted by expert, expert_offsets [E+1]
   // int32; none = one expert) @ weights in fp4_repack's layout -> bf16 [T, size_n].
   m.def("fp4_gemm(Tensor x, Tensor packed, Tensor? row_scale, str format, int size_n, "

@@ -26,6 +26,19 @@ struct Fp8QuantPerTokenArgs {
 };
 cudaError_t launch_fp8_quant_per_token(const Fp8QuantPerTokenArgs& a, cudaStream_t stream);
 
+// fp8_quant_per_group.cu. x: [M, K] bf16/fp16 with row stride row_stride (elements, a multiple of 8) and unit
+// column stride, K % 128 == 0; q: contiguous [M, K] E4M3 bytes; scale: contiguous [K/128, M] fp32 (one row of
+// scales per 128-element group: the column-major [M, K/128] of a 1x128 blockwise-scaled GEMM).
+struct Fp8QuantPerGroupArgs {
+  const void* x = nullptr;
+  InDtype dtype = InDtype::kBF16;
+  int64_t M = 0, K = 0;
+  int64_t row_stride = 0;
+  uint8_t* q = nullptr;
+  float* scale = nullptr;
+};
+cudaError_t launch_fp8_quant_per_group(const Fp8QuantPerGroupArgs& a, cudaStream_t stream);
+
 // fp8_quant_per_tensor.cu. x: [M, K] view with strides (row_stride, col_stride); q: contiguous [M, K];
 // static_scale: nullptr for the dynamic path (then workspace holds fp8_quant_per_tensor_workspace_floats(num_sms)
 // floats); scale_out: one float, receives the scale used.

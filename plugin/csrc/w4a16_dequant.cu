@@ -51,6 +51,37 @@ __device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, int sh, floa
                     pack2<T>(w(w1, 0), w(w1, 4)), pack2<T>(w(w1, 2), w(w1, 6)));
 }
 
+// One lane's share of one (tile group, chunk) block of the blob: its 8 packet vectors and its rows' scale records
+// (s pair[, z pair] of rows g, g+8), all loads issued before any use. Rows row and row + 8; k_chunk: the chunk's
+// first K. padding: the warp's tile lies past N (warp-uniform).
+template <int GS, bool ASYM>
+struct BlockLoad {
+  using Rec = typename std::conditional<ASYM, uint2, uint32_t>::type;
+  static constexpr int kGS = GS == 0 ? kLowbitChunkK : GS;
+  static constexpr int kGroups = kLowbitChunkK / kGS;  // groups per chunk
+  static constexpr int kBlockWords = kLowbitTileWords + kGroups * 8 * static_cast<int>(sizeof(Rec) / 4);
+  int g, t;
+  int64_t row, k_chunk;
+  bool padding;
+  uint4 q[kPackets];
+  Rec rec[kGroups];
+
+  __device__ __forceinline__ BlockLoad(const uint32_t* __restrict__ packed, int chunks, int N) {
+    const int tile = threadIdx.x / 32, lane = threadIdx.x % 32;
+    g = lane / 4; t = lane % 4;
+    row = static_cast<int64_t>(blockIdx.x / chunks) * kLowbitGroupRows + tile * kTileN + g;  // and + 8
+    k_chunk = static_cast<int64_t>(blockIdx.x % chunks) * kLowbitChunkK;
+    padding = row - g >= N;
+    if (padding) return;
+    const uint32_t* blk = packed + (static_cast<int64_t>(blockIdx.x) * kTiles + tile) * kBlockWords;
+#pragma unroll
+    for (int p = 0; p < kPackets; ++p) q[p] = ld_nc_v4(blk + (p * 32 + lane) * 4);
+    const Rec* recs = reinterpret_cast<const Rec*>(blk + kLowbitTileWords) + g;
+#pragma unroll
+    for (int i = 0; i < kGroups; ++i) rec[i] = __ldg(recs + i * 8);
+  }
+};
+
 // One CTA per (tile group, chunk), one warp per tile block: the CTA's 4 tile blocks are contiguous in the blob
 // (one ~17 KB span), and small CTAs (one per 64 x 512 of the weight) leave little tail at the end of the grid.
 // Each lane issues its 8 word loads and its scale-record loads before any use (128 B+ in flight per lane: the
@@ -60,24 +91,12 @@ __device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, int sh, floa
 template <typename T, int GS, bool ASYM>
 __global__ void __launch_bounds__(kThreads)
 w4a16_dequant_kernel(const uint32_t* __restrict__ packed, int chunks, int N, int K, T* __restrict__ out) {
-  using Rec = typename std::conditional<ASYM, uint2, uint32_t>::type;  // (s pair[, z pair]) of rows g, g+8
-  constexpr int kGS = GS == 0 ? kLowbitChunkK : GS;
-  constexpr int kGroups = kLowbitChunkK / kGS;  // groups per chunk
-  constexpr int kBlockWords = kLowbitTileWords + kGroups * 8 * static_cast<int>(sizeof(Rec) / 4);
-  const int tile = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t row = static_cast<int64_t>(blockIdx.x / chunks) * kLowbitGroupRows + tile * kTileN + g;  // and +8
-  if (row - g >= N) return;  // a padding tile (warp-uniform)
-  const int64_t k_chunk = static_cast<int64_t>(blockIdx.x % chunks) * kLowbitChunkK;
-  const uint32_t* blk = packed + (static_cast<int64_t>(blockIdx.x) * kTiles + tile) * kBlockWords;
-
-  uint4 q[kPackets];
-#pragma unroll
-  for (int p = 0; p < kPackets; ++p) q[p] = ld_nc_v4(blk + (p * 32 + lane) * 4);
-  Rec rec[kGroups];
-  const Rec* recs = reinterpret_cast<const Rec*>(blk + kLowbitTileWords) + g;
-#pragma unroll
-  for (int i = 0; i < kGroups; ++i) rec[i] = __ldg(recs + i * 8);
-
+  using B = BlockLoad<GS, ASYM>;
+  using Rec = typename B::Rec;
+  B b(packed, chunks, N);
+  if (b.padding) return;  // a padding tile (warp-uniform)
+  const int t = b.t;
+  const int64_t row = b.row, k_chunk = b.k_chunk;
   const bool lo_ok = row < N, hi_ok = row + 8 < N;
   T* out_lo = out + row * K + k_chunk + 8 * t;
   T* out_hi = out_lo + static_cast<int64_t>(8) * K;
@@ -87,7 +106,7 @@ w4a16_dequant_kernel(const uint32_t* __restrict__ packed, int chunks, int N, int
     for (int h = 0; h < 2; ++h) {
       const int k = 64 * p + 32 * h;  // chunk-relative K of this half-packet; the lane's 8 start at k + 8t
       if (k_chunk + k + 8 * t >= K) continue;  // K % 8 == 0: the lane's 8 are all in or all out
-      const Rec r = rec[k / kGS];
+      const Rec r = b.rec[k / B::kGS];
       float z_lo = 8.0f, z_hi = 8.0f, s_lo, s_hi;
       if constexpr (ASYM) {
         s_lo = bf16_lo(r.x); s_hi = bf16_hi(r.x);
@@ -95,7 +114,7 @@ w4a16_dequant_kernel(const uint32_t* __restrict__ packed, int chunks, int N, int
       } else {
         s_lo = bf16_lo(r); s_hi = bf16_hi(r);
       }
-      const uint32_t w0 = h ? q[p].z : q[p].x, w1 = h ? q[p].w : q[p].y;
+      const uint32_t w0 = h ? b.q[p].z : b.q[p].x, w1 = h ? b.q[p].w : b.q[p].y;
       // __stwb: one 16-byte store (nvcc 13.0 split one plain uint4 assignment of this loop into four 4-byte ones)
       if (lo_ok) __stwb(reinterpret_cast<uint4*>(out_lo + k), dequant8<T>(w0, w1, 0, kMagicF + z_lo, s_lo));
       if (hi_ok) __stwb(reinterpret_cast<uint4*>(out_hi + k), dequant8<T>(w0, w1, 4, kMagicF + z_hi, s_hi));
@@ -125,6 +144,68 @@ cudaError_t launch_dtype(const W4a16DequantArgs& a, cudaStream_t stream) {
   }
 }
 
+
+// The FP8 form of the same blob (w4a16_dequant_fp8): codes[n, k] = e4m3(u - z), exact (|u - z| <= 15), and the
+// scales as fp32 scale_t[k / 128, n] (per channel: the row's scale repeated per 128 K), for a GEMM on FP8 tensor
+// cores that applies the weight scales per 1 x 128 block. Same CTA / lane mapping as w4a16_dequant_kernel; each
+// lane stores 8 bytes per half-packet, and the t = 0 lanes of rows g, g + 8 store the chunk's 4 scales.
+template <int GS, bool ASYM>
+__global__ void __launch_bounds__(kThreads)
+w4a16_dequant_fp8_kernel(const uint32_t* __restrict__ packed, int chunks, int N, int K, uint8_t* __restrict__ out,
+                         float* __restrict__ scale_t) {
+  using B = BlockLoad<GS, ASYM>;
+  using Rec = typename B::Rec;
+  B b(packed, chunks, N);
+  if (b.padding) return;  // a padding tile (warp-uniform)
+  const int t = b.t;
+  const int64_t row = b.row, k_chunk = b.k_chunk;
+  const bool lo_ok = row < N, hi_ok = row + 8 < N;
+  uint8_t* out_lo = out + row * K + k_chunk + 8 * t;
+  uint8_t* out_hi = out_lo + static_cast<int64_t>(8) * K;
+  auto codes8 = [](uint32_t w0, uint32_t w1, int sh, float zb) {
+    auto c = [&](uint32_t w, int j) { return __uint_as_float(kMagic | ((w >> (4 * j + sh)) & 0xFu)) - zb; };
+    return make_uint2(f32x4_to_e4m3x4(c(w0, 0), c(w0, 4), c(w0, 2), c(w0, 6)),
+                      f32x4_to_e4m3x4(c(w1, 0), c(w1, 4), c(w1, 2), c(w1, 6)));
+  };
+#pragma unroll
+  for (int p = 0; p < kPackets; ++p) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = 64 * p + 32 * h;
+      if (k_chunk + k + 8 * t >= K) continue;
+      float z_lo = 8.0f, z_hi = 8.0f;
+      if constexpr (ASYM) {
+        const Rec r = b.rec[k / B::kGS];
+        z_lo = bf16_lo(r.y); z_hi = bf16_hi(r.y);
+      }
+      const uint32_t w0 = h ? b.q[p].z : b.q[p].x, w1 = h ? b.q[p].w : b.q[p].y;
+      if (lo_ok) *reinterpret_cast<uint2*>(out_lo + k) = codes8(w0, w1, 0, kMagicF + z_lo);
+      if (hi_ok) *reinterpret_cast<uint2*>(out_hi + k) = codes8(w0, w1, 4, kMagicF + z_hi);
+    }
+  }
+  if (t != 0) return;
+#pragma unroll
+  for (int j = 0; j < kLowbitChunkK / 128; ++j) {  // the chunk's 128-K blocks
+    const int64_t kb = k_chunk / 128 + j;
+    if (kb * 128 >= K) break;
+    const Rec r = b.rec[(j * 128) / B::kGS];
+    uint32_t sw;
+    if constexpr (ASYM) sw = r.x; else sw = r;
+    if (lo_ok) scale_t[kb * N + row] = bf16_lo(sw);
+    if (hi_ok) scale_t[kb * N + row + 8] = bf16_hi(sw);
+  }
+}
+
+template <int GS, bool ASYM>
+cudaError_t launch_fp8_typed(const W4a16DequantFp8Args& a, cudaStream_t stream) {
+  const int chunks = static_cast<int>(ceil_div(a.K, kLowbitChunkK));
+  const int64_t blocks = ceil_div(a.N, kLowbitGroupRows) * chunks;
+  w4a16_dequant_fp8_kernel<GS, ASYM><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<const uint32_t*>(a.packed), chunks, static_cast<int>(a.N), static_cast<int>(a.K),
+      static_cast<uint8_t*>(a.codes), a.scale_t);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 // packed: the int4 blob [ceil(N/64), ceil(K/512), 4, 1024 + w4a16_gemm_sbytes/4] (16-byte aligned); out:
@@ -138,6 +219,20 @@ cudaError_t launch_w4a16_dequant(const W4a16DequantArgs& a, cudaStream_t stream)
   switch (a.out_dtype) {
     case InDtype::kBF16: return launch_dtype<__nv_bfloat16>(a, stream);
     case InDtype::kF16: return launch_dtype<__half>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// codes: contiguous [N, K] E4M3; scale_t: contiguous [K/128, N] fp32. Group size 128 or -1, K % 128 == 0.
+cudaError_t launch_w4a16_dequant_fp8(const W4a16DequantFp8Args& a, cudaStream_t stream) {
+  const int64_t N = a.N, K = a.K;
+  if (N == 0 || K == 0) return cudaSuccess;
+  if (N < 0 || K < 0 || K % 128 != 0 || N > INT32_MAX || K > INT32_MAX - kLowbitChunkK || !is_aligned(a.packed, 16) ||
+      !is_aligned(a.codes, 8) || ceil_div(N, kLowbitGroupRows) * ceil_div(K, kLowbitChunkK) > INT32_MAX)
+    return cudaErrorInvalidValue;
+  switch (a.group_size) {
+    case 128: return a.asym ? launch_fp8_typed<128, true>(a, stream) : launch_fp8_typed<128, false>(a, stream);
+    case -1: return a.asym ? launch_fp8_typed<0, true>(a, stream) : launch_fp8_typed<0, false>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }

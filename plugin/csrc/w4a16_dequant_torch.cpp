@@ -38,6 +38,33 @@ at::Tensor w4a16_dequant(const at::Tensor& packed_in, int64_t group_size, bool s
   return out;
 }
 
-TORCH_LIBRARY_IMPL(cublade, CUDA, m) { m.impl("w4a16_dequant", &w4a16_dequant); }
+// The blob as E4M3 codes [size_n, size_k] (u - z, exact) and fp32 scales [size_n, size_k / 128] with strides
+// (1, size_n), column-major, as a 1x128 blockwise-scaled FP8 GEMM reads them. Group size 128 or -1.
+std::tuple<at::Tensor, at::Tensor> w4a16_dequant_fp8(const at::Tensor& packed_in, int64_t group_size, bool symmetric,
+                                                     int64_t size_n, int64_t size_k) {
+  constexpr const char* op = "w4a16_dequant_fp8";
+  check_arch(op, packed_in);
+  CUBLADE_CHECK_NOT_IMPLEMENTED(group_size == 128 || group_size == -1, op,
+                                "group_size must be 128 or -1 (per channel), got ", num(group_size));
+  CUBLADE_CHECK_VALUE(size_n > 0 && size_n <= INT32_MAX, op, "size_n must be in [1, 2^31), got ", num(size_n));
+  CUBLADE_CHECK_VALUE(size_k > 0 && size_k % 128 == 0 && size_k <= INT32_MAX - kLowbitChunkK, op, "size_k=",
+                      num(size_k), " must be a positive multiple of 128 below 2^31 - 512");
+  check_w4a16_packed(op, packed_in, size_n, size_k, group_size, symmetric);
+
+  const c10::cuda::CUDAGuard guard(packed_in.device());
+  const at::Tensor packed = aligned16(packed_in.data_ptr()) ? packed_in : packed_in.clone();
+  at::Tensor codes = at::empty({size_n, size_k}, packed.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scale_t = at::empty({size_k / 128, size_n}, packed.options().dtype(at::kFloat));
+  W4a16DequantFp8Args a;
+  a.packed = packed.data_ptr(); a.group_size = static_cast<int>(group_size); a.asym = !symmetric;
+  a.N = size_n; a.K = size_k; a.codes = codes.data_ptr(); a.scale_t = scale_t.data_ptr<float>();
+  check_launch(op, launch_w4a16_dequant_fp8(a, current_stream()));
+  return {codes, scale_t.t()};
+}
+
+TORCH_LIBRARY_IMPL(cublade, CUDA, m) {
+  m.impl("w4a16_dequant", &w4a16_dequant);
+  m.impl("w4a16_dequant_fp8", &w4a16_dequant_fp8);
+}
 
 }  // namespace cublade

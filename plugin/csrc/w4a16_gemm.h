@@ -85,6 +85,18 @@ struct W4a16DequantArgs {
 };
 cudaError_t launch_w4a16_dequant(const W4a16DequantArgs& a, cudaStream_t stream);
 
+// w4a16_dequant.cu, FP8 form (the FP8 tensor-core prefill path): codes [N, K] E4M3 = u - z (exact), scale_t
+// [K/128, N] fp32 = the group's scale (per channel: repeated per 128 K). Group size 128 or -1; K % 128 == 0.
+struct W4a16DequantFp8Args {
+  const void* packed = nullptr;
+  int group_size = 0;
+  bool asym = false;
+  int64_t N = 0, K = 0;
+  void* codes = nullptr;
+  float* scale_t = nullptr;
+};
+cudaError_t launch_w4a16_dequant_fp8(const W4a16DequantFp8Args& a, cudaStream_t stream);
+
 // Scale-record bytes per FP4 tile block (64 per packet, both formats).
 constexpr int kFp4RecordBytes = 8 * 64;
 

@@ -5,6 +5,8 @@ their fp32 summation order differs), and the quant steps inside them are bit-exa
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cublade.numerics.fp4 import Fp4Format, fp4_dequant_weight
@@ -40,15 +42,103 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return _finish(y, bias, x.dtype).reshape(*shape[:-1], -1)
 
 
+# Exponent bias of e4m3 codes decoded by bit placement into a 16-bit float: a code moved into bf16's (fp16's) exponent
+# field is worth its value times 2^-120 (2^-8), and the kernel folds 2^120 (2^8) into the per-channel scale.
+W8A16_EXPONENT_BIAS = {torch.bfloat16: 120, torch.float16: 8}
+# Error of one W8A16 weight element against the exact code x fp32 scale, (relative, absolute): the scale's one
+# rounding to the activation dtype (fp16: subnormal below 2^-14 after the bias, i.e. fp32 scales under 2^-22).
+W8A16_WEIGHT_ERROR = {torch.bfloat16: (2.0**-8, 0.0), torch.float16: (2.0**-11, 2.0**-24)}
+
+
+def fp8_w8a16_weight(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 [N, K] weight an FP8 W8A16 kernel (vLLM's FP8 Marlin) multiplies `dtype` (bf16 / fp16) activations
+    by: each e4m3 code, exact, times its channel's scale as the kernel holds it (`fp8_w8a16_scale`, the bias taken
+    back out: exact). Marlin multiplies the decoded codes in its MMAs and applies the channel scale to the fp32
+    sums (vLLM's marlin_template.h, 8-bit weights with channel scales), the same products up to fp32 rounding.
+    Error per element against code x fp32 scale: W8A16_WEIGHT_ERROR."""
+    bias = W8A16_EXPONENT_BIAS[dtype]
+    s = fp8_w8a16_scale(weight_scale, weight.shape[0], dtype).float() * 2.0**-bias
+    return weight.float() * s.unsqueeze(1)  # a 4-bit by 11-bit significand product: exact in fp32
+
+
+def fp8_w8a16_scale(weight_scale: torch.Tensor, N: int, dtype: torch.dtype) -> torch.Tensor:
+    """[N] per-channel scales of an FP8 W8A16 kernel: the fp32 scale (one per channel, or one per tensor repeated)
+    times 2^bias, rounded once to `dtype`. Folding the bias in before the rounding keeps fp16 scales normal down to
+    2^-22 (rounding first would make every scale under 2^-14 an fp16 subnormal)."""
+    return (weight_scale.float().reshape(-1).expand(N) * 2.0**W8A16_EXPONENT_BIAS[dtype]).to(dtype)
+
+
+def fp8_w8a16_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A16 on FP8 weights (vLLM's FP8 Marlin, for GPUs without FP8 tensor cores): activations are not quantized;
+    x (bf16 / fp16) times `fp8_w8a16_weight`, summed in fp32, rounded once to x's dtype. Against the W8A8
+    `fp8_linear_ref` of the same checkpoint it differs by the activation rounding W8A8 does and this does not:
+    `w8a16_vs_w8a8_bound` says by how much at most."""
+    return _dense(x, fp8_w8a16_weight(weight, weight_scale, x.dtype), bias)
+
+
+def w8a16_vs_w8a8_bound(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, x_dequant: torch.Tensor
+                        ) -> torch.Tensor:
+    """[M, N] bound on |fp8_w8a16_linear_ref - fp8_linear_ref| for x [M, K], where `x_dequant` is W8A8's quantized
+    activation times its scale (fp32): sum_k |x - x_dequant| |W| (the activation rounding, incl. clipping at a
+    static scale) + the W8A16 weight error (W8A16_WEIGHT_ERROR: 2^-8 sum_k |x| |W| for bf16; fp16 2^-11 of it plus
+    2^-24 sum_k |x|) + K 2^-24 sum_k (|x| + |x_dequant|) |W| (fp32 summation) + one rounding of each output to x's
+    dtype."""
+    x2, xd = x.reshape(-1, x.shape[-1]).float(), x_dequant.reshape(-1, x.shape[-1]).float()
+    W = (weight.float() * weight_scale.float().reshape(-1, 1)).abs()
+    u = 2.0**-8 if x.dtype == torch.bfloat16 else 2.0**-11
+    rel_w, abs_w = W8A16_WEIGHT_ERROR[x.dtype]
+    K = x2.shape[-1]
+    xw, xdw = x2.abs() @ W.t(), xd.abs() @ W.t()
+    inner = ((x2 - xd).abs() @ W.t() + rel_w * xw + abs_w * x2.abs().sum(-1, keepdim=True)
+             + K * 2.0**-24 * (xw + xdw))
+    # each output rounded once to x's dtype (|y| <= its sum of |products|); 2^-5 slack for second-order terms
+    return (inner + u * (xw + xdw + inner)) * (1 + 2.0**-5)
+
+
 def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     y = x.reshape(-1, x.shape[-1]).float() @ w.t()
     return _finish(y, bias, x.dtype).reshape(*x.shape[:-1], -1)
 
 
+W4A16_PREFILL_ENV = "CUBLADE_W4A16_PREFILL"
+W4A16_PREFILL_CHOICES = ("bf16", "fp8")
+# Rows from which CUBLADE_W4A16_PREFILL=fp8 rounds a w4a16 layer's activations to E4M3 per 1 x 128 (the FP8
+# tensor-core path, cublade.ops.w4a16_gemm_fp8; the measurement behind 512: docs/decisions.md).
+W4A16_FP8_MIN_ROWS = 512
+
+
+def w4a16_prefill_math() -> str:
+    """CUBLADE_W4A16_PREFILL: "bf16" (default: bf16/fp16 activations at every batch size) or "fp8" (calls of
+    W4A16_FP8_MIN_ROWS rows or more take their activations in E4M3 per 1 x 128, on FP8 tensor cores)."""
+    v = os.environ.get(W4A16_PREFILL_ENV, "").strip().lower() or "bf16"
+    if v not in W4A16_PREFILL_CHOICES:
+        raise ValueError(f"{W4A16_PREFILL_ENV}={os.environ[W4A16_PREFILL_ENV]!r}: expected one of "
+                         f"{', '.join(W4A16_PREFILL_CHOICES)}")
+    return v
+
+
+def fp8_activations_per_group(x2: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K % 128 == 0) rounded to E4M3 per 1 x 128 group with the dynamic per-token rule per group, back in
+    fp32 (q * scale, exact)."""
+    M, K = x2.shape
+    q, s = quantize_per_token(x2.reshape(M, K // 128, 128))
+    return (q.float() * s).reshape(M, K)
+
+
 def w4a16_linear_ref(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                      weight_zero_point: torch.Tensor | None, group_size: int,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _dense(x, int4_dequant_weight(weight_packed, weight_scale, weight_zero_point, group_size), bias)
+    """bf16/fp16 activations times the exact int4 weights. With CUBLADE_W4A16_PREFILL=fp8, calls of
+    W4A16_FP8_MIN_ROWS rows or more at group size 128 or per channel compute what the FP8 tensor-core path does:
+    activations rounded to E4M3 per 1 x 128 first."""
+    w = int4_dequant_weight(weight_packed, weight_scale, weight_zero_point, group_size)
+    K = x.shape[-1]
+    if (group_size in (128, -1) and K % 128 == 0 and x.numel() // max(K, 1) >= W4A16_FP8_MIN_ROWS
+            and w4a16_prefill_math() == "fp8"):
+        y = fp8_activations_per_group(x.reshape(-1, K).float()) @ w.float().t()
+        return _finish(y, bias, x.dtype).reshape(*x.shape[:-1], -1)
+    return _dense(x, w, bias)
 
 
 def mxfp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

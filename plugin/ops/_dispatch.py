@@ -3,7 +3,9 @@ else the pure-PyTorch reference (the CPU path, and the numerics every kernel rep
 
 The extension `cublade._C` is imported once, when this module is first imported (not lazily inside an op
 call), so that `torch.compile` never traces an import: under dynamo, `use_kernel` is plain attribute reads.
-Set CUBLADE_DISABLE_KERNELS=1 to force the references everywhere."""
+Where the installed package has no extension and the GPU is one the kernels target (sm_90), it is built on first
+use into a cache (cublade.extension); when that cannot be done, importing this module raises
+ExtensionUnavailable with the fix. Set CUBLADE_DISABLE_KERNELS=1 to force the references everywhere."""
 from __future__ import annotations
 
 import os
@@ -13,6 +15,7 @@ import torch
 
 _LOADED: bool | None = None
 _LOAD_ERROR: str | None = None
+_LOADED_FROM: str | None = None  # the extension library's path, when loaded
 _CUDA_OPS: frozenset[str] = frozenset()  # the ops with a CUDA kernel in the loaded extension
 
 
@@ -26,15 +29,20 @@ def ops_with_cuda_kernel(namespace: str) -> frozenset[str]:
 
 
 def _load() -> bool:
-    global _LOAD_ERROR, _CUDA_OPS
+    global _LOAD_ERROR, _CUDA_OPS, _LOADED_FROM
     if os.environ.get("CUBLADE_DISABLE_KERNELS") == "1":
         _LOAD_ERROR = "CUBLADE_DISABLE_KERNELS=1"
         return False
     try:
-        from cublade import _C  # noqa: F401  (registers TORCH_LIBRARY(cublade) and the CUDA kernels)
-    except ImportError as e:  # no build (CPU machines), or a build for another torch
-        _LOAD_ERROR = f"{type(e).__name__}: {e}"
-        return False
+        from cublade import _C  # (registers TORCH_LIBRARY(cublade) and the CUDA kernels)
+        _LOADED_FROM = _C.__file__
+    except ImportError as e:  # no build (CPU machines, a pure-Python install), or a build for another torch
+        from cublade import extension
+
+        if not extension.kernels_target_this_gpu():
+            _LOAD_ERROR = f"{type(e).__name__}: {e}"
+            return False
+        _LOADED_FROM = str(extension.load_or_build())  # raises ExtensionUnavailable when it cannot
     _CUDA_OPS = ops_with_cuda_kernel("cublade")
     return True
 
@@ -51,6 +59,12 @@ def extension_load_error() -> str | None:
     """Why the extension is not loaded (None when it is)."""
     extension_loaded()
     return _LOAD_ERROR
+
+
+def extension_path() -> str | None:
+    """The loaded extension library (the installed cublade._C, or a build in the cache); None when not loaded."""
+    extension_loaded()
+    return _LOADED_FROM
 
 
 def use_kernel(x: torch.Tensor, op_name: str) -> bool:

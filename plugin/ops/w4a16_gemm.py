@@ -154,9 +154,10 @@ def w4a16_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     return W4A16Packed(packed, N, K, group_size, weight_zero_point is None)
 
 
-def w4a16_dequant_repacked(packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int,
-                           size_k: int) -> torch.Tensor:
-    """The blob back to the fp32 weight [N, K]: w = (u - z) * s (z = 8 when symmetric)."""
+def repacked_parts(packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int,
+                   size_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The blob's unsigned nibbles u [N, K], zero points z and scales s [N, groups] (fp32; z = 8 when symmetric;
+    per channel: one group)."""
     words, recs = from_blob(packed, torch.bfloat16)
     T, C = recs.shape[0], recs.shape[1]
     u = unpack_fragments(words, _ROW_OF_J, _KOFF_OF_J)[:size_n, :size_k].float()
@@ -169,11 +170,19 @@ def w4a16_dequant_repacked(packed: torch.Tensor, group_size: int, symmetric: boo
 
     s = rows(0)
     z = torch.full_like(s, float(INT4_SYM_OFFSET)) if symmetric else rows(2)
+    ng = 1 if group_size == -1 else size_k // group_size
+    return u, z[:, :ng], s[:, :ng]
+
+
+def w4a16_dequant_repacked(packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int,
+                           size_k: int) -> torch.Tensor:
+    """The blob back to the fp32 weight [N, K]: w = (u - z) * s (z = 8 when symmetric)."""
+    u, z, s = repacked_parts(packed, group_size, symmetric, size_n, size_k)
     if group_size == -1:
-        return (u - z[:, :1]) * s[:, :1]
+        return (u - z) * s
     ng = size_k // group_size
     ug = u.reshape(size_n, ng, group_size)
-    return ((ug - z[:, :ng, None]) * s[:, :ng, None]).reshape(size_n, size_k)
+    return ((ug - z[:, :, None]) * s[:, :, None]).reshape(size_n, size_k)
 
 
 def w4a16_gemm_ref(x: torch.Tensor, packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int,

@@ -52,13 +52,15 @@ class CubladeConfig(QuantizationConfig):
         return QUANT_METHOD
 
     def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        # fp32 runs through the reference kernels (the CPU tests, and fp32 scoring on a GPU).
+        # fp32 runs through the reference kernels (the CPU tests, and fp32 scoring on a GPU, which asks for them
+        # with CUBLADE_ALLOW_REFERENCE=1).
         return [torch.bfloat16, torch.float16, torch.float32]
 
     @classmethod
     def get_min_capability(cls) -> int:
-        # Every scheme has a path from Ampere on (reference kernels, Marlin); the per-layer kernel selector
-        # says which kernel each layer gets on the GPU at hand (FP8 tensor cores need sm_89+).
+        # Every scheme has a tensor-core path from Ampere on (cublade's kernels on sm_90, vLLM's Marlin / CUTLASS
+        # elsewhere: fp8 runs W8A16 on Marlin where FP8 tensor cores are missing, before sm_89); the per-layer
+        # kernel selector says which kernel each layer gets on the GPU at hand.
         return 80
 
     @staticmethod

@@ -2,7 +2,9 @@
 tensors are, cublade.vllm.kernels says how a layer runs.
 
 Lifecycle of a layer (vLLM calls these in order):
-  create_weights   the scheme's tensors as vLLM parameter classes (ModelWeightParameter, Channel/Group/
+  create_weights   the rank's shapes checked against the scheme's sharding rules (check_partition: K per rank
+                   a multiple of the int4 packing, the group size, the MX block; one error naming the rule), then
+                   the scheme's tensors as vLLM parameter classes (ModelWeightParameter, Channel/Group/
                    PerTensor scale parameters, PackedvLLMParameter), so vLLM's own loaders shard them for
                    tensor parallelism and place fused shards (q/k/v, gate/up). Each loader is wrapped to
                    check the checkpoint tensor against the scheme (shape, dtype) and record which shards
@@ -47,6 +49,39 @@ logger = logging.getLogger("vllm.cublade")
 QKV_INDEX = {"q": 0, "k": 1, "v": 2}
 
 
+def _per_rank(dim: str, per_rank, full: int, tp_size: int) -> str:
+    """'K=192 per rank (in_features 384 at tensor-parallel size 2)', or 'K=192' on one rank."""
+    return f"{dim}={per_rank}" + (f" per rank ({'in' if dim == 'K' else 'out'}_features {full} at tensor-parallel "
+                                   f"size {tp_size})" if tp_size > 1 else "")
+
+
+def check_partition(scheme: Scheme, layer: str, parts: list[int], K: int, K_full: int, N_full: int,
+                    tp_size: int = 1, compressed_tensors: bool = False) -> None:
+    """The sharding rules of a linear layer's scheme on one tensor-parallel rank: `parts` are the rank's output
+    sizes (one per fused shard: vLLM splits each of q/k/v or gate/up along its rows; N_full in all), K its input
+    size (K_full over tp_size ranks for a row-parallel layer). A rule broken is one ValueError naming the layer, N
+    or K per rank, the tensor-parallel size and the rule. Shapes every rule allows and a kernel's tiles do not are
+    the kernel selection's to refuse (docs/kernel-selection.md#tensor-parallelism)."""
+    def refuse(rule: str, dim: str, per_rank, full: int) -> ValueError:
+        return ValueError(f"{layer}: {_per_rank(dim, per_rank, full, tp_size)} breaks a rule of scheme "
+                          f"{scheme.describe()}: {rule}")
+
+    if isinstance(scheme, W4A16Scheme):
+        if K % INT4_PER_INT32:
+            raise refuse(f"in_features per rank must be a multiple of {INT4_PER_INT32} (int4 values pack "
+                         f"{INT4_PER_INT32} per int32 along K)", "K", K, K_full)
+        if scheme.group_size != -1 and K % scheme.group_size:
+            raise refuse(f"in_features per rank must be a multiple of the group size {scheme.group_size} (a group "
+                         f"and its scale live on one rank)", "K", K, K_full)
+        if compressed_tensors and not scheme.symmetric and any(p % INT4_PER_INT32 for p in parts):
+            raise refuse(f"output features per rank of each fused shard must be multiples of {INT4_PER_INT32} "
+                         f"(compressed-tensors packs zero points {INT4_PER_INT32} per int32 along N)", "N",
+                         parts if len(parts) > 1 else parts[0], N_full)
+    if isinstance(scheme, MXFP8Scheme) and K % MX_BLOCK:
+        raise refuse(f"in_features per rank must be a multiple of the MX block {MX_BLOCK} (a block and its E8M0 "
+                     f"scale live on one rank)", "K", K, K_full)
+
+
 @register_weight_loader_v2_supported_method
 class CubladeLinearMethod(LinearMethodBase):
     """One layer's method (vLLM makes one per layer through CubladeConfig.get_quant_method): the layer's scheme,
@@ -67,7 +102,8 @@ class CubladeLinearMethod(LinearMethodBase):
                        params_dtype: torch.dtype, **extra_weight_attrs):
         vllm_loader = extra_weight_attrs.pop("weight_loader")
         N, K = sum(output_partition_sizes), input_size_per_partition
-        self._check_partition(output_partition_sizes, K, input_size)
+        check_partition(self.scheme, self.prefix, output_partition_sizes, K, input_size, output_size,
+                        getattr(layer, "tp_size", 1), self.ct)
         layer.cublade_scheme = self.scheme
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition, layer.output_size_per_partition = K, N
@@ -77,23 +113,6 @@ class CubladeLinearMethod(LinearMethodBase):
             layer.register_parameter(name, param)
             set_weight_attrs(param, extra_weight_attrs)
             self.param_names.append(name)
-
-    def _check_partition(self, parts: list[int], K: int, K_full: int) -> None:
-        s = self.scheme
-        tp = f" (K={K_full} split over tensor-parallel ranks)" if K != K_full else ""
-        if isinstance(s, W4A16Scheme):
-            if K % INT4_PER_INT32:
-                raise ValueError(f"{self.prefix}: w4a16 needs in_features per rank divisible by {INT4_PER_INT32}, "
-                                 f"got {K}{tp}")
-            if s.group_size != -1 and K % s.group_size:
-                raise ValueError(f"{self.prefix}: w4a16 group_size={s.group_size} does not divide in_features per "
-                                 f"rank {K}{tp}")
-            if self.ct and not s.symmetric and any(p % INT4_PER_INT32 for p in parts):
-                raise ValueError(f"{self.prefix}: compressed-tensors packs zero points 8 per int32 along the "
-                                 f"output dim; output sizes per rank {parts} are not multiples of 8")
-        if isinstance(s, MXFP8Scheme) and K % MX_BLOCK:
-            raise ValueError(f"{self.prefix}: mxfp8 needs in_features per rank divisible by the MX block "
-                             f"{MX_BLOCK}, got {K}{tp}")
 
     def _make_params(self, parts: list[int], K: int, params_dtype: torch.dtype, wl) -> dict:
         """suffix -> vLLM parameter (loaded by `wl`), in the checkpoint's layout (cublade's, or

@@ -27,8 +27,8 @@ takes kernels out), one class each in cublade.vllm.kernels:
                      repacked once into Marlin's layout. NVFP4 needs one global scale per expert for w1 and w3.
   reference          pure PyTorch: every expert linear is scheme.linear_ref on the stored FP4 tensors (the
                      reference backend's numerics, cublade.numerics.moe.experts_forward_ref); the CPU path. On a GPU
-                     it is the last resort: slow, and it syncs with the host, so it refuses CUDA-graph capture
-                     (serve with --enforce-eager).
+                     only with CUBLADE_ALLOW_REFERENCE=1: slow, and it syncs with the host, so it refuses CUDA-graph
+                     capture (serve with --enforce-eager).
 """
 from __future__ import annotations
 
@@ -68,6 +68,21 @@ def _ckpt_proj(layer, shard_id: str) -> str:
             "w3": layer.ckpt_up_proj_name}.get(shard_id, shard_id)
 
 
+def check_expert_partition(scheme: FP4Scheme, where: str, H: int, I: int, tp_size: int = 1) -> None:
+    """The sharding rules of FP4 experts on one tensor-parallel rank (H: hidden size; I: intermediate size per rank,
+    the full one split over tp_size ranks: w1 / w3 by rows, w2 by columns, i.e. along w2's K). A rule broken is one
+    UnsupportedShape naming the layer, the size per rank, the tensor-parallel size and the rule. Sizes the rules allow
+    and a kernel's tiles do not are the kernel selection's to refuse (docs/kernel-selection.md#tensor-parallelism)."""
+    B = scheme.block
+    for what, v, full in (("hidden_size H", H, H), ("intermediate_size I", I, I * tp_size)):
+        if v % B:
+            size = (f"{what}={v} per rank (intermediate_size {full} at tensor-parallel size {tp_size})"
+                    if what.startswith("inter") and tp_size > 1 else f"{what}={v}")
+            raise UnsupportedShape(f"{where}: {size} breaks a rule of scheme {scheme.describe()}: it must be a "
+                                   f"multiple of the {scheme.format} block size {B} (a block and its scale live on "
+                                   f"one rank; FP4 packs 2 values per byte along K)")
+
+
 class CubladeFp4MoEMethod(FusedMoEMethodBase):
     """FP4 experts of one FusedMoE layer (see the module docstring)."""
 
@@ -99,11 +114,7 @@ class CubladeFp4MoEMethod(FusedMoEMethodBase):
         if layer.apply_router_weight_on_input:
             raise NotImplementedError(f"{where}: apply_router_weight_on_input is not supported by cublade's "
                                       f"FP4 experts")
-        B = self.scheme.block
-        for what, v in (("hidden_size", H), ("intermediate_size per TP rank", I)):
-            if v % B:
-                raise UnsupportedShape(f"{where}: not supported by scheme fp4 because {what}={v} is not a "
-                                       f"multiple of the {self.scheme.format} block size {B}")
+        check_expert_partition(self.scheme, where, H, I, layer.moe_config.moe_parallel_config.tp_size)
         self._sizes = (E, H, I)
         group = {"quant_method": FusedMoeWeightScaleSupported.GROUP.value}
         tensor = {"quant_method": FusedMoeWeightScaleSupported.TENSOR.value}

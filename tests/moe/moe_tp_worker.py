@@ -33,6 +33,16 @@ def run(rank: int, world: int, init_method: str, jobs: list[tuple[str, str, str]
         y = forward(cfg, layer, x, x @ router(Path(ckpt)).t())
         if rank == 0:
             torch.save(y, out)
+    # An intermediate size whose per-rank share breaks the mxfp4 block rule (96 over 2 ranks: 48): each rank's
+    # one-line error, beside the outputs.
+    from cublade.config.schemes import UnsupportedShape
+
+    try:
+        make_layer(cfg, FP4Scheme(format="mxfp4"), inter=96)
+        refusal = "no error"
+    except UnsupportedShape as e:
+        refusal = str(e)
+    Path(jobs[0][2]).with_name(f"refusal-rank{rank}.txt").write_text(refusal)
     # Tear the groups down before exit: left to the interpreter's exit, gloo's threads were destroyed while still
     # joinable now and then ("terminate called without an active exception", the rank's exit status -6).
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel

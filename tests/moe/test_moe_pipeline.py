@@ -4,6 +4,7 @@ converted checkpoint loaded by vLLM's own model loader (get_model) with cublade'
 against the reference backend."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -116,9 +117,17 @@ def test_check_checkpoint_experts(converted, moe_fixture, tmp_path):
     CubladeConfig(read_policy(ckpt)).maybe_update_config(str(ckpt))
     missing = _edited_copy(ckpt, tmp_path / "missing", lambda t: t.pop(
         "model.layers.3.block_sparse_moe.experts.6.w2.weight_scale"))
+    # the index still lists it: named as an index entry that no shard holds (cublade.checkpoint)
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.block_sparse_moe\.experts\.6\.w2\.weight_scale: "
+                                         r"model\.safetensors\.index\.json puts it in model\.safetensors, which "
+                                         r"does not hold it"):
+        check_checkpoint_experts(missing)
+    index = json.loads((missing / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.3.block_sparse_moe.experts.6.w2.weight_scale"]
+    (missing / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"model\.layers\.3\.block_sparse_moe\.experts\.6\.w2\.weight_scale: "
                                          r"missing from the checkpoint"):
-        check_checkpoint_experts(missing)
+        check_checkpoint_experts(missing)  # and without the index entry, the experts' own check names it
 
 
 def test_reference_backend_refuses_bad_quantized_experts(converted, moe_fixture, tmp_path):

@@ -247,8 +247,9 @@ def test_bad_scale_values_refused_after_load(vllm_cpu, ckpt, fmt):
 def test_refusals(vllm_cpu, monkeypatch):
     with pytest.raises(NotImplementedError, match=r"experts: cublade serves MoE experts in fp4.*not fp8"):
         make_layer(vllm_cpu, Fp8Scheme())
-    with pytest.raises(UnsupportedShape, match=r"intermediate_size per TP rank=200 is not a multiple of the "
-                                               r"mxfp4 block size 32"):
+    with pytest.raises(UnsupportedShape, match=r"^model\.layers\.0\.block_sparse_moe\.experts: intermediate_size "
+                                               r"I=200 breaks a rule of scheme fp4\(format=mxfp4, scale_rule=rceil\): "
+                                               r"it must be a multiple of the mxfp4 block size 32"):
         make_layer(vllm_cpu, FP4Scheme(), inter=200)
     monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "reference")
     layer = make_layer(vllm_cpu, FP4Scheme())
@@ -268,6 +269,64 @@ def test_cublade_kernel_passed_over_on_other_gpus(monkeypatch):
     w = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
     ok, why = CubladeFp4MoE.can_implement(types.SimpleNamespace(w13_weight_packed=w), FP4Scheme())
     assert not ok and why == "cublade's kernels are built for sm_90a, this GPU is sm_80"
+
+
+@pytest.mark.parametrize("fmt_,H,I,tp,refused", [
+    ("mxfp4", 128, 48, 2, "intermediate_size I=48 per rank (intermediate_size 96 at tensor-parallel size 2)"),
+    ("mxfp4", 128, 16, 4, "intermediate_size I=16 per rank (intermediate_size 64 at tensor-parallel size 4)"),
+    ("mxfp4", 80, 64, 1, "hidden_size H=80"),
+    ("nvfp4", 128, 48, 2, None), ("nvfp4", 128, 16, 4, None),
+    ("nvfp4", 128, 24, 2, "intermediate_size I=24 per rank (intermediate_size 48 at tensor-parallel size 2)"),
+    ("mxfp4", 128, 32, 8, None),
+])
+def test_expert_sharding_rules(fmt_, H, I, tp, refused):
+    """The rules on one rank's sizes, called directly: I per rank (and H) a multiple of the FP4 block (32 mxfp4,
+    16 nvfp4). nvfp4 at I = 16 or 48 per rank passes these rules; the kernels' own needs (cublade's K % 32, Marlin's
+    intermediate % 64) are the selection's (test_kernel_per_gpu)."""
+    from cublade.vllm.moe import check_expert_partition
+
+    scheme = FP4Scheme(format=fmt_)
+    if refused is None:
+        check_expert_partition(scheme, "experts", H, I, tp)
+        return
+    block = scheme.block
+    with pytest.raises(UnsupportedShape) as e:
+        check_expert_partition(scheme, "experts", H, I, tp)
+    assert str(e.value) == (f"experts: {refused} breaks a rule of scheme {scheme.describe()}: it must be a multiple "
+                            f"of the {fmt_} block size {block} (a block and its scale live on one rank; FP4 packs 2 "
+                            f"values per byte along K)")
+
+
+@pytest.mark.parametrize("cap,want", [(80, "vllm-marlin-moe"), (86, "vllm-marlin-moe"), (89, "vllm-marlin-moe"),
+                                      (90, "cublade-fp4-moe")])
+def test_kernel_per_gpu(vllm_cpu, monkeypatch, fmt, cap, want):
+    """FP4 experts on each GPU family (capability mocked, tests/gpu_mock.py): cublade's grouped FP4 GEMM on sm_90,
+    vLLM's fused Marlin MoE on sm_80-89; an intermediate size per rank Marlin's tiles do not take (96: not a
+    multiple of 64) stops the load there with every candidate's reason, as the fp32 reference runs on a GPU only
+    when asked for (CUBLADE_ALLOW_REFERENCE=1)."""
+    from gpu_mock import mocked_gpu
+
+    from cublade.vllm.kernels import CANDIDATES, first_runnable, select_moe_kernel
+
+    scheme = FP4Scheme(format=fmt)
+    bf16 = make_layer(vllm_cpu, scheme).routed_experts
+    odd = make_layer(vllm_cpu, scheme, inter=96).routed_experts
+    with mocked_gpu(monkeypatch, cap):
+        k, reason, _ = first_runnable(CANDIDATES[FP4Scheme], lambda k: k.can_implement(bf16, scheme))
+        assert k.name == want, reason
+        k, _, skipped = first_runnable(CANDIDATES[FP4Scheme], lambda k: k.can_implement(odd, scheme))
+        if cap == 90:
+            assert k.name == "cublade-fp4-moe"
+        else:
+            assert k is None
+            assert skipped[1] == ("vllm-marlin-moe: Marlin MoE tiles need hidden_size % 128 == 0 and intermediate % "
+                                  "64 == 0 (H=128, I=96)")
+            with pytest.raises(NotImplementedError, match=r"^experts: no kernel can run MoE experts fp4.*\[E=8, "
+                                                          r"H=128, I=96, torch.bfloat16\]: cublade-fp4-moe: cublade's "
+                                                          r"kernels are built for sm_90a, this GPU is sm_\d\d; "
+                                                          r"vllm-marlin-moe: .*; reference: fp32 reference math, on a "
+                                                          r"GPU only when asked for"):
+                select_moe_kernel(odd, scheme, "experts")
 
 
 def test_cublade_kernel_grouping_on_cpu(vllm_cpu, ckpt, fmt):
@@ -324,6 +383,12 @@ def test_tensor_parallel_2(converted, moe_fixture, tmp_path):
     for f, c in ckpts.items():
         want = _reference(c, f, x, x @ router(c).t())
         torch.testing.assert_close(torch.load(tmp_path / f"{f}.pt"), want, rtol=1e-5, atol=1e-6)
+    for r in range(2):  # vLLM's per-rank intermediate size reaches the sharding rule
+        assert (tmp_path / f"refusal-rank{r}.txt").read_text() == (
+            "model.layers.0.block_sparse_moe.experts: intermediate_size I=48 per rank (intermediate_size 96 at "
+            "tensor-parallel size 2) breaks a rule of scheme fp4(format=mxfp4, scale_rule=rceil): it must be a "
+            "multiple of the mxfp4 block size 32 (a block and its scale live on one rank; FP4 packs 2 values per "
+            "byte along K)")
 
 
 def test_marlin_moe_is_found_through_vllms_kernel_loader(monkeypatch):
@@ -341,7 +406,11 @@ def test_marlin_moe_is_found_through_vllms_kernel_loader(monkeypatch):
         pytest.skip("vLLM's MoE ops are loaded in this process (tests/moe/test_moe_gpu.py runs Marlin itself)")
     loads = []
     monkeypatch.setattr(current_platform, "import_kernels", lambda: loads.append(1))
-    layer = types.SimpleNamespace(w13_weight_packed=types.SimpleNamespace(is_cuda=True), params_dtype=torch.bfloat16)
+    from cublade.vllm.kernels import base
+
+    monkeypatch.setattr(base, "_capability", lambda device: 90)
+    layer = types.SimpleNamespace(w13_weight_packed=types.SimpleNamespace(device=torch.device("cpu")),
+                                  params_dtype=torch.bfloat16)
     ok, why = VllmMarlinMoE.can_implement(layer, FP4Scheme(format="mxfp4"))
     assert not ok and "moe_wna16_marlin_gemm" in why and loads
     lib = torch.library.Library("_moe_C", "FRAGMENT")

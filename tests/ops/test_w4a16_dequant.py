@@ -199,3 +199,37 @@ def test_torch_compile_fullgraph():
         (y, w2), (y_ref, w2_ref) = compiled(x), layer(x)
         assert_bits_equal(w2, w2_ref)  # doubling is exact: the compiled graph ran the same dequant
         assert rel_err(y, y_ref) < 1e-3  # the GEMMs may differ in layout / algorithm: not held bit-exact
+
+
+# ---- the FP8 form: E4M3 codes u - z and 1 x 128 block scales ----------------------------------------------
+
+from cublade.ops.w4a16_dequant import w4a16_dequant_fp8, w4a16_dequant_fp8_ref  # noqa: E402
+
+
+@pytest.mark.parametrize("G,sym", [(128, True), (128, False), (-1, True), (-1, False)])
+def test_fp8_form_times_its_scales_is_the_weight(G, sym):
+    """codes * scale (per 128-wide block) equals the fp32 dequantized weight exactly: no rounding in the FP8 form."""
+    N, K = 72, 640
+    rp, (wp, ws, wz) = blob(N, K, G, sym)
+    codes, scale = w4a16_dequant_fp8_ref(rp.packed, G, sym, N, K)
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (N, K // 128) and scale.stride() == (1, N)
+    w = (codes.float().reshape(N, -1, 128) * scale[:, :, None]).reshape(N, K)
+    assert torch.equal(w, int4_dequant_weight(wp, ws, wz, G).float())
+
+
+def test_fp8_form_refuses_small_groups():
+    rp, _ = blob(8, 256, 32, True)
+    with pytest.raises(NotImplementedError, match="group_size must be 128"):
+        w4a16_dequant_fp8(rp.packed, 32, True, 8, 256)
+
+
+@GPU
+@pytest.mark.parametrize("G,sym", [(128, True), (128, False), (-1, True), (-1, False)])
+@pytest.mark.parametrize("N,K", [(1, 128), (13, 384), (72, 640), (200, 1152), (4096, 4096)])
+def test_fp8_form_kernel_bit_exact(N, K, G, sym):
+    rp, _ = blob(N, K, G, sym, device="cuda", seed=N + K)
+    codes, scale = w4a16_dequant_fp8(rp.packed, G, sym, N, K)
+    rc, rs = w4a16_dequant_fp8_ref(rp.packed.cpu(), G, sym, N, K)
+    assert codes.is_contiguous() and scale.stride() == (1, N)
+    assert torch.equal(codes.cpu().view(torch.uint8), rc.view(torch.uint8))
+    assert torch.equal(scale.cpu(), rs)

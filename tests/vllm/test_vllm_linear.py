@@ -168,8 +168,9 @@ def test_w4a16_group_that_does_not_divide_k_is_refused(vllm_ctx):
     from vllm.model_executor.layers.linear import RowParallelLinear
 
     cfg = single_scheme_config(W4A16Scheme(128))
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: w4a16 group_size=128 does not divide "
-                                         r"in_features per rank 192"):
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj: K=192 breaks a rule of scheme "
+                                         r"w4a16\(group_size=128, symmetric=True\): in_features per rank must be a "
+                                         r"multiple of the group size 128"):
         RowParallelLinear(192, 128, bias=False, quant_config=cfg, prefix="model.layers.0.mlp.down_proj")
 
 
@@ -228,6 +229,7 @@ def test_disabled_kernels_env_and_no_kernel_error(vllm_ctx, monkeypatch):
     load(layer, kind, quantized(scheme, random_weights(kind), None))
     with pytest.raises(NotImplementedError, match=r"down_proj: no kernel can run scheme fp8.*"
                                                   r"vllm-cutlass-scaled-mm: needs a CUDA device; "
+                                                  r"vllm-marlin-fp8: needs a CUDA device; "
                                                   r"reference: disabled by CUBLADE_DISABLED_KERNELS"):
         layer.quant_method.process_weights_after_loading(layer)
 
@@ -262,3 +264,36 @@ def test_cublade_w4a16_kernel_path_with_its_reference_op(vllm_ctx, monkeypatch, 
     assert layer.weight_packed.dim() == 4 and not hasattr(layer, "weight_zero_point")  # the kernel's layout
     y, ref = layer(x)[0].float(), reference(scheme, kind, tensors, x).float()
     assert ((y - ref).abs() <= ref.abs() * 2**-7).all()
+
+
+@pytest.mark.parametrize("scheme", [W4A16Scheme(128, True), W4A16Scheme(-1, False)], ids=lambda s: s.describe())
+def test_w4a16_fp8_prefill_kernel_path(vllm_ctx, monkeypatch, scheme):
+    """CUBLADE_W4A16_PREFILL=fp8 selects cublade-w4a16-fp8-prefill (forced here, where no GPU can run it): below its
+    row threshold the layer computes what cublade-w4a16-gemm does, from it the FP8 path's reference."""
+    from cublade.ops.w4a16_gemm_fp8 import w4a16_gemm_fp8_ref
+    from cublade.vllm import kernels
+
+    monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "fp8")
+    monkeypatch.setattr(kernels.CubladeW4A16Fp8Prefill, "can_implement",
+                        classmethod(lambda cls, layer: (True, "test")))
+    kind = KINDS["down"]
+    x = torch.randn(5, kind.K, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    tensors = quantized(scheme, random_weights(kind), x)
+    layer = build_and_load(scheme, kind, tensors)
+    k = layer.quant_method.kernel
+    assert k.name == "cublade-w4a16-fp8-prefill"
+    for rows in (3, k.min_rows):
+        x = torch.randn(rows, kind.K, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        want = w4a16_gemm_fp8_ref(x, layer.weight_packed, k.group_size, k.symmetric, k.size_n, k.min_rows)
+        assert torch.equal(layer(x)[0], want)
+
+
+def test_w4a16_fp8_prefill_needs_asking_for(monkeypatch):
+    from cublade.vllm.kernels.cublade_w4a16_fp8_prefill import CubladeW4A16Fp8Prefill
+
+    monkeypatch.delenv("CUBLADE_W4A16_PREFILL", raising=False)
+    ok, why = CubladeW4A16Fp8Prefill.can_implement(None)
+    assert not ok and "CUBLADE_W4A16_PREFILL=fp8" in why
+    monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "fp4")
+    with pytest.raises(ValueError, match=r"CUBLADE_W4A16_PREFILL='fp4': expected one of bf16, fp8"):
+        CubladeW4A16Fp8Prefill.can_implement(None)

@@ -4,8 +4,9 @@ ordered candidates per scheme and the one selector.
 
 The selector walks the scheme's candidates in order and takes the first that can run the layer: cublade's own op
 where it exists, else a named fallback, and last the pure-PyTorch reference (the CPU path, bit-exact to
-`scheme.linear_ref`). It logs one line per distinct choice, with the reason, and the reasons of the candidates it
-passed over; if none can run the layer it raises one error listing them all. `CUBLADE_DISABLED_KERNELS=name,name`
+`scheme.linear_ref`; on a GPU only with CUBLADE_ALLOW_REFERENCE=1, so that no layer runs fp32 math by surprise). It
+logs one line per distinct choice, with the reason, and the reasons of the candidates it passed over; if none can
+run the layer it raises one error listing them all. `CUBLADE_DISABLED_KERNELS=name,name`
 takes kernels out of the running (as VLLM_DISABLED_KERNELS does). Why each list is in this order:
 docs/kernel-selection.md.
 """
@@ -22,12 +23,14 @@ from cublade.vllm.kernels.base import LinearKernel, MoEKernel
 from cublade.vllm.kernels.cublade_fp4_moe import CubladeFp4MoE
 from cublade.vllm.kernels.cublade_mxfp8_dequant_matmul import CubladeMxfp8DequantMatmul
 from cublade.vllm.kernels.cublade_mxfp8_gemm import CubladeMxfp8Gemm
+from cublade.vllm.kernels.cublade_w4a16_fp8_prefill import CubladeW4A16Fp8Prefill
 from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
 from cublade.vllm.kernels.reference import ReferenceKernel
 from cublade.vllm.kernels.reference_moe import ReferenceMoE
 from cublade.vllm.kernels.vllm_cutlass_scaled_mm import VllmCutlassScaledMM
 from cublade.vllm.kernels.vllm_machete import VllmMachete
 from cublade.vllm.kernels.vllm_marlin import VllmMarlin
+from cublade.vllm.kernels.vllm_marlin_fp8 import VllmMarlinFp8
 from cublade.vllm.kernels.vllm_marlin_moe import VllmMarlinMoE
 from cublade.vllm.kernels.vllm_marlin_mxfp8 import VllmMarlinMxfp8
 
@@ -35,10 +38,12 @@ logger = logging.getLogger("vllm.cublade")
 
 # The candidates per scheme, first that can run the layer wins.
 CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel] | type[MoEKernel], ...]] = {
-    # cublade has no FP8 GEMM of its own: vLLM's CUTLASS, activations quantized by cublade's per-token /
-    # per-tensor op.
-    Fp8Scheme: (VllmCutlassScaledMM, ReferenceKernel),
-    W4A16Scheme: (CubladeW4A16Gemm, VllmMachete, VllmMarlin, ReferenceKernel),
+    # cublade has no FP8 GEMM of its own: vLLM's CUTLASS (W8A8 on FP8 tensor cores, sm_89+), activations quantized
+    # by cublade's per-token / per-tensor op; then vLLM's FP8 Marlin (W8A16: sm_80 / sm_86, or shapes CUTLASS
+    # refuses).
+    Fp8Scheme: (VllmCutlassScaledMM, VllmMarlinFp8, ReferenceKernel),
+    # The FP8 tensor-core path first, but only when asked for (CUBLADE_W4A16_PREFILL=fp8): it rounds activations.
+    W4A16Scheme: (CubladeW4A16Fp8Prefill, CubladeW4A16Gemm, VllmMachete, VllmMarlin, ReferenceKernel),
     # W8A16 on the 1-byte weights (bf16 activations); then Marlin (fp16 activations, block scales above 2^7); then
     # dequantize to the activation dtype with cublade's op and a dense GEMM (no MX tensor cores before sm_100).
     MXFP8Scheme: (CubladeMxfp8Gemm, VllmMarlinMxfp8, CubladeMxfp8DequantMatmul, ReferenceKernel),
@@ -113,10 +118,16 @@ def select(scheme: Scheme, layer: torch.nn.Module, args: tuple, subject: str, fa
     return k(*args)
 
 
+def per_rank(tp_size: int) -> str:
+    """What a layer's shape is under tensor parallelism, for the log and the errors ("" on one rank)."""
+    return f" per rank at tensor-parallel size {tp_size}" if tp_size > 1 else ""
+
+
 def select_kernel(layer: torch.nn.Module, prefix: str) -> LinearKernel:
     """The kernel of a linear layer (its scheme: layer.cublade_scheme)."""
     scheme: Scheme = layer.cublade_scheme
-    shape = f"[N={layer.output_size_per_partition}, K={layer.input_size_per_partition}, {layer.params_dtype}]"
+    shape = (f"[N={layer.output_size_per_partition}, K={layer.input_size_per_partition}"
+             f"{per_rank(getattr(layer, 'tp_size', 1))}, {layer.params_dtype}]")
     return select(scheme, layer, (layer,), f"{scheme.describe()} layers like {prefix} {shape}",
                   f"{prefix}: no kernel can run scheme {scheme.describe()} {shape}")
 
@@ -124,7 +135,8 @@ def select_kernel(layer: torch.nn.Module, prefix: str) -> LinearKernel:
 def select_moe_kernel(layer: torch.nn.Module, scheme: FP4Scheme, where: str) -> MoEKernel:
     """The kernel of a FusedMoE layer's experts."""
     E, I2, _ = layer.w13_weight_packed.shape
-    shape = f"[E={E}, H={layer.w2_weight_packed.shape[1]}, I={I2 // 2}, {layer.params_dtype}]"
+    tp = getattr(getattr(getattr(layer, "moe_config", None), "moe_parallel_config", None), "tp_size", 1)
+    shape = f"[E={E}, H={layer.w2_weight_packed.shape[1]}, I={I2 // 2}{per_rank(tp)}, {layer.params_dtype}]"
     return select(scheme, layer, (layer, scheme), f"MoE experts {scheme.describe()} like {where} {shape}",
                   f"{where}: no kernel can run MoE experts {scheme.describe()} {shape}")
 

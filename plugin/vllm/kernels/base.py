@@ -10,6 +10,7 @@ as vLLM compiles models.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, ClassVar
 
 import torch
@@ -28,6 +29,27 @@ def _capability(device: torch.device) -> int | None:
         return None
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
+
+
+def on_gpu(device: torch.device) -> bool:
+    """True for a CUDA device (through `_capability`, the one place the kernels ask which GPU they are on)."""
+    return _capability(device) is not None
+
+
+# The opt-in that lets the pure-PyTorch reference run a layer on a GPU (docs/kernel-selection.md#environment).
+ALLOW_REFERENCE_ENV = "CUBLADE_ALLOW_REFERENCE"
+
+
+def reference_allowed(device: torch.device) -> tuple[bool, str]:
+    """(may the reference kernel run a layer on `device`, why). Off a GPU it is the CPU path and always may; on a
+    GPU only when asked for with CUBLADE_ALLOW_REFERENCE=1: its fp32 math is many times slower than any
+    tensor-core kernel, so a layer no tensor-core kernel takes stops the load instead of running slowly."""
+    if not on_gpu(device):
+        return True, "pure-PyTorch reference (cublade.ops), the CPU path"
+    if os.environ.get(ALLOW_REFERENCE_ENV) == "1":
+        return True, f"pure-PyTorch reference on sm_{_capability(device)}, asked for with {ALLOW_REFERENCE_ENV}=1"
+    return False, (f"fp32 reference math, on a GPU only when asked for with {ALLOW_REFERENCE_ENV}=1 (many times "
+                   f"slower than a tensor-core kernel)")
 
 
 def gpu_half(layer: torch.nn.Module, device: torch.device) -> tuple[int | None, str]:

@@ -6,7 +6,7 @@ import torch
 from cublade.config import Fp4Format
 from cublade.ops.fp4_gemm import fp4_gemm, fp4_repack
 from cublade.ops.moe_glue import moe_finalize, moe_route, silu_mul
-from cublade.vllm.kernels.base import MoEKernel, local_topk_ids, replace_parameter, why_no_kernel
+from cublade.vllm.kernels.base import MoEKernel, local_topk_ids, on_gpu, replace_parameter, why_no_kernel
 
 
 class CubladeFp4MoE(MoEKernel):
@@ -18,7 +18,7 @@ class CubladeFp4MoE(MoEKernel):
     @classmethod
     def can_implement(cls, layer, scheme):
         w = layer.w13_weight_packed
-        if not w.is_cuda:
+        if not on_gpu(w.device):
             return False, "needs a CUDA device"
         why = why_no_kernel("fp4_gemm", w.device)  # the arch too: the extension is sm_90a only
         if why is not None:

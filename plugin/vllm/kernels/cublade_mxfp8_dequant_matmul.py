@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from cublade.ops.mxfp8_quant import mxfp8_dequant_ref
-from cublade.vllm.kernels.base import LinearKernel, cublade_op
+from cublade.vllm.kernels.base import LinearKernel, cublade_op, on_gpu
 
 
 class CubladeMxfp8DequantMatmul(LinearKernel):
@@ -18,7 +18,7 @@ class CubladeMxfp8DequantMatmul(LinearKernel):
 
     @classmethod
     def can_implement(cls, layer):
-        if layer.weight.device.type != "cuda":
+        if not on_gpu(layer.weight.device):
             return False, "needs a CUDA device"
         _, how = cublade_op("mxfp8_dequant", layer.weight.device, mxfp8_dequant_ref)
         return True, f"dequantize with {how}, then a dense {layer.params_dtype} GEMM"

@@ -1,4 +1,4 @@
-"""FP4 MoE experts in pure PyTorch: the CPU path, and the last resort on a GPU."""
+"""FP4 MoE experts in pure PyTorch: the CPU path; on a GPU only when asked for (CUBLADE_ALLOW_REFERENCE=1)."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from cublade.config import FP4Scheme, Fp4Format
 from cublade.numerics.moe import experts_forward_ref
-from cublade.vllm.kernels.base import MoEKernel, local_topk_ids
+from cublade.vllm.kernels.base import MoEKernel, local_topk_ids, reference_allowed
 
 
 def expert_tensors(layer, scheme: FP4Scheme, e: int, proj: str) -> dict[str, torch.Tensor]:
@@ -27,9 +27,8 @@ class ReferenceMoE(MoEKernel):
 
     @classmethod
     def can_implement(cls, layer, scheme):
-        if layer.w13_weight_packed.is_cuda:
-            return True, "last resort on a GPU: dequantizes every expert on every call and syncs with the host"
-        return True, "pure-PyTorch reference (scheme.linear_ref per expert), the CPU path"
+        # On a GPU only when asked for: it dequantizes every expert on every call and syncs with the host.
+        return reference_allowed(layer.w13_weight_packed.device)
 
     def __init__(self, layer, scheme):
         super().__init__(layer, scheme)

@@ -6,7 +6,7 @@ import types
 import torch
 
 from cublade.config import Fp4Format
-from cublade.vllm.kernels.base import MoEKernel, replace_parameter
+from cublade.vllm.kernels.base import MoEKernel, on_gpu, replace_parameter
 
 
 class VllmMarlinMoE(MoEKernel):
@@ -17,7 +17,7 @@ class VllmMarlinMoE(MoEKernel):
     @classmethod
     def can_implement(cls, layer, scheme):
         w = layer.w13_weight_packed
-        if not w.is_cuda:
+        if not on_gpu(w.device):
             return False, "needs a CUDA device"
         if layer.params_dtype not in (torch.bfloat16, torch.float16):
             return False, f"activations are {layer.params_dtype}; Marlin takes bf16/fp16"
