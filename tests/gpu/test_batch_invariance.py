@@ -17,10 +17,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from preset_models import preset_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 
@@ -41,23 +41,9 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def model_for(name: str, padded_model_dir, converted, valid_text, tmp_path):
-    if name == "bf16":
-        return padded_model_dir
-    if name == "fp4-experts-fp8-dense":  # the Mixtral fixture built from the bundled model, then converted
-        src, out = tmp_path / "moe", tmp_path / "moe-fp4"
-        for cmd in ([str(Path(__file__).parents[2] / "examples" / "make_moe_fixture.py"), str(src)],
-                    ["-m", "cublade.cli", "convert", str(src), str(out), "--scheme", name]):
-            subprocess.run([sys.executable, *cmd], check=True, capture_output=True)
-        return out
-    if name == "fp8-static":
-        return converted(name, calib_text=valid_text, calib_lines=slice(0, 10))
-    return converted(name)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_alone_equals_in_a_batch_of_64(name, padded_model_dir, converted, valid_text, tmp_path):
-    model = model_for(name, padded_model_dir, converted, valid_text, tmp_path)
+    model = preset_model(name, padded_model_dir, converted, valid_text, tmp_path)
     env = dict(os.environ, VLLM_BATCH_INVARIANT="1" if CASES[name] else "0")
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(model), str(valid_text)], env=env, capture_output=True,
                        text=True, timeout=400)

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
 
+from preset_models import preset_model
 from test_serve import http, vllm_server
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
@@ -57,23 +55,12 @@ def text_of(body: str) -> str:
     return json.loads(body)["choices"][0]["text"]
 
 
-def model_for(name, converted, valid_text, tmp_path) -> Path:
-    if name == "fp4-experts-fp8-dense":
-        src, out = tmp_path / "moe", tmp_path / "moe-fp4"
-        for cmd in ([str(Path(__file__).parents[2] / "examples" / "make_moe_fixture.py"), str(src)],
-                    ["-m", "cublade.cli", "convert", str(src), str(out), "--scheme", name]):
-            subprocess.run([sys.executable, *cmd], check=True, capture_output=True)
-        return out
-    if name == "fp8-static":
-        return converted(name, calib_text=valid_text, calib_lines=slice(0, 10))
-    return converted(name)
-
-
 @pytest.mark.parametrize("name", list(PRESETS))
-def test_serve_under_load_with_malformed_requests(name, converted, valid_text, tmp_path, monkeypatch):
+def test_serve_under_load_with_malformed_requests(name, padded_model_dir, converted, valid_text, tmp_path,
+                                                  monkeypatch):
     if PRESETS[name]:
         monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    model = model_for(name, converted, valid_text, tmp_path)
+    model = preset_model(name, padded_model_dir, converted, valid_text, tmp_path)
     lines = [ln.strip() for ln in open(valid_text) if len(ln.split()) > 8]
     prompts = [" ".join(ln.split()[: 3 + i % 9]) for i, ln in enumerate(lines[:32])]
     with vllm_server(model, tmp_path / "serve.log", "--max-num-seqs", str(CLIENTS)) as url:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from preset_models import moe_fp4_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA GPUs (the device's nvidia-h100-x2 / -x4 kinds)")
 
@@ -64,11 +64,7 @@ def test_ppl_at_tensor_parallel_size(name, tp, padded_model_dir, converted, vali
 
 @pytest.fixture(scope="module")
 def moe_fp4(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("moe")
-    for cmd in ([str(REPO / "examples" / "make_moe_fixture.py"), str(d / "src")],
-                ["-m", "cublade.cli", "convert", str(d / "src"), str(d / "fp4"), "--scheme", "fp4-experts-fp8-dense"]):
-        subprocess.run([sys.executable, *cmd], check=True, capture_output=True)
-    return d / "fp4"
+    return moe_fp4_checkpoint(tmp_path_factory.mktemp("moe"))
 
 
 @pytest.mark.parametrize("tp", TPS, ids=lambda n: f"tp{n}")
