@@ -1,7 +1,8 @@
 """Benchmark the kernels an MXFP8 linear layer can run on Hopper, in the same run, as the product runs them: each
 kernel class of cublade.vllm.kernels (cublade-mxfp8-gemm, vllm-marlin-mxfp8, cublade-mxfp8-dequant-matmul) built on
 a stand-in layer holding the checkpoint's tensors (its constructor repacks them, as at load time) and timed through
-its `apply`; plus a bf16 linear of the dequantized weight, and cublade's prefill path alone (mxfp8_dequant_packed +
+its `apply`; vLLM's Humming MXFP8 kernel (HummingMxfp8LinearKernel, needs the humming-kernels package) on the same
+tensors; plus a bf16 linear of the dequantized weight, and cublade's prefill path alone (mxfp8_dequant_packed +
 cuBLAS: where it overtakes the wide kernel sets the op's switch, mxfp8_gemm_prefill_rows in plugin/csrc/w4a16_gemm.h).
 bf16 activations, weights MXFP8 (e4m3, one E8M0 scale per 32 along K, rceil) quantized from random normal weights.
 
@@ -62,6 +63,33 @@ def kernel_fns(q: torch.Tensor, codes: torch.Tensor) -> tuple[dict, dict]:
     return fns, why_not
 
 
+def humming_fn(q: torch.Tensor, codes: torch.Tensor):
+    """(fn(x), None) for vLLM's Humming MXFP8 kernel on the checkpoint tensors, prepared as vLLM does at load time, or
+    (None, why not)."""
+    try:
+        vllm_single_process_state()
+        from vllm.model_executor.kernels.linear.mxfp8.humming import HummingMxfp8LinearKernel
+        from vllm.model_executor.kernels.linear.mxfp8.Mxfp8LinearKernel import Mxfp8LinearLayerConfig
+        from vllm.utils.import_utils import has_humming
+    except ImportError as e:
+        return None, f"vLLM's Humming MXFP8 kernel not importable ({e})"
+    if not has_humming():
+        return None, "the humming package is not installed (pip install humming-kernels)"
+    ok, why = HummingMxfp8LinearKernel.is_supported()
+    if not ok:
+        return None, f"vLLM's Humming MXFP8: {why}"
+    layer = stand_in_layer(q, codes)
+    N, K = q.shape
+    layer.input_size = layer.input_size_per_partition = K
+    layer.output_partition_sizes, layer.has_bias = [N], False
+    try:
+        k = HummingMxfp8LinearKernel(Mxfp8LinearLayerConfig())
+        k.process_weights_after_loading(layer)
+    except Exception as e:  # noqa: BLE001  (any failure of the baseline's preparation: reported, not fatal)
+        return None, f"vLLM's Humming MXFP8 failed to prepare the weights ({type(e).__name__}: {e})"
+    return (lambda x: k.apply_weights(layer, x)), None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="8192x28672,4096x14336,28672x8192", help="KxN list")
@@ -81,6 +109,11 @@ def main() -> None:
         q, codes = quant((torch.randn(N, K, device=dev, generator=g) * 0.02).to(torch.bfloat16), True)
         wbf = torch.ops.cublade.mxfp8_dequant(q, codes, torch.bfloat16)
         fns, why_not = kernel_fns(q, codes)
+        hfn, why = humming_fn(q, codes)
+        if hfn is None:
+            why_not["vllm-humming-mxfp8"] = why
+        else:
+            fns["vllm-humming-mxfp8"] = hfn
         packed = mxfp8_repack(q, codes)
         fns["cublade deq+mm"] = lambda x: torch.nn.functional.linear(x, mxfp8_dequant_packed(packed, N, K))
         fns["bf16"] = lambda x: torch.nn.functional.linear(x, wbf)
