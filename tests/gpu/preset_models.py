@@ -1,4 +1,4 @@
-"""The bundled model converted per preset for the GPU tests: the dense presets through the session's `converted`
+"""The bundled model converted per preset for the GPU tests: the dense presets through the `converted`
 fixture (fp8-static calibrated on the first 10 stories), fp4-experts-fp8-dense from the Mixtral fixture that
 examples/make_moe_fixture.py builds from the bundled model."""
 from __future__ import annotations
