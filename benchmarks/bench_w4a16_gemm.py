@@ -160,6 +160,16 @@ def main() -> None:
     losses = [r for r in rows if any(r.get(f"{k}_us") for k in ("Machete", "Marlin", "Humming"))
               and min(r[f"{k}_us"] for k in ("Machete", "Marlin", "Humming") if r.get(f"{k}_us"))
               < 0.98 * r["cublade_us"]]
+    crossings = []
+    for shape in dict.fromkeys((r["K"], r["N"]) for r in rows):
+        timed = [r for r in rows if (r["K"], r["N"]) == shape and r["fp8tc_us"]]
+        # the smallest M from which the FP8 path is faster than the op's own choice at every larger M measured
+        from_m = next((r["M"] for i, r in enumerate(timed)
+                       if all(t["fp8tc_us"] < t["cublade_us"] for t in timed[i:])), None)
+        crossings.append(f"{shape[0]}x{shape[1]}: {from_m if from_m is not None else 'never'}")
+    if any(r["fp8tc_us"] for r in rows):
+        print("\nfp8-tc faster than cublade's own choice from M = (rows measured; the op's switch is fp8_min_rows): "
+              + ", ".join(crossings))
     print(f"\npoints where cublade is under 0.98x the best vLLM kernel: {len(losses)} of {len(rows)}" + (
         ": " + ", ".join(f"{r['K']}x{r['N']} M={r['M']}" for r in losses) if losses else ""))
     if args.sweep:
