@@ -41,6 +41,14 @@ def _lines(text: str) -> slice:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the prog, the error, where the options are listed), exit status 2, as
+    every other error of the CLI; argparse's own prints the whole usage block first."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cublade.checkpoint import FLOAT_DTYPES
     from cublade.config import PRESETS, Fp4Format, Fp8Activations, KVCacheDtype, KVRounding, ScaleRule, WeightStrategy
@@ -52,11 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from cublade import __version__
 
-    p = argparse.ArgumentParser(prog="cublade", description="cublade: quantize Hugging Face checkpoints for "
+    p = _Parser(prog="cublade", description="cublade: quantize Hugging Face checkpoints for "
                                 "vLLM (`vllm serve OUT` then serves them through the cublade plugin) and "
                                 "measure their perplexity.")
     p.add_argument("--version", action="version", version=f"cublade {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     presets_text = "\n".join(f"  {k:<22} {v}" for k, v in PRESET_HELP.items())
     c = sub.add_parser("convert", help="quantize a checkpoint (streaming, crash-safe)",

@@ -91,3 +91,18 @@ def test_ppl_vllm_options(tmp_path, padded_model_dir, valid_text):
 def test_ppl_vllm_without_a_gpu_is_one_line(padded_model_dir, valid_text):
     line = _one_line_error(_cli("ppl", padded_model_dir, "--text", valid_text, "--backend", "vllm"), "ppl")
     assert "needs a CUDA GPU" in line and "--backend reference" in line
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["convert", "a", "b", "--scheme", "bogus"], "argument --scheme: invalid choice: 'bogus'"),
+    (["convert", "a", "b", "--scheme", "w4a16", "--group-size", "7"], "argument --group-size: invalid choice: 7"),
+    (["ppl"], "the following arguments are required: MODEL, --text"),
+])
+def test_option_errors_are_one_line(argv, needle, capsys):
+    from cublade.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "--help` lists the options" in err, err
