@@ -8,6 +8,8 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
     vllm-fp8              the source with vLLM's online `--quantization fp8_per_channel` (per-channel weights,
                           dynamic per-token activations: the scheme of cublade's fp8-dynamic)
     cublade-fp8           `cublade convert SRC OUT --scheme fp8-dynamic`
+    cublade-fp8-fuse      the same with CUBLADE_FP8_FUSE=1 (under torch.compile the activation quantization in torch
+                          ops, for Inductor to fuse with RMSNorm / SiLU-and-mul)
     vllm-mxfp8            the source with vLLM's online `--quantization mxfp8`
     cublade-mxfp8         `cublade convert ... --scheme mxfp8`
     vllm-w4a16            cublade's w4a16 checkpoint relabelled as compressed-tensors pack-quantized (the same
@@ -64,6 +66,7 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "bf16": ("src", None, {}, None),
     "vllm-fp8": ("src", "fp8_per_channel", {}, None),
     "cublade-fp8": ("cublade-fp8-dynamic", None, {}, None),
+    "cublade-fp8-fuse": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_FUSE": "1"}, None),
     "vllm-mxfp8": ("src", "mxfp8", {}, None),
     "cublade-mxfp8": ("cublade-mxfp8", None, {}, None),
     "vllm-w4a16": ("ct-w4a16", None, {}, None),
@@ -309,7 +312,9 @@ def report(results: dict, batches: list[int]) -> None:
         cells = [f"{r['step_ms']:.3f} ({r['tok_s']:.0f})" for r in res["rows"]] + [
             f"{r['prefill_ms']:.1f}" for r in res["rows"]]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    pairs = [("cublade-fp8", "vllm-fp8"), ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),
+    pairs = [("cublade-fp8", "vllm-fp8"), ("cublade-fp8-fuse", "vllm-fp8"), ("cublade-fp8-fuse", "cublade-fp8"),
+             ("cublade-w4a16-fp8", "cublade-w4a16"), ("cublade-w4a16", "vllm-w4a16-humming"),
+             ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),
              ("cublade-w4a16", "vllm-w4a16-marlin"), ("cublade-fp8-kv", "cublade-fp8-kv-vllm"),
              ("cublade-fp8-kv-qa", "cublade-fp8-kv-vllm"), ("cublade-fp8-kv-qa", "cublade-fp8-kv")] + [
                  (n, "bf16") for n in results if n != "bf16"]

@@ -297,3 +297,31 @@ def test_w4a16_fp8_prefill_needs_asking_for(monkeypatch):
     monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "fp4")
     with pytest.raises(ValueError, match=r"CUBLADE_W4A16_PREFILL='fp4': expected one of bf16, fp8"):
         CubladeW4A16Fp8Prefill.can_implement(None)
+
+
+@pytest.mark.parametrize("activations", ["dynamic-token", "dynamic-tensor", "static-tensor"])
+def test_fp8_fuse_quantizes_with_torch_ops_while_compiling(monkeypatch, activations):
+    """CUBLADE_FP8_FUSE=1: while torch.compile traces, vllm-cutlass-scaled-mm quantizes with the reference's torch ops
+    (which Inductor can fuse with the op before), never its CUDA op entry; eager calls keep the op entry. Same bytes
+    on this CPU path."""
+    from cublade.vllm.kernels.vllm_cutlass_scaled_mm import VllmCutlassScaledMM
+
+    monkeypatch.setenv("CUBLADE_FP8_FUSE", "1")
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.zeros(16, 256, dtype=torch.float8_e4m3fn), requires_grad=False)
+    layer.cublade_scheme = Fp8Scheme("channel" if activations == "dynamic-token" else "tensor", activations)
+    k = VllmCutlassScaledMM(layer)
+    op_calls = []
+    entry = k.quant_input
+    k.quant_input = lambda x, s: (op_calls.append(torch.compiler.is_compiling()), entry(x, s))[1]
+    scale = torch.tensor([0.02])
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    eager = k.quantize(x, scale)
+    compiled = torch.compile(lambda t: k.quantize(t, scale), fullgraph=True, backend="eager")(x)
+    assert op_calls == [False]  # the eager call only: the traced call took the torch ops
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    monkeypatch.setenv("CUBLADE_FP8_FUSE", "yes")
+    with pytest.raises(ValueError, match=r"CUBLADE_FP8_FUSE='yes': expected 0 or 1"):
+        VllmCutlassScaledMM(layer)

@@ -1,15 +1,41 @@
-"""FP8 W8A8 on vLLM's CUTLASS scaled-mm, with activations quantized by cublade's op."""
+"""FP8 W8A8 on vLLM's CUTLASS scaled-mm, with activations quantized by cublade's op.
+
+CUBLADE_FP8_FUSE=1: while torch.compile traces the model (vLLM's default), the activations are quantized with the
+reference's torch ops instead (cublade.numerics.fp8, the same rule), so that Inductor can fuse the quantization into
+the kernel before it (RMSNorm, SiLU-and-mul), as it does for vLLM's own fp8 layers, whose quantization it traces too.
+Eager runs keep cublade's CUDA op. Inductor's generated division may round differently from the op's IEEE division
+in the last bit of the scaled value, so the E4M3 bytes can differ from the op's in rare rounding ties."""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
 
 from cublade.config import Fp8Scheme
-from cublade.numerics.fp8 import Fp8Activations
+from cublade.numerics.fp8 import Fp8Activations, quantize_per_tensor, quantize_per_token
 from cublade.ops.fp8_quant_per_tensor import fp8_quant_per_tensor_ref
 from cublade.ops.fp8_quant_per_token import fp8_quant_per_token_ref
 from cublade.vllm.kernels.base import LinearKernel, cublade_op, gpu_half
+
+FUSE_ENV = "CUBLADE_FP8_FUSE"
+
+
+def fuse_under_compile() -> bool:
+    """CUBLADE_FP8_FUSE=1: quantize with traceable torch ops while torch.compile traces (module docstring)."""
+    v = os.environ.get(FUSE_ENV, "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{FUSE_ENV}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
+def _fp8_input_quant_traced(scheme: Fp8Scheme) -> Callable:
+    """(x2d, input_scale) -> (e4m3, fp32 scale): the reference's torch ops (cublade.numerics.fp8), for Inductor."""
+    if scheme.activations is Fp8Activations.DYNAMIC_TOKEN:
+        return lambda x, s: quantize_per_token(x)
+    if scheme.activations is Fp8Activations.DYNAMIC_TENSOR:
+        return lambda x, s: quantize_per_tensor(x)
+    return lambda x, s: quantize_per_tensor(x, s.float())
 
 
 def _fp8_input_quant(scheme: Fp8Scheme, device: torch.device) -> tuple[Callable, str]:
@@ -51,12 +77,24 @@ class VllmCutlassScaledMM(LinearKernel):
     def __init__(self, layer):
         super().__init__(layer)
         self.quant_input, self.quant_how = _fp8_input_quant(self.scheme, layer.weight.device)
+        self.quant_traced = _fp8_input_quant_traced(self.scheme) if fuse_under_compile() else None
+        if self.quant_traced is not None:
+            from cublade.vllm.kernels import add_to_compile_key
+
+            add_to_compile_key(f"{self.name}:{FUSE_ENV}=1")  # another traced graph: another compiled model
+
+    def quantize(self, x2: torch.Tensor, input_scale: torch.Tensor | None):
+        """The activations in E4M3 and their fp32 scale: cublade's op, or under CUBLADE_FP8_FUSE=1 while torch.compile
+        traces, the same rule in torch ops."""
+        if self.quant_traced is not None and torch.compiler.is_compiling():
+            return self.quant_traced(x2, input_scale)
+        return self.quant_input(x2, input_scale)
 
     def apply(self, layer, x, bias):
         from vllm import _custom_ops as ops
 
         x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = self.quant_input(x2, getattr(layer, "input_scale", None))
+        xq, xs = self.quantize(x2, getattr(layer, "input_scale", None))
         # CUTLASS takes B column-major: the [N, K] row-major weight transposed is exactly that (no copy).
         y = ops.cutlass_scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale,
                                   out_dtype=x.dtype, bias=bias)
