@@ -278,8 +278,8 @@ def cmd_run(args) -> None:
         cmd = [sys.executable, __file__, "measure", str(work / sub), "--result", str(result),
                "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt),
                "--steps", str(args.steps), "--reps", str(args.reps),
-               "--tensor-parallel-size", str(args.tensor_parallel_size)] + (["--quantization", quant] if quant else []) \
-            + (["--attention-backend", backend] if backend else [])
+               "--tensor-parallel-size", str(args.tensor_parallel_size)] \
+            + (["--quantization", quant] if quant else []) + (["--attention-backend", backend] if backend else [])
         log = work / f"log-{name}.txt"
         print(f"{name}: {work / sub}" + (f" --quantization {quant}" if quant else "") +
               (f" --attention-backend {backend}" if backend else "") +
