@@ -69,6 +69,14 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_div_scale(xf, scale), scale
 
 
+def quantize_per_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per 1 x group (activations of a blockwise-scaled GEMM): [M, K] (K % group == 0) -> (e4m3 [M, K],
+    fp32 scale [M, K / group]), the per-token rule applied to each group."""
+    M, K = x.shape
+    q, s = quantize_per_token(x.reshape(M, K // group, group))
+    return q.reshape(M, K), s.reshape(M, K // group)
+
+
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic (scale=None: computed from the tensor's amax) or static (given fp32 scale, shape [1] or [])
     per-tensor quant. Returns (e4m3 tensor of x's shape, fp32 scale of shape [1])."""

@@ -10,7 +10,7 @@ import os
 import torch
 
 from cublade.numerics.fp4 import Fp4Format, fp4_dequant_weight
-from cublade.numerics.fp8 import Fp8Activations, quantize_per_tensor, quantize_per_token
+from cublade.numerics.fp8 import Fp8Activations, quantize_per_group, quantize_per_tensor, quantize_per_token
 from cublade.numerics.int4 import int4_dequant_weight
 from cublade.numerics.mxfp8 import mxfp8_dequantize
 
@@ -104,7 +104,11 @@ def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
 W4A16_PREFILL_ENV = "CUBLADE_W4A16_PREFILL"
 W4A16_PREFILL_CHOICES = ("bf16", "fp8")
 # Rows from which CUBLADE_W4A16_PREFILL=fp8 rounds a w4a16 layer's activations to E4M3 per 1 x 128 (the FP8
-# tensor-core path, cublade.ops.w4a16_gemm_fp8; the measurement behind 512: docs/decisions.md).
+# tensor-core path, cublade.ops.w4a16_gemm_fp8), one count for every shape. Measured on an H200
+# (benchmarks/bench_w4a16_gemm.py, "fp8-tc" against "cublade", Llama-3-8B and -70B shapes; docs/decisions.md): from
+# 512 rows the FP8 path is the faster on every shape but 4096x6144 (0.84x there at 512, 1.14x at 1024); at 384 it
+# loses on 8192x10240 and 28672x8192, at 256 on four of seven shapes. Below, quantizing both operands per call
+# costs more than the faster tensor cores gain.
 W4A16_FP8_MIN_ROWS = 512
 
 
@@ -122,8 +126,8 @@ def fp8_activations_per_group(x2: torch.Tensor) -> torch.Tensor:
     """x [M, K] (K % 128 == 0) rounded to E4M3 per 1 x 128 group with the dynamic per-token rule per group, back in
     fp32 (q * scale, exact)."""
     M, K = x2.shape
-    q, s = quantize_per_token(x2.reshape(M, K // 128, 128))
-    return (q.float() * s).reshape(M, K)
+    q, s = quantize_per_group(x2, 128)
+    return (q.float().reshape(M, K // 128, 128) * s[:, :, None]).reshape(M, K)
 
 
 def w4a16_linear_ref(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,

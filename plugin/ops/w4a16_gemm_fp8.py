@@ -16,23 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from cublade.numerics.linear import W4A16_FP8_MIN_ROWS
+from cublade.numerics.linear import fp8_activations_per_group
 from cublade.ops._dispatch import use_kernel
-from cublade.ops.fp8_quant_per_group import fp8_quant_per_group, fp8_quant_per_group_ref
-from cublade.ops.w4a16_dequant import w4a16_dequant_fp8, w4a16_dequant_fp8_ref
-from cublade.ops.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref
-
-_BLOCK = 128
-
-
-def _blockwise_fp8_ref(xq, sa, codes, sb, dtype) -> torch.Tensor:
-    """sum over K blocks of (xq * sa) @ (codes * sb)^T in fp32, rounded once to dtype."""
-    M, K = xq.shape
-    N = codes.shape[0]
-    a = (xq.float().reshape(M, K // _BLOCK, _BLOCK) * sa.float()[:, :, None]).reshape(M, K)
-    b = (codes.float().reshape(N, K // _BLOCK, _BLOCK) * sb.float()[:, :, None]).reshape(N, K)
-    return (a @ b.t()).to(dtype)
-
+from cublade.ops.fp8_quant_per_group import fp8_quant_per_group
+from cublade.ops.w4a16_dequant import w4a16_dequant_fp8
+from cublade.ops.w4a16_gemm import w4a16_dequant_repacked, w4a16_gemm, w4a16_gemm_ref
 
 def w4a16_gemm_fp8_ref(x: torch.Tensor, packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int,
                        min_rows: int) -> torch.Tensor:
@@ -41,9 +29,9 @@ def w4a16_gemm_fp8_ref(x: torch.Tensor, packed: torch.Tensor, group_size: int, s
     x2 = x.reshape(-1, K)
     if x2.shape[0] < min_rows:
         return w4a16_gemm_ref(x, packed, group_size, symmetric, size_n)
-    xq, sa = fp8_quant_per_group_ref(x2)
-    codes, sb = w4a16_dequant_fp8_ref(packed, group_size, symmetric, size_n, K)
-    return _blockwise_fp8_ref(xq, sa, codes, sb, x.dtype).reshape(*x.shape[:-1], size_n)
+    # E4M3 activations times the exact weights (the FP8 form's codes times its block scales are those weights)
+    y = fp8_activations_per_group(x2.float()) @ w4a16_dequant_repacked(packed, group_size, symmetric, size_n, K).t()
+    return y.to(x.dtype).reshape(*x.shape[:-1], size_n)
 
 
 def _check_n(size_n: int) -> None:
@@ -92,11 +80,3 @@ def blockwise_fp8_supported() -> bool:
     return hasattr(F, "scaled_mm") and hasattr(getattr(F, "ScalingType", None), "BlockWise1x128")
 
 
-
-def fp8_min_rows(size_n: int, size_k: int) -> int:
-    """Rows from which the FP8 path runs (the same for every shape: cublade.numerics.linear.W4A16_FP8_MIN_ROWS).
-    Measured on an H200 (benchmarks/bench_w4a16_gemm.py, "fp8-tc" against "cublade", on the Llama-3-8B and -70B
-    shapes; docs/decisions.md): from 512 rows it is the faster on every shape but 4096x6144 (0.84x there at 512,
-    1.14x at 1024); at 384 it loses on 8192x10240 and 28672x8192 (0.82-0.89x), at 256 on four of seven shapes.
-    Below, the fixed cost of quantizing both operands per call outweighs the faster tensor cores."""
-    return W4A16_FP8_MIN_ROWS

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from cublade.numerics.linear import W4A16_PREFILL_ENV, w4a16_prefill_math
-from cublade.ops.w4a16_gemm_fp8 import blockwise_fp8_supported, fp8_min_rows
+from cublade.numerics.linear import W4A16_FP8_MIN_ROWS, W4A16_PREFILL_ENV, w4a16_prefill_math
+from cublade.ops.w4a16_gemm_fp8 import blockwise_fp8_supported
 from cublade.vllm.kernels.base import why_no_kernel
 from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
 
 
 class CubladeW4A16Fp8Prefill(CubladeW4A16Gemm):
-    """cublade's W4A16 GEMM below `fp8_min_rows` tokens; from there the int4 values as exact E4M3 codes with their
+    """cublade's W4A16 GEMM below W4A16_FP8_MIN_ROWS tokens; from there the int4 values as exact E4M3 codes with their
     scales as 1 x 128 block scales, the activations quantized to E4M3 per 1 x 128 group, and one blockwise-scaled
     FP8 GEMM (cuBLASLt): twice the bf16 tensor-core rate where a batch is large enough to be bound by it. It rounds
     the activations of those batches to E4M3 (the accuracy cost: docs/accuracy.md), so it runs only when asked
@@ -39,13 +39,13 @@ class CubladeW4A16Fp8Prefill(CubladeW4A16Gemm):
                 return False, why
         if not blockwise_fp8_supported():
             return False, f"torch {torch.__version__} has no blockwise-scaled FP8 GEMM (torch.nn.functional.scaled_mm)"
-        rows = fp8_min_rows(layer.output_size_per_partition, K)
+        rows = W4A16_FP8_MIN_ROWS
         return True, (f"cublade's w4a16_gemm below {rows} tokens, from {rows} FP8 tensor cores "
                       f"(activations in E4M3 per 1 x 128)")
 
     def __init__(self, layer):
         super().__init__(layer)
-        self.min_rows = fp8_min_rows(self.size_n, layer.input_size_per_partition)
+        self.min_rows = W4A16_FP8_MIN_ROWS
 
     def apply(self, layer, x, bias):
         y = torch.ops.cublade.w4a16_gemm_fp8(x, layer.weight_packed, self.group_size, self.symmetric, self.size_n,
