@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from cublade.config import Fp8Scheme
-from cublade.numerics.fp8 import Fp8Activations, quantize_per_tensor, quantize_per_token
+from cublade.numerics.fp8 import Fp8Activations
 from cublade.ops.fp8_quant_per_tensor import fp8_quant_per_tensor_ref
 from cublade.ops.fp8_quant_per_token import fp8_quant_per_token_ref
 from cublade.vllm.kernels.base import LinearKernel, cublade_op, gpu_half
@@ -29,24 +29,16 @@ def fuse_under_compile() -> bool:
     return v == "1"
 
 
-def _fp8_input_quant_traced(scheme: Fp8Scheme) -> Callable:
-    """(x2d, input_scale) -> (e4m3, fp32 scale): the reference's torch ops (cublade.numerics.fp8), for Inductor."""
+def _fp8_input_quant(scheme: Fp8Scheme, pick: Callable[[str, Callable], Callable]) -> Callable:
+    """(x2d, input_scale) -> (e4m3, fp32 scale [M, 1] or [1]) for the scheme's activations, through
+    pick(op name, its reference): cublade's op entry, or the reference's torch ops themselves."""
     if scheme.activations is Fp8Activations.DYNAMIC_TOKEN:
-        return lambda x, s: quantize_per_token(x)
+        fn = pick("fp8_quant_per_token", fp8_quant_per_token_ref)
+        return lambda x, s: fn(x)
+    fn = pick("fp8_quant_per_tensor", fp8_quant_per_tensor_ref)
     if scheme.activations is Fp8Activations.DYNAMIC_TENSOR:
-        return lambda x, s: quantize_per_tensor(x)
-    return lambda x, s: quantize_per_tensor(x, s.float())
-
-
-def _fp8_input_quant(scheme: Fp8Scheme, device: torch.device) -> tuple[Callable, str]:
-    """(x2d, input_scale) -> (e4m3, fp32 scale [M, 1] or [1]), bound to cublade's op or its reference."""
-    if scheme.activations is Fp8Activations.DYNAMIC_TOKEN:
-        fn, how = cublade_op("fp8_quant_per_token", device, fp8_quant_per_token_ref)
-        return (lambda x, s: fn(x)), how
-    fn, how = cublade_op("fp8_quant_per_tensor", device, fp8_quant_per_tensor_ref)
-    if scheme.activations is Fp8Activations.DYNAMIC_TENSOR:
-        return (lambda x, s: fn(x, None)), how
-    return (lambda x, s: fn(x, s.float())), how  # the op takes an fp32 scale
+        return lambda x, s: fn(x, None)
+    return lambda x, s: fn(x, s.float())  # the op takes an fp32 scale
 
 
 class VllmCutlassScaledMM(LinearKernel):
@@ -76,8 +68,9 @@ class VllmCutlassScaledMM(LinearKernel):
 
     def __init__(self, layer):
         super().__init__(layer)
-        self.quant_input, self.quant_how = _fp8_input_quant(self.scheme, layer.weight.device)
-        self.quant_traced = _fp8_input_quant_traced(self.scheme) if fuse_under_compile() else None
+        device = layer.weight.device
+        self.quant_input = _fp8_input_quant(self.scheme, lambda name, ref: cublade_op(name, device, ref)[0])
+        self.quant_traced = _fp8_input_quant(self.scheme, lambda name, ref: ref) if fuse_under_compile() else None
         if self.quant_traced is not None:
             from cublade.vllm.kernels import add_to_compile_key
 
