@@ -69,20 +69,27 @@ def cache_dir() -> Path:
     return cache_root() / cache_key()
 
 
-def gpu_capability() -> tuple[int, int] | None:
-    """(major, minor) of the first visible CUDA GPU, None without one or with a CPU build of torch. Through vLLM's
-    platform where vLLM is installed (NVML: never initializes CUDA in a process that forks vLLM's engine later,
-    which would then fail with "Cannot re-initialize CUDA in forked subprocess"), else through torch."""
-    if torch.version.cuda is None:
-        return None
+def _vllm_platform():
+    """vLLM's current platform where vLLM imports here, else None. It asks NVML, so it never initializes CUDA in a
+    process that forks vLLM's engine later (which would then fail: "Cannot re-initialize CUDA in forked
+    subprocess")."""
     try:
         from vllm.platforms import current_platform
-    except Exception:  # noqa: BLE001  (no vLLM, or one that does not import here: torch's own query)
-        current_platform = None
-    if current_platform is not None:
-        if not current_platform.is_cuda():
+    except Exception:  # noqa: BLE001  (no vLLM, or one that does not import here)
+        return None
+    return current_platform
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """(major, minor) of the first visible CUDA GPU, None without one or with a CPU build of torch; through vLLM's
+    platform where vLLM is installed, else through torch."""
+    if torch.version.cuda is None:
+        return None
+    platform = _vllm_platform()
+    if platform is not None:
+        if not platform.is_cuda():
             return None
-        cap = current_platform.get_device_capability()
+        cap = platform.get_device_capability()
         return None if cap is None else (cap.major, cap.minor)
     if not torch.cuda.is_available():
         return None
@@ -90,14 +97,13 @@ def gpu_capability() -> tuple[int, int] | None:
 
 
 def gpu_count() -> int:
-    """Visible CUDA GPUs, counted as gpu_capability finds them (NVML through vLLM where installed)."""
+    """Visible CUDA GPUs, counted the way gpu_capability asks."""
     if torch.version.cuda is None:
         return 0
-    try:
-        from vllm.platforms import current_platform
-    except Exception:  # noqa: BLE001
+    platform = _vllm_platform()
+    if platform is None:
         return torch.cuda.device_count()
-    return current_platform.device_count() if current_platform.is_cuda() else 0
+    return platform.device_count() if platform.is_cuda() else 0
 
 
 def kernels_target_this_gpu() -> bool:
