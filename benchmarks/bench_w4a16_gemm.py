@@ -147,9 +147,14 @@ def main() -> None:
           f"{'fp8-tc':>7} {'best vLLM/fp8-tc':>16} {'bf16/fp8-tc':>11}"
     print(hdr)
     nan = float("nan")
+    vllm_names = ("Machete", "Marlin", "Humming")
+
+    def best_vllm(r):  # the fastest vLLM kernel's time on this point, None when none ran
+        return min((r[f"{k}_us"] for k in vllm_names if r.get(f"{k}_us")), default=None)
+
     for r in rows:
-        vl = [r.get(f"{k}_us") for k in ("Machete", "Marlin", "Humming")]
-        best = min((v for v in vl if v is not None), default=None)
+        vl = [r.get(f"{k}_us") for k in vllm_names]
+        best = best_vllm(r)
         tbs = r["weight_bytes"] / r["cublade_us"] / 1e6
         print(f"{r['K']:>5}x{r['N']:<6} {r['M']:>4} {r['cublade_us']:>8.1f} {tbs:>5.2f} "
               f"{100 * tbs / REFERENCE_COPY_TBPS:>4.0f}% " + " ".join(f"{v or nan:>8.1f}" for v in vl) +
@@ -157,9 +162,7 @@ def main() -> None:
               f"{r['bf16_us'] / r['cublade_us']:>11.2f}x {r['stream_us'] or nan:>7.1f} {r['deq_mm_us']:>7.1f} "
               f"{r['fp8tc_us'] or nan:>7.1f} {(best / r['fp8tc_us']) if best and r['fp8tc_us'] else nan:>15.2f}x "
               f"{(r['bf16_us'] / r['fp8tc_us']) if r['fp8tc_us'] else nan:>10.2f}x")
-    losses = [r for r in rows if any(r.get(f"{k}_us") for k in ("Machete", "Marlin", "Humming"))
-              and min(r[f"{k}_us"] for k in ("Machete", "Marlin", "Humming") if r.get(f"{k}_us"))
-              < 0.98 * r["cublade_us"]]
+    losses = [r for r in rows if best_vllm(r) is not None and best_vllm(r) < 0.98 * r["cublade_us"]]
     crossings = []
     for shape in dict.fromkeys((r["K"], r["N"]) for r in rows):
         timed = [r for r in rows if (r["K"], r["N"]) == shape and r["fp8tc_us"]]
@@ -168,8 +171,8 @@ def main() -> None:
                        if all(t["fp8tc_us"] < t["cublade_us"] for t in timed[i:])), None)
         crossings.append(f"{shape[0]}x{shape[1]}: {from_m if from_m is not None else 'never'}")
     if any(r["fp8tc_us"] for r in rows):
-        print("\nfp8-tc faster than cublade's own choice from M = (rows measured; the op's switch is fp8_min_rows): "
-              + ", ".join(crossings))
+        print("\nfp8-tc faster than cublade's own choice from M = (rows measured; the op's switch is "
+              "W4A16_FP8_MIN_ROWS): " + ", ".join(crossings))
     print(f"\npoints where cublade is under 0.98x the best vLLM kernel: {len(losses)} of {len(rows)}" + (
         ": " + ", ".join(f"{r['K']}x{r['N']} M={r['M']}" for r in losses) if losses else ""))
     if args.sweep:

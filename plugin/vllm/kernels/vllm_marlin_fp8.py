@@ -14,8 +14,9 @@ class VllmMarlinFp8(LinearKernel):
     vLLM's CUTLASS scaled-mm (W8A8, sm_89+). It decodes each code to the activation dtype in the kernel, sums the
     products in fp32 and applies a per-channel scale to the sums (a per-tensor scale is repeated over the channels),
     so it serves every `fp8` checkpoint (channel or tensor weight scales, dynamic or static activations) but does not
-    quantize the activations: a static input scale is not used. What it computes is cublade.numerics.linear.fp8_w8a16_linear_ref;
-    against the W8A8 reference it differs within `w8a16_vs_w8a8_bound` (docs/kernel-selection.md#fp8-on-marlin-w8a16).
+    quantize the activations: a static input scale is not used. What it computes is
+    cublade.numerics.linear.fp8_w8a16_linear_ref; against the W8A8 reference it differs within
+    `w8a16_vs_w8a8_bound` (docs/kernel-selection.md#fp8-on-marlin-w8a16).
     Shapes: any N and K; Marlin's tiles (N % 64 with K % 128, or N % 128 with K % 64) are reached by zero padding,
     done once here for the weight and per call for the activations (vLLM's helpers)."""
     name = "vllm-marlin-fp8"
