@@ -1,9 +1,9 @@
 """Batch invariance on a GPU: a prompt's greedy text alone equals its text inside a batch of 64 different prompts,
 for the unquantized model and every preset, in vLLM's default compiled mode.
 
-vLLM's bf16 parts (the unquantized lm_head GEMM, RMSNorm, attention's split heuristics) are not batch-invariant by
+vLLM's bf16 components (the unquantized lm_head GEMM, RMSNorm, attention's split heuristics) are not batch-invariant by
 default; cublade's own ops are (each row's quantization and GEMM depend on that row alone: tests/ops). Per-token FP8
-activations amplify those parts' last-bit differences into greedy flips on this small model: measured on an H200,
+activations amplify those components' last-bit differences into greedy flips on this small model: measured on an H200,
 64 prompts, compiled, cublade fp8-dynamic 8 of 64 texts differ, vLLM's own `--quantization fp8` 16 of 64 eager; with
 vLLM's switch VLLM_BATCH_INVARIANT=1 both 0 of 64. So the FP8 presets run here under VLLM_BATCH_INVARIANT=1 (the
 documented way to serve them batch-invariantly), the others without it.
@@ -37,7 +37,8 @@ SCRIPT = textwrap.dedent('''
     sp = SamplingParams(temperature=0, max_tokens=64)
     batch = [o.outputs[0].text for o in llm.generate(prompts, sp, use_tqdm=False)]
     alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].text for p in prompts]
-    print("RESULT " + json.dumps({"n": len(prompts), "differ": [i for i in range(len(prompts)) if batch[i] != alone[i]]}))
+    differ = [i for i in range(len(prompts)) if batch[i] != alone[i]]
+    print("RESULT " + json.dumps({"n": len(prompts), "differ": differ}))
 ''')
 
 

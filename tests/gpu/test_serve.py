@@ -10,7 +10,7 @@ printed, and the log's tail is in every failure message). Timeouts: server start
 ppl run 600 s.
 
 About 16 vLLM engine starts in all (~25 s each with --enforce-eager, longer compiled); to stay under the
-device's 10 minutes per command, run it in parts, e.g.
+device's 10 minutes per command, split the run with -k, e.g.
     pytest tests/gpu/test_serve.py -k "serve or greedy"      # servers: base, 5 presets, compiled, kv, interop
     pytest tests/gpu/test_serve.py -k ppl                    # LLM prompt logprobs: base + 5 presets
 Results (texts, losses) are also written as JSON lines to $CUBLADE_GPU_RESULTS when set (e.g. under $OUT).

@@ -9,7 +9,7 @@ preset in cublade's format served by cublade. Greedy text of the bundled model, 
     test_serve.py); the text is then compared no further.
 
 Setup and helpers as tests/gpu/test_serve.py (its servers, greedy request and result records). Six engine starts
-per case (~25 s each); run it in parts to stay under the device's 10 minutes per command:
+per case (~25 s each); split the run with -k to stay under the device's 10 minutes per command:
     pytest tests/gpu/test_serve_compressed_tensors.py -k fp8
     pytest tests/gpu/test_serve_compressed_tensors.py -k w4a16
 """

@@ -2,10 +2,10 @@
 one request in twenty malformed. Every good request must succeed with the greedy text the same prompt gets alone,
 every bad one must get a 4xx, and the server must still answer afterwards.
 
-The FP8 presets are served with VLLM_BATCH_INVARIANT=1: without it vLLM's bf16 parts vary in the last bit with the
+The FP8 presets are served with VLLM_BATCH_INVARIANT=1: without it vLLM's bf16 components vary in the last bit with the
 batch and per-token FP8 can turn that into another greedy token (tests/gpu/test_batch_invariance.py).
 
-About 2.5 minutes a preset (a compiled engine start, the prompts alone, 30 s of load); run it in parts under the
+About 2.5 minutes a preset (a compiled engine start, the prompts alone, 30 s of load); split the run with -k under the
 device's 10 minutes a command, e.g. `-k "fp8"` then `-k "not fp8"`.
 """
 from __future__ import annotations

@@ -7,8 +7,8 @@ Greedy text is recorded, not asserted, against TP = 1: TP changes the order of t
 of per-rank partials), and on this small model that alone moves greedy picks. Measured on two H200s, bf16 (no
 cublade layer): 11 of 16 prompts gave the same 32 tokens at TP = 2 as at TP = 1.
 
-Each case runs in processes of its own. Needs at least 2 GPUs; run it in parts to stay under 10 minutes a command,
-e.g. `-k "tp2 and not moe"` then `-k moe`.
+Each case runs in processes of its own. Needs at least 2 GPUs; split the run with -k to stay under 10 minutes a
+command, e.g. `-k "tp2 and not moe"` then `-k moe`.
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ TPS = [n for n in (2, 4) if n <= GPUS]
 
 
 def ppl_vllm(model: Path, text: Path, tp: int, extra: list[str] = ()) -> float:
-    r = subprocess.run([sys.executable, "-m", "cublade.cli", "ppl", str(model), "--text", str(text), "--backend", "vllm",
-                        "--tensor-parallel-size", str(tp), *extra], capture_output=True, text=True, timeout=500)
+    r = subprocess.run([sys.executable, "-m", "cublade.cli", "ppl", str(model), "--text", str(text),
+                        "--backend", "vllm", "--tensor-parallel-size", str(tp), *extra],
+                       capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, r.stderr[-3000:]
     return float(r.stdout.split("loss")[1].split()[0])
 
