@@ -35,6 +35,13 @@ kernels of different rounding part ways within a few tokens even on the same qua
 
     python benchmarks/bench_e2e.py make WORKDIR [--shape 8b|70b] [--layers N] [--presets w4a16,...]   # (CPU ok)
     python benchmarks/bench_e2e.py run WORKDIR [CONFIG ...] [--batches 1,16,64] [--tensor-parallel-size N] [--json FILE]
+    python benchmarks/bench_e2e.py profile WORKDIR [CONFIG ...] [--batches 1] [--steps 32]
+
+`profile` runs each configuration's engine in-process under torch.profiler (CUDA kernels only, CUDA graphs
+included) over a generate of 1 + S tokens and one of 1 token, and prints where a decode step's GPU time goes: the
+difference of the two, per kernel and per kind of kernel (cublade's GEMMs, vLLM's and cuBLAS's GEMMs, activation
+quantization, attention, Inductor's fused elementwise kernels, ...), each divided by S, next to the measured step
+time; what the kernels do not cover is time the GPU waits (launch gaps, host work).
 
 --shape 70b makes a Llama-3-70B-shaped model instead (hidden 8192, MLP 28672, 64 heads / 8 KV heads, vocab 128256;
 80 layers in the real one: --layers picks how many, e.g. 8 where memory or time asks). --presets limits the
@@ -214,8 +221,11 @@ def cmd_make(args) -> None:
 # ---- run: decode step time per configuration ------------------------------------------------------------------
 
 def measure(model: str, quantization: str | None, batches: list[int], prompt: int, steps: int, reps: int,
-            attention_backend: str | None = None, tensor_parallel_size: int = 1) -> dict:
-    """Runs in the configuration's own process: one engine, every batch size."""
+            attention_backend: str | None = None, tensor_parallel_size: int = 1, profile: bool = False) -> dict:
+    """Runs in the configuration's own process: one engine, every batch size. profile: the engine in this process,
+    and each batch size's kernel times per step (kernel_profile) instead of timed pairs."""
+    if profile:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, for torch.profiler
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -242,6 +252,9 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
             return dt, list(out[0].outputs[0].token_ids)
 
         first_tokens = timed(steps + 1)[1][:16]  # warm-up
+        if profile:
+            rows.append({"batch": b, **kernel_profile(timed, steps)})
+            continue
         steps_ms, short_ms = [], []
         for _ in range(reps):
             (long, _), (short, _) = timed(steps + 1), timed(1)
@@ -254,9 +267,68 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
     return {"startup_s": startup, "rows": rows}
 
 
+# Kinds of kernels, by a regular expression on the kernel's (demangled) name; the first match wins.
+KERNEL_KINDS = (
+    ("cublade GEMM", r"cublade.*(gemm|wide|dequant)"),
+    ("cublade quant", r"cublade.*quant|per_token_vec|per_tensor|per_group"),
+    ("cublade other", r"cublade"),
+    ("vLLM CUTLASS GEMM", r"cutlass|sm90_gemm|Gemm"),
+    ("cuBLAS GEMM (bf16)", r"nvjet|xmma|gemm|cublas"),
+    ("activation quant (vLLM)", r"quant"),
+    ("attention", r"flash|attn|attention|fmha|paged|reshape_and_cache|cache"),
+    ("Inductor / Triton (norms, RoPE, SiLU, fused)", r"triton|fused|poi|red_"),
+    ("sampling / other", r""),
+)
+
+
+def kernel_profile(timed, steps: int) -> dict:
+    """GPU time per decode step by kernel: torch.profiler over a generate of 1 + steps tokens minus one of 1 token,
+    divided by steps. Returns the step time measured in the same two calls, the kernels' sum and its parts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(n: int) -> tuple[float, dict[str, list[float]]]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dt = timed(n)[0]
+        per: dict[str, list[float]] = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+                t = per.setdefault(ev.name, [0.0, 0.0])
+                t[0] += ev.device_time_total  # us
+                t[1] += 1
+        return dt, per
+
+    long_s, long_k = kernels(steps + 1)
+    short_s, short_k = kernels(1)
+    per_step = {}
+    for name, (us, calls) in long_k.items():
+        s_us, s_calls = short_k.get(name, (0.0, 0.0))
+        if us - s_us > 0:
+            per_step[name] = ((us - s_us) / steps, (calls - s_calls) / steps)
+    kinds: dict[str, float] = {}
+    for name, (us, _) in per_step.items():
+        kind = next(k for k, rx in KERNEL_KINDS if re.search(rx, name, re.IGNORECASE))
+        kinds[kind] = kinds.get(kind, 0.0) + us
+    top = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:30]
+    return {"step_ms": (long_s - short_s) / steps * 1e3, "kernels_ms": sum(v[0] for v in per_step.values()) / 1e3,
+            "kinds_us": kinds, "top": [(n[:160], us, calls) for n, (us, calls) in top]}
+
+
+def print_profile(name: str, rows: list[dict]) -> None:
+    for r in rows:
+        step_us, kern_us = r["step_ms"] * 1e3, r["kernels_ms"] * 1e3
+        print(f"\n{name}, B={r['batch']}: step {step_us:.0f} us, kernels {kern_us:.0f} us "
+              f"({kern_us / step_us:.0%}), GPU idle {step_us - kern_us:.0f} us")
+        print("| kind | us per step | % of step |\n|---|---:|---:|")
+        for kind, us in sorted(r["kinds_us"].items(), key=lambda kv: -kv[1]):
+            print(f"| {kind} | {us:.1f} | {us / step_us:.1%} |")
+        print("| kernel | us per step | launches per step |\n|---|---:|---:|")
+        for kname, us, calls in r["top"]:
+            print(f"| `{kname}` | {us:.1f} | {calls:.0f} |")
+
+
 def cmd_measure(args) -> None:
     res = measure(args.model, args.quantization, args.batches, args.prompt, args.steps, args.reps,
-                  args.attention_backend, args.tensor_parallel_size)
+                  args.attention_backend, args.tensor_parallel_size, args.profile)
     Path(args.result).write_text(json.dumps(res))
 
 
@@ -279,7 +351,8 @@ def cmd_run(args) -> None:
                "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt),
                "--steps", str(args.steps), "--reps", str(args.reps),
                "--tensor-parallel-size", str(args.tensor_parallel_size)] \
-            + (["--quantization", quant] if quant else []) + (["--attention-backend", backend] if backend else [])
+            + (["--quantization", quant] if quant else []) + (["--attention-backend", backend] if backend else []) \
+            + (["--profile"] if args.cmd == "profile" else [])
         log = work / f"log-{name}.txt"
         print(f"{name}: {work / sub}" + (f" --quantization {quant}" if quant else "") +
               (f" --attention-backend {backend}" if backend else "") +
@@ -291,13 +364,17 @@ def cmd_run(args) -> None:
             print("\n".join(log.read_text(errors="replace").splitlines()[-25:]))
             continue
         results[name] = json.loads(result.read_text())
+        if args.cmd == "profile":
+            print_profile(name, results[name]["rows"])
+            continue
         kernels = sorted({line.split("] ", 1)[-1].strip()[:200] for line in log.read_text(errors="replace").splitlines()
                           if re.search(r"Using \w+Kernel|cublade: .* run on |KV-cache write runs", line)})
         for k in kernels:
             print(f"  log: {k}")
         print(f"  startup {results[name]['startup_s']:.0f} s; " + ", ".join(
             f"B={r['batch']} {r['step_ms']:.3f} ms" for r in results[name]["rows"]), flush=True)
-    report(results, args.batches)
+    if args.cmd != "profile":
+        report(results, args.batches)
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"configs": results, "batches": args.batches, "prompt": args.prompt,
@@ -336,21 +413,26 @@ def main() -> None:
     m.add_argument("--presets", type=lambda v: [x for x in v.split(",") if x], default=None,
                    help=f"conversions to make (default all: {','.join(PRESETS)})")
     r = sub.add_parser("run", help="time decode steps for each configuration (default: all)")
-    r.add_argument("workdir")
-    r.add_argument("configs", nargs="*", help=", ".join(CONFIGS))
-    for q in (r, me := sub.add_parser("measure", help="(internal) one configuration, in its own process")):
-        q.add_argument("--batches", type=ints, default=[1, 16, 64], help="concurrent requests (default 1,16,64)")
+    pr = sub.add_parser("profile", help="GPU time of a decode step by kernel, for each configuration")
+    for q in (r, pr):
+        q.add_argument("workdir")
+        q.add_argument("configs", nargs="*", help=", ".join(CONFIGS))
+        q.add_argument("--json", help="append the results as one JSON line to this file")
+    for q in (r, pr, me := sub.add_parser("measure", help="(internal) one configuration, in its own process")):
+        batches, steps = ([1], 32) if q is pr else ([1, 16, 64], 128)
+        q.add_argument("--batches", type=ints, default=batches,
+                       help=f"concurrent requests (default {','.join(map(str, batches))})")
         q.add_argument("--prompt", type=int, default=128, help="prompt tokens per request (default 128)")
-        q.add_argument("--steps", type=int, default=128, help="decode steps timed (default 128)")
+        q.add_argument("--steps", type=int, default=steps, help=f"decode steps timed (default {steps})")
         q.add_argument("--reps", type=int, default=3, help="timed pairs per batch size; the median is kept")
         q.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (vLLM's TP size)")
-    r.add_argument("--json", help="append the results as one JSON line to this file")
     me.add_argument("model")
     me.add_argument("--quantization")
     me.add_argument("--attention-backend")
     me.add_argument("--result", required=True)
+    me.add_argument("--profile", action="store_true", help="kernel times per step (the profile command)")
     args = p.parse_args()
-    {"make": cmd_make, "run": cmd_run, "measure": cmd_measure}[args.cmd](args)
+    {"make": cmd_make, "run": cmd_run, "profile": cmd_run, "measure": cmd_measure}[args.cmd](args)
 
 
 if __name__ == "__main__":
