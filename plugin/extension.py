@@ -15,6 +15,7 @@ MAX_JOBS (parallel compiler jobs, as for torch's builds), CUDA_HOME (the toolkit
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import sys
@@ -31,7 +32,15 @@ NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", ARCH_FLAG]
 KERNEL_CAPABILITY = (9, 0)  # sm_90a code runs on sm_90 only
 CSRC = Path(__file__).resolve().parent / "csrc"
 LIBRARY = "_C.so"
-BUILD_MINUTES = "5-15"  # nvcc on the kernels' templates; MAX_JOBS parallel jobs
+# Wall time of the first-use build with 16 parallel nvcc jobs on a 16-core H200 machine (scripts/jit_check.sh: 151 s);
+# the build is a handful of template-heavy translation units, so fewer jobs take proportionally longer.
+BUILD_SECONDS_16_JOBS = 150
+
+
+def build_estimate(jobs: int) -> str:
+    """'about N minutes' for `jobs` parallel nvcc jobs."""
+    minutes = math.ceil(BUILD_SECONDS_16_JOBS * max(1.0, 16 / max(jobs, 1)) / 60)
+    return f"about {minutes} minutes"
 FIX = ("install a cublade wheel built with the extension (bash scripts/build_wheel.sh), or "
        "`pip install --no-build-isolation .` from the source tree where nvcc is installed; "
        "CUBLADE_DISABLE_KERNELS=1 runs the PyTorch references instead (many times slower)")
@@ -159,9 +168,10 @@ def _build(d: Path) -> None:
     with FileLock(str(d / "build.lock")):
         if (d / LIBRARY).exists():  # another process built it while this one waited
             return
-        _say(f"cublade: building the CUDA extension for {ARCH} into {d} (once per torch / CUDA / Python; about "
-             f"{BUILD_MINUTES} minutes with MAX_JOBS={os.environ.get('MAX_JOBS', os.cpu_count())}; other "
-             f"processes wait for it)")
+        jobs = os.environ.get("MAX_JOBS", "")
+        jobs = int(jobs) if jobs.isdigit() else os.cpu_count() or 1
+        _say(f"cublade: building the CUDA extension for {ARCH} into {d} (once per torch / CUDA / Python; "
+             f"{build_estimate(jobs)} with MAX_JOBS={jobs}; other processes wait for it)")
         from torch.utils.cpp_extension import load
 
         log = d / "build.log"

@@ -26,6 +26,7 @@ unset CUBLADE_DISABLE_KERNELS
 import sys
 
 target = sys.argv[1]
+import torch  # noqa: F401  (cublade._C links against torch's libraries)
 import cublade._C  # noqa: F401
 from cublade import doctor
 from cublade.ops import _dispatch

@@ -2,7 +2,7 @@
 # On a Hopper GPU machine: install cublade without its extension into an empty directory and check the first-use
 # build (cublade.extension): four processes started together on a fresh cache build it once (one of them says so
 # in one line, the others wait for the lock), a later process loads the cached library, the ops then run their
-# CUDA kernels, and `cublade doctor` reports the cached build. Prints the build's wall time (BUILD_MINUTES in
+# CUDA kernels, and `cublade doctor` reports the cached build. Prints the build's wall time (BUILD_SECONDS_16_JOBS in
 # plugin/extension.py says it). One build: within a 10-minute command at MAX_JOBS=16.
 #   bash scripts/jit_check.sh            Env: PYTHON (default python3), MAX_JOBS
 set -euo pipefail
@@ -11,7 +11,7 @@ py=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 CUBLADE_BUILD_EXT=0 "$py" -m pip install -q --no-deps --no-build-isolation --target "$work/pkg" .
-export PYTHONPATH="$work/pkg"
+export PYTHONPATH="$work/pkg${PYTHONPATH:+:$PYTHONPATH}"  # first: only its cublade (no _C) is seen
 unset CUBLADE_DISABLE_KERNELS
 cd "$work"
 probe='from cublade.ops import _dispatch; print("loaded from", _dispatch.extension_path())'
