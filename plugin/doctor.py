@@ -69,18 +69,21 @@ def extension() -> list[tuple[str, str]]:
         from cublade.ops import _dispatch
     except extension.ExtensionUnavailable as e:
         return [("extension", f"missing: {e}")]
-    if _dispatch.extension_loaded():
+    sm80 = _dispatch.sm80_extension_path()
+    sm80_row = ("sm_80 kernels", f"loaded: {sm80}" if sm80 else
+                "cublade._C_sm80 not installed (its kernels run sm_80-89 layers; setup.py builds it where nvcc is)")
+    if _dispatch.extension_path():
         where = _dispatch.extension_path()
         how = "built on first use into the cache" if where and where.startswith(str(extension.cache_root())) else \
             "installed"
-        return [("extension", f"loaded, {how}: {where}")]
+        return [("extension", f"loaded, {how}: {where}"), sm80_row]
     why = _dispatch.extension_load_error()
     if why == "CUBLADE_DISABLE_KERNELS=1":
         state = "not loaded: CUBLADE_DISABLE_KERNELS=1 (every op runs its PyTorch reference)"
     else:
         here = "no GPU" if not torch.cuda.is_available() else "cublade's kernels are sm_90a only"
         state = f"not installed ({why}); not needed here ({here})"
-    return [("extension", state), ("cache", f"{extension.cache_dir()} (where a Hopper GPU builds it)")]
+    return [("extension", state), sm80_row, ("cache", f"{extension.cache_dir()} (where a Hopper GPU builds it)")]
 
 
 def ops() -> list[tuple[str, str]]:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Build a cublade wheel with the CUDA extension cublade._C (sm_90a) for this machine's Python, torch and CUDA,
-# install it into a clean target directory, and check the installed copy: `import cublade._C` loads, every op has
-# its CUDA kernel, and `cublade doctor` runs. Run it on a machine with torch (CUDA build) and nvcc; no network
-# needed (the installed torch and setuptools build it: --no-build-isolation --no-deps).
+# Build a cublade wheel with the CUDA extensions cublade._C (sm_90a) and cublade._C_sm80 (sm_80 / 86 / 89 and
+# compute_80 PTX) for this machine's Python, torch and CUDA, install it into a clean target directory, and check the
+# installed copy: both libraries load from it, every op has its CUDA kernel, and `cublade doctor` runs. Run it on a
+# machine with torch (CUDA build) and nvcc; no network needed (the installed torch and setuptools build it:
+# --no-build-isolation --no-deps).
 #   bash scripts/build_wheel.sh [WHEEL_DIR]        (default dist/)
 # Then: pip install --no-deps WHEEL_DIR/cublade-*.whl   (docs/install.md)
 # Env: PYTHON (default python3), MAX_JOBS (parallel nvcc jobs), CUDA_HOME (the toolkit).
@@ -35,7 +36,10 @@ where = _dispatch.extension_path()
 assert where and where.startswith(target), f"cublade._C loaded from {where}, not the wheel in {target}"
 missing = sorted(set(doctor.op_names()) - _dispatch._CUDA_OPS)
 assert not missing, f"ops without a CUDA kernel in the wheel: {missing}"
-print(f"build_wheel: cublade._C from the wheel ({where}): {len(_dispatch._CUDA_OPS)} ops with CUDA kernels")
+sm80 = _dispatch.sm80_extension_path()
+assert sm80 and sm80.startswith(target), f"cublade._C_sm80 loaded from {sm80}, not the wheel in {target}"
+print(f"build_wheel: cublade._C and cublade._C_sm80 from the wheel ({where}, {sm80}): "
+      f"{len(_dispatch._CUDA_OPS)} ops with CUDA kernels")
 PY
 "$py" -m cublade.cli doctor
 echo "build_wheel: OK $whl"

@@ -2,6 +2,7 @@
 mocks (built into the cache, cannot be built)."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ def test_doctor_prints_versions_gpu_extension_ops_and_kernels():
     for section in ("versions", "GPU", "CUDA extension", "ops", "kernel per scheme on CPU"):
         assert f"\n{section}" in "\n" + out, section
     assert f"torch    {torch.__version__}" in out and "vLLM" in out and "Python" in out
-    assert "GPU  none" in out and "extension  not installed" in out
+    assert "GPU  none" in out and re.search(r"\n  extension +not installed", out)
+    assert re.search(r"\n  sm_80 kernels +cublade._C_sm80 not installed", out)
     for op in ("fp8_quant_per_token", "w4a16_gemm", "mxfp8_gemm", "fp4_gemm", "silu_mul"):
         assert f"  {op} " in out and "PyTorch reference (no GPU)" in out
     rows = [line for line in out.splitlines() if " linear " in line or " MoE experts " in line]
@@ -43,8 +45,10 @@ def test_extension_built_into_the_cache_is_reported_as_such(monkeypatch, tmp_pat
     monkeypatch.setenv("CUBLADE_EXT_CACHE", str(tmp_path))
     monkeypatch.setattr(_dispatch, "_LOADED", True)
     monkeypatch.setattr(_dispatch, "_LOADED_FROM", str(tmp_path / "key" / "_C.so"))
-    (row,) = doctor.extension()
+    monkeypatch.setattr(_dispatch, "_SM80_FROM", str(tmp_path / "_C_sm80.so"))
+    row, sm80 = doctor.extension()
     assert row == ("extension", f"loaded, built on first use into the cache: {tmp_path / 'key' / '_C.so'}")
+    assert sm80 == ("sm_80 kernels", f"loaded: {tmp_path / '_C_sm80.so'}")
 
 
 def test_extension_that_cannot_be_built_is_reported_with_the_fix(monkeypatch):

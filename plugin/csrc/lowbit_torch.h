@@ -1,4 +1,5 @@
-// The torch side shared by the weight-streaming GEMM ops (w4a16_gemm_torch.cpp, mxfp8_gemm_torch.cpp): after an op has
+// The torch side shared by the weight-streaming GEMM ops (w4a16_gemm_torch.cpp, mxfp8_gemm_torch.cpp,
+// sm80/mxfp8_gemm_sm80_torch.cpp): after an op has
 // checked its inputs, the same flow turns x [..., K] into y [..., size_n] in x's dtype; and the int4 blob's check
 // and dequant, shared by w4a16_gemm_torch.cpp and w4a16_dequant_torch.cpp. Host compiler only.
 #pragma once
@@ -24,6 +25,17 @@ inline void check_w4a16_packed(const char* op, const at::Tensor& packed, int64_t
                       num(size_n), ", K=", num(K), ", group_size=", num(group_size),
                       symmetric ? ", symmetric" : ", asymmetric", "), got ", dt(packed.scalar_type()), " ",
                       shape(packed.sizes()));
+}
+
+// The blob mxfp8_repack makes for (N, K): int32 [ceil(N/64), ceil(K/512), 4, 2048 + 64] (mxfp8_gemm_torch.cpp and
+// sm80/mxfp8_gemm_sm80_torch.cpp).
+inline void check_mxfp8_packed(const char* op, const at::Tensor& packed, int64_t size_n, int64_t K) {
+  const std::vector<int64_t> want = {cdiv(size_n, kLowbitGroupRows), cdiv(K, kLowbitChunkK), 4,
+                                     2 * kLowbitTileWords + kMxfp8RecordBytes / 4};
+  CUBLADE_CHECK_VALUE(packed.scalar_type() == at::kInt && packed.sizes() == at::IntArrayRef(want) &&
+                          packed.is_contiguous(),
+                      op, "packed must be a contiguous int32 ", shape(want), " tensor (mxfp8_repack of N=",
+                      num(size_n), ", K=", num(K), "), got ", dt(packed.scalar_type()), " ", shape(packed.sizes()));
 }
 
 // The op w4a16_dequant (w4a16_dequant_torch.cpp): the dense weight [size_n, size_k] in dtype (bf16 / fp16) from

@@ -11,16 +11,6 @@
 namespace cublade {
 namespace {
 
-// The blob mxfp8_repack makes for (N, K): int32 [ceil(N/64), ceil(K/512), 4, 2048 + 64].
-void check_packed(const char* op, const at::Tensor& packed, int64_t size_n, int64_t K) {
-  const std::vector<int64_t> want = {cdiv(size_n, kLowbitGroupRows), cdiv(K, kLowbitChunkK), 4,
-                                     2 * kLowbitTileWords + kMxfp8RecordBytes / 4};
-  CUBLADE_CHECK_VALUE(packed.scalar_type() == at::kInt && packed.sizes() == at::IntArrayRef(want) &&
-                          packed.is_contiguous(),
-                      op, "packed must be a contiguous int32 ", shape(want), " tensor (mxfp8_repack of N=",
-                      num(size_n), ", K=", num(K), "), got ", dt(packed.scalar_type()), " ", shape(packed.sizes()));
-}
-
 at::Tensor mxfp8_dequant_packed(const at::Tensor& packed_in, int64_t size_n, int64_t size_k);
 
 // From mxfp8_gemm_prefill_rows(N, K) rows (w4a16_gemm.h: 384, 512 on large weights) the GEMM dequantizes the weight
@@ -41,7 +31,7 @@ at::Tensor mxfp8_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   CUBLADE_CHECK_VALUE(split_k >= 0 && split_k <= kLowbitMaxSplit, op, "split_k must be in [0, ",
                       num(kLowbitMaxSplit), "] (0 = automatic; >= 1 forces the streaming kernel), got ",
                       num(split_k));
-  check_packed(op, packed, size_n, K);
+  check_mxfp8_packed(op, packed, size_n, K);
 
   return lowbit_gemm(
       op, x_in, size_n, split_k == 0, mxfp8_gemm_prefill_rows(size_n, K),
@@ -65,7 +55,7 @@ at::Tensor mxfp8_dequant_packed(const at::Tensor& packed_in, int64_t size_n, int
   CUBLADE_CHECK_VALUE(size_n > 0 && size_n <= INT32_MAX, op, "size_n must be in [1, 2^31), got ", num(size_n));
   CUBLADE_CHECK_VALUE(size_k > 0 && size_k % 32 == 0 && size_k <= INT32_MAX - kLowbitChunkK, op, "size_k=",
                       num(size_k), " must be a positive multiple of 32 below 2^31 - 512");
-  check_packed(op, packed_in, size_n, size_k);
+  check_mxfp8_packed(op, packed_in, size_n, size_k);
 
   const c10::cuda::CUDAGuard guard(packed_in.device());
   const at::Tensor packed = aligned16(packed_in.data_ptr()) ? packed_in : packed_in.clone();

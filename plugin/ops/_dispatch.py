@@ -5,7 +5,8 @@ The extension `cublade._C` is imported once, when this module is first imported 
 call), so that `torch.compile` never traces an import: under dynamo, `use_kernel` is plain attribute reads.
 Where the installed package has no extension and the GPU is one the kernels target (sm_90), it is built on first
 use into a cache (cublade.extension); when that cannot be done, importing this module raises
-ExtensionUnavailable with the fix. Set CUBLADE_DISABLE_KERNELS=1 to force the references everywhere."""
+ExtensionUnavailable with the fix. `cublade._C_sm80` (kernels for sm_80 and later GPUs, built by setup.py) loads
+beside it where installed. Set CUBLADE_DISABLE_KERNELS=1 to force the references everywhere."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ _LOADED: bool | None = None
 _LOAD_ERROR: str | None = None
 _LOADED_FROM: str | None = None  # the extension library's path, when loaded
 _CUDA_OPS: frozenset[str] = frozenset()  # the ops with a CUDA kernel in the loaded extension
+_SM80_FROM: str | None = None  # cublade._C_sm80's path, when loaded
 
 
 def ops_with_cuda_kernel(namespace: str) -> frozenset[str]:
@@ -26,6 +28,18 @@ def ops_with_cuda_kernel(namespace: str) -> frozenset[str]:
     prefix = f"{namespace}::"
     names = {n[len(prefix):].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)}
     return frozenset(n for n in names if torch._C._dispatch_has_kernel_for_dispatch_key(prefix + n, "CUDA"))
+
+
+def _load_sm80() -> None:
+    """cublade._C_sm80 (the kernels for sm_80 and later without Hopper's copy engine), where it is built; its ops
+    join _CUDA_OPS. Built only by setup.py (no first-use build)."""
+    global _SM80_FROM
+    try:
+        import torch  # noqa: F401,PLC0415  (the library links against torch's)
+        from cublade import _C_sm80  # (a TORCH_LIBRARY_FRAGMENT of cublade)
+        _SM80_FROM = _C_sm80.__file__
+    except ImportError:
+        _SM80_FROM = None
 
 
 def _load() -> bool:
@@ -40,9 +54,14 @@ def _load() -> bool:
         from cublade import extension
 
         if not extension.kernels_target_this_gpu():
+            _load_sm80()
             _LOAD_ERROR = f"{type(e).__name__}: {e}"
-            return False
+            if _SM80_FROM is None:
+                return False
+            _CUDA_OPS = ops_with_cuda_kernel("cublade")
+            return True
         _LOADED_FROM = str(extension.load_or_build())  # raises ExtensionUnavailable when it cannot
+    _load_sm80()
     _CUDA_OPS = ops_with_cuda_kernel("cublade")
     return True
 
@@ -72,11 +91,18 @@ def use_kernel(x: torch.Tensor, op_name: str) -> bool:
     return x.is_cuda and extension_loaded() and op_name in _CUDA_OPS
 
 
-def register_fake(qualname: str) -> Callable:
-    """`torch.library.register_fake(qualname)` when the extension (which defines the op's schema) is
-    loaded, else a no-op: the fake sits next to the op's Python entry either way."""
+def sm80_extension_path() -> str | None:
+    """cublade._C_sm80's library when loaded (sm_80-89 kernels), else None."""
+    extension_loaded()
+    return _SM80_FROM
+
+
+def register_fake(qualname: str, library: str = "_C") -> Callable:
+    """`torch.library.register_fake(qualname)` when the extension library that defines the op's schema (`_C`, or
+    `_C_sm80`) is loaded, else a no-op: the fake sits next to the op's Python entry either way."""
     def deco(fn: Callable) -> Callable:
-        if extension_loaded():
+        loaded = _SM80_FROM is not None if library == "_C_sm80" else _LOADED_FROM is not None
+        if extension_loaded() and loaded:
             torch.library.register_fake(qualname)(fn)
         return fn
     return deco

@@ -134,3 +134,45 @@ def mxfp8_dequant_packed(packed: torch.Tensor, size_n: int, size_k: int) -> torc
 @register_fake("cublade::mxfp8_dequant_packed")
 def _mxfp8_dequant_packed_fake(packed: torch.Tensor, size_n: int, size_k: int) -> torch.Tensor:
     return packed.new_empty((size_n, size_k), dtype=torch.bfloat16)
+
+
+# ---- GPUs without Hopper's copy engine (sm_80 / 86 / 89): cublade._C_sm80 ----------------------------------------
+
+def mxfp8_gemm_sm80_ref(x: torch.Tensor, packed: torch.Tensor, size_n: int, row_scale: torch.Tensor | None = None,
+                        kernel_only: bool = False) -> torch.Tensor:
+    """x @ W^T with the bf16 weights of the blob, summed in fp32, times row_scale [size_n] (fp32) when given, rounded
+    once to x's dtype. With a blob of unit exponents (mxfp8_repack(q, 127)) and the fp8 weight scale as row_scale this
+    is W8A16 on an `fp8` checkpoint's exact codes."""
+    K = x.shape[-1]
+    w = mxfp8_dequant_packed_ref(packed, size_n, K).float()
+    y = x.reshape(-1, K).float() @ w.t()
+    if row_scale is not None:
+        y = y * row_scale.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], size_n)
+
+
+def mxfp8_gemm_sm80(x: torch.Tensor, packed: torch.Tensor, size_n: int, row_scale: torch.Tensor | None = None,
+                    kernel_only: bool = False) -> torch.Tensor:
+    """`mxfp8_gemm_sm80_ref` on the sm_80-89 kernel (csrc/sm80/mxfp8_gemm_sm80.cu: cp.async stages, mma.sync; the
+    same fp32 sums up to their order) where cublade._C_sm80 is built, on any GPU from sm_80 (the compute_80 PTX on
+    later ones). From 64 rows, unless kernel_only, the op dequantizes the weight and runs cuBLAS; with a row_scale the
+    weight is then W * row_scale rounded once to bf16 (as vLLM's FP8 Marlin multiplies)."""
+    if x.dtype != torch.bfloat16:
+        raise NotImplementedError(f"mxfp8_gemm_sm80: x must be bfloat16 (the kernel builds bf16 weights), got "
+                                  f"{x.dtype}")
+    if use_kernel(x, "mxfp8_gemm_sm80"):
+        return torch.ops.cublade.mxfp8_gemm_sm80(x, packed, row_scale, size_n, kernel_only)
+    return mxfp8_gemm_sm80_ref(x, packed, size_n, row_scale, kernel_only)
+
+
+@register_fake("cublade::mxfp8_gemm_sm80", library="_C_sm80")
+def _mxfp8_gemm_sm80_fake(x: torch.Tensor, packed: torch.Tensor, row_scale: torch.Tensor | None, size_n: int,
+                          kernel_only: bool = False) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], size_n))
+
+
+def unit_exponents(weight: torch.Tensor) -> torch.Tensor:
+    """E8M0 code 127 (2^0) for every 32 K of an [N, K] fp8 weight: mxfp8_repack(weight, unit_exponents(weight)) is the
+    blob of an `fp8` checkpoint's codes, whose scale then goes to mxfp8_gemm_sm80's row_scale."""
+    N, K = weight.shape
+    return torch.full((N, K // MX_BLOCK), 127, dtype=torch.uint8, device=weight.device)

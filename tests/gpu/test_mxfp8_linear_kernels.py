@@ -26,7 +26,8 @@ def mxfp8_layer(N: int, K: int, seed: int = 0) -> torch.nn.Module:
     return layer
 
 
-@pytest.mark.parametrize("kernel", ["cublade-mxfp8-gemm", "cublade-mxfp8-dequant-matmul", "vllm-marlin-mxfp8"])
+@pytest.mark.parametrize("kernel", ["cublade-mxfp8-gemm", "cublade-mxfp8-gemm-sm80", "cublade-mxfp8-dequant-matmul",
+                                    "vllm-marlin-mxfp8"])
 @pytest.mark.parametrize("N,K,M", [(256, 128, 5), (4096, 1024, 1), (1000, 2048, 37), (512, 4096, 300),
                                    (768, 512, 400)])
 def test_mxfp8_kernel_matches_reference(kernel, N, K, M):

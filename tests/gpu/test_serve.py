@@ -227,7 +227,8 @@ def test_compiled_model_cache_follows_the_kernel_choice(served, checkpoint, logs
     with that kernel disabled, must compile anew on vllm-marlin-mxfp8 and answer the eager text. (Before the key held
     the choice, the second engine loaded the first run's graph and failed at start: mxfp8_gemm on Marlin's weights.)"""
     eager, _ = served("mxfp8")
-    for disabled, kernel in (("", "cublade-mxfp8-gemm"), ("cublade-mxfp8-gemm", "vllm-marlin-mxfp8")):
+    for disabled, kernel in (("", "cublade-mxfp8-gemm"), ("cublade-mxfp8-gemm", "cublade-mxfp8-gemm-sm80"),
+                             ("cublade-mxfp8-gemm,cublade-mxfp8-gemm-sm80", "vllm-marlin-mxfp8")):
         monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", disabled)
         log = logs / f"serve-mxfp8-compiled-{kernel}.log"
         with vllm_server(checkpoint("mxfp8"), log) as url:

@@ -15,13 +15,19 @@ from cublade.config import Fp8Scheme, MXFP8Scheme, W4A16Scheme
 CAPS = (80, 86, 89, 90)
 # scheme -> the kernel chosen at each of CAPS (bf16 activations, the extension built)
 EXPECTED = {
-    Fp8Scheme("channel", "dynamic-token"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
-    Fp8Scheme("tensor", "static-tensor"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
+    Fp8Scheme("channel", "dynamic-token"): ("cublade-fp8-w8a16",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
+    Fp8Scheme("tensor", "static-tensor"): ("cublade-fp8-w8a16",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
     W4A16Scheme(128, True): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
     W4A16Scheme(64, False): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
     W4A16Scheme(-1, True): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
     W4A16Scheme(32, True): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
-    MXFP8Scheme(): ("vllm-marlin-mxfp8",) * 3 + ("cublade-mxfp8-gemm",),
+    MXFP8Scheme(): ("cublade-mxfp8-gemm-sm80",) * 3 + ("cublade-mxfp8-gemm",),
+}
+# the same without cublade's extensions: vLLM's kernels, named fallbacks
+EXPECTED_WITHOUT_EXTENSION = {
+    Fp8Scheme("channel", "dynamic-token"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
+    W4A16Scheme(128, True): ("vllm-marlin",) * 3 + ("vllm-machete",),
+    MXFP8Scheme(): ("vllm-marlin-mxfp8",) * 4,
 }
 
 
@@ -58,18 +64,36 @@ def test_kernel_per_gpu(vllm_ctx, monkeypatch, scheme):
         assert got == want, (cap, got, reason)
 
 
-def test_fp8_marlin_reason_says_w8a16(vllm_ctx, monkeypatch):
+@pytest.mark.parametrize("scheme", list(EXPECTED_WITHOUT_EXTENSION),
+                         ids=[s.describe() for s in EXPECTED_WITHOUT_EXTENSION])
+def test_kernel_per_gpu_without_cublade_extensions(vllm_ctx, monkeypatch, scheme):
+    layer = loaded_layer(scheme, KINDS["qkv"], monkeypatch)
+    for cap, want in zip(CAPS, EXPECTED_WITHOUT_EXTENSION[scheme]):
+        with mocked_gpu(monkeypatch, cap, extension=False):
+            got, reason, _ = choice(layer)
+        assert got == want, (cap, got, reason)
+
+
+def test_fp8_w8a16_reasons(vllm_ctx, monkeypatch):
     layer = loaded_layer(Fp8Scheme(), KINDS["down"], monkeypatch)
     with mocked_gpu(monkeypatch, 86):
         got, reason, skipped = choice(layer)
+    assert got == "cublade-fp8-w8a16"
+    assert reason == ("W8A16 on sm_86: cublade's CUDA op mxfp8_gemm_sm80 over the e4m3 codes, activations not "
+                      "quantized (from 64 tokens dequantize + cuBLAS)")
+    assert skipped == ["vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86"]
+    with mocked_gpu(monkeypatch, 86, extension=False):
+        got, reason, skipped = choice(layer)
     assert got == "vllm-marlin-fp8"
     assert reason == "W8A16 on sm_86: e4m3 weights decoded to torch.bfloat16 in the kernel, activations not quantized"
-    assert skipped == ["vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86"]
+    assert skipped == ["vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86",
+                       "cublade-fp8-w8a16: cublade._C_sm80 is not installed (setup.py builds it where nvcc is)"]
 
 
 @pytest.mark.parametrize("cap", CAPS)
-def test_fp8_shapes_cutlass_refuses_run_on_marlin(vllm_ctx, monkeypatch, cap):
-    """A per-rank shape off CUTLASS's 16-alignment (N = 200 here) runs W8A16 on Marlin, which pads its tiles."""
+def test_fp8_shapes_cutlass_refuses_run_w8a16(vllm_ctx, monkeypatch, cap):
+    """A per-rank shape off CUTLASS's 16-alignment (N = 200 here) runs W8A16: cublade's sm_80 kernel (any N, K % 32),
+    or without it Marlin, which pads its tiles."""
     from vllm.model_executor.layers.linear import ColumnParallelLinear
 
     torch.set_default_dtype(torch.bfloat16)
@@ -77,9 +101,11 @@ def test_fp8_shapes_cutlass_refuses_run_on_marlin(vllm_ctx, monkeypatch, cap):
                                  prefix="model.layers.0.mlp.odd_proj")
     with mocked_gpu(monkeypatch, cap):
         got, _, skipped = choice(layer)
-    assert got == "vllm-marlin-fp8"
+    assert got == "cublade-fp8-w8a16"
     if cap >= 89:
         assert skipped == ["vllm-cutlass-scaled-mm: N=200, K=128 are not multiples of 16"]
+    with mocked_gpu(monkeypatch, cap, extension=False):
+        assert choice(layer)[0] == "vllm-marlin-fp8"
 
 
 def test_w4a16_without_cublade_on_hopper_runs_machete(vllm_ctx, monkeypatch):
@@ -96,7 +122,8 @@ def test_mxfp8_fp16_activations_on_hopper_run_marlin(vllm_ctx, monkeypatch):
     with mocked_gpu(monkeypatch, 90):
         got, _, skipped = choice(layer)
     assert got == "vllm-marlin-mxfp8"
-    assert skipped == ["cublade-mxfp8-gemm: takes bf16 activations, the model runs in torch.float16"]
+    assert skipped == ["cublade-mxfp8-gemm: takes bf16 activations, the model runs in torch.float16",
+                       "cublade-mxfp8-gemm-sm80: takes bf16 activations, the model runs in torch.float16"]
 
 
 @pytest.mark.parametrize("cap", CAPS)
@@ -137,7 +164,7 @@ def test_reference_stays_the_cpu_path(vllm_ctx, monkeypatch):
 @pytest.mark.parametrize("cap", (80, 89))
 def test_only_reference_left_stops_the_load(vllm_ctx, monkeypatch, cap):
     """Taking the tensor-core kernels out (CUBLADE_DISABLED_KERNELS) does not fall back to the reference on a GPU."""
-    monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "vllm-cutlass-scaled-mm,vllm-marlin-fp8")
+    monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "vllm-cutlass-scaled-mm,cublade-fp8-w8a16,vllm-marlin-fp8")
     layer = loaded_layer(Fp8Scheme(), KINDS["qkv"], monkeypatch)
     with mocked_gpu(monkeypatch, cap):
         got, _, skipped = choice(layer)

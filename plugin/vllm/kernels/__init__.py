@@ -21,8 +21,10 @@ import torch
 from cublade.config import FP4Scheme, Fp8Scheme, MXFP8Scheme, Scheme, W4A16Scheme
 from cublade.vllm.kernels.base import LinearKernel, MoEKernel
 from cublade.vllm.kernels.cublade_fp4_moe import CubladeFp4MoE
+from cublade.vllm.kernels.cublade_fp8_w8a16 import CubladeFp8W8A16
 from cublade.vllm.kernels.cublade_mxfp8_dequant_matmul import CubladeMxfp8DequantMatmul
 from cublade.vllm.kernels.cublade_mxfp8_gemm import CubladeMxfp8Gemm
+from cublade.vllm.kernels.cublade_mxfp8_gemm_sm80 import CubladeMxfp8GemmSm80
 from cublade.vllm.kernels.cublade_w4a16_fp8_prefill import CubladeW4A16Fp8Prefill
 from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
 from cublade.vllm.kernels.reference import ReferenceKernel
@@ -38,15 +40,16 @@ logger = logging.getLogger("vllm.cublade")
 
 # The candidates per scheme, first that can run the layer wins.
 CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel] | type[MoEKernel], ...]] = {
-    # cublade has no FP8 GEMM of its own: vLLM's CUTLASS (W8A8 on FP8 tensor cores, sm_89+), activations quantized
-    # by cublade's per-token / per-tensor op; then vLLM's FP8 Marlin (W8A16: sm_80 / sm_86, or shapes CUTLASS
-    # refuses).
-    Fp8Scheme: (VllmCutlassScaledMM, VllmMarlinFp8, ReferenceKernel),
+    # vLLM's CUTLASS (W8A8 on FP8 tensor cores, sm_89+), activations quantized by cublade's per-token / per-tensor
+    # op; without FP8 tensor cores (sm_80 / sm_86) W8A16 on the 1-byte codes: cublade's sm_80 kernel, then vLLM's
+    # FP8 Marlin (also for shapes the others refuse).
+    Fp8Scheme: (VllmCutlassScaledMM, CubladeFp8W8A16, VllmMarlinFp8, ReferenceKernel),
     # The FP8 tensor-core path first, but only when asked for (CUBLADE_W4A16_PREFILL=fp8): it rounds activations.
     W4A16Scheme: (CubladeW4A16Fp8Prefill, CubladeW4A16Gemm, VllmMachete, VllmMarlin, ReferenceKernel),
-    # W8A16 on the 1-byte weights (bf16 activations); then Marlin (fp16 activations, block scales above 2^7); then
-    # dequantize to the activation dtype with cublade's op and a dense GEMM (no MX tensor cores before sm_100).
-    MXFP8Scheme: (CubladeMxfp8Gemm, VllmMarlinMxfp8, CubladeMxfp8DequantMatmul, ReferenceKernel),
+    # W8A16 on the 1-byte weights (bf16 activations): the Hopper kernels, else (sm_80 / 86 / 89) the sm_80 kernel;
+    # then Marlin (fp16 activations, block scales above 2^7); then dequantize to the activation dtype with cublade's
+    # op and a dense GEMM (no MX tensor cores before sm_100).
+    MXFP8Scheme: (CubladeMxfp8Gemm, CubladeMxfp8GemmSm80, VllmMarlinMxfp8, CubladeMxfp8DequantMatmul, ReferenceKernel),
     # MoE experts only (the linear method refuses fp4): kernels of a FusedMoE layer.
     FP4Scheme: (CubladeFp4MoE, VllmMarlinMoE, ReferenceMoE),
 }

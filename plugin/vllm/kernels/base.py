@@ -75,6 +75,22 @@ def why_no_kernel(name: str, device: torch.device) -> str | None:
     return None
 
 
+# cublade._C_sm80's kernels (sm_80 / 86 / 89 machine code, compute_80 PTX) run from sm_80 on.
+SM80_KERNEL_MIN_ARCH = 80
+
+
+def why_no_sm80_kernel(name: str, device: torch.device) -> str | None:
+    """Why cublade._C_sm80's op `torch.ops.cublade.<name>` cannot run on `device`; None when it can."""
+    cap = _capability(device)
+    if cap is None:
+        return "CPU"
+    if cap < SM80_KERNEL_MIN_ARCH:
+        return f"needs sm_80 or later, this GPU is sm_{cap}"
+    if not use_kernel(torch.empty(0, device=device), name):
+        return "cublade._C_sm80 is not installed (setup.py builds it where nvcc is)"
+    return None
+
+
 def cublade_op(name: str, device: torch.device, reference: Callable) -> tuple[Callable, str]:
     """cublade's CUDA op `torch.ops.cublade.<name>` where it can run, else its reference; and a few words
     saying which."""
