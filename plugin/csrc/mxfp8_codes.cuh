@@ -8,6 +8,7 @@
 
 namespace cublade {
 namespace mxfp8 {
+namespace {  // one copy per translation unit (internal linkage, as the kernels instantiated with these)
 
 __device__ __forceinline__ uint32_t hmul2_bf16(uint32_t a, uint32_t b) {
   const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
@@ -60,6 +61,28 @@ constexpr int kCodePacketBytes = 1024;  // 16 rows x 64 K of 1-byte codes
 constexpr int kBlockBytes = lowbit::kChunk * kCodePacketBytes + kMxfp8RecordBytes;  // a tile block: 8448 bytes
 static_assert(kBlockBytes == 4 * (2 * kLowbitTileWords + kMxfp8RecordBytes / 4), "w4a16_gemm.h's geometry");
 
+// MXFP8 packets for the streaming kernel: the weights are exact in bf16, the mma's sum all of K in fp32.
+template <int NT_>
+struct Mxfp8Policy {
+  using T = __nv_bfloat16;
+  static constexpr int NT = NT_;
+  static constexpr int kPacketBytes = kCodePacketBytes;
+  static constexpr int kSBytes = kMxfp8RecordBytes;  // 32 bytes of records per packet per tile
+  struct State {};
+  template <int kSliceK>
+  __device__ static const unsigned char* slice_records(const unsigned char* srec, int slice) {
+    return srec + slice * (kSliceK / lowbit::kPacketK) * 32;
+  }
+  __device__ static const float* row_scale(const lowbit::GemmParams&, int) { return nullptr; }
+  template <int j, int kSliceK>
+  __device__ static void packet(State&, const uint4 (&q)[2], const unsigned char* srec, const uint4 (&xc)[2][NT],
+                                float (&acc)[NT][4], int lane) {
+    uint32_t a[4][4];
+    dequant_packet(q[0], q[1], srec, j, lane, a);
+    lowbit::mma_packet<T>(acc, a, xc);
+  }
+};
+
 // ---- dequantize (the prefill path) ----
 // One CTA per (tile group, chunk), one warp per tile block (its ~8.4 KB of the blob contiguous), no shared memory:
 // each lane loads its 16 vectors and 8 record words before any use, then writes rows g and g + 8 of its 8-K runs as
@@ -67,7 +90,6 @@ static_assert(kBlockBytes == 4 * (2 * kLowbitTileWords + kMxfp8RecordBytes / 4),
 // so the prefill weights are the decode weights bit for bit.
 constexpr int kDequantThreads = 32 * lowbit::kGroupTiles;
 
-namespace {  // one copy per library that launches it
 
 __global__ void __launch_bounds__(kDequantThreads)
 dequant_packed_kernel(const unsigned char* __restrict__ packed, int chunks, int N, int K,

@@ -39,28 +39,7 @@ using mxfp8::factors;
 using lowbit::kTileN;
 
 using mxfp8::kCodePacketBytes;
-
-// MXFP8 packets for the streaming kernel: the weights are exact in bf16, the mma's sum all of K in fp32.
-template <int NT_>
-struct Mxfp8Policy {
-  using T = __nv_bfloat16;
-  static constexpr int NT = NT_;
-  static constexpr int kPacketBytes = kCodePacketBytes;
-  static constexpr int kSBytes = kMxfp8RecordBytes;  // 32 bytes of records per packet per tile
-  struct State {};
-  template <int kSliceK>
-  __device__ static const unsigned char* slice_records(const unsigned char* srec, int slice) {
-    return srec + slice * (kSliceK / kPacketK) * 32;
-  }
-  __device__ static const float* row_scale(const lowbit::GemmParams&, int) { return nullptr; }
-  template <int j, int kSliceK>
-  __device__ static void packet(State&, const uint4 (&q)[2], const unsigned char* srec, const uint4 (&xc)[2][NT],
-                                float (&acc)[NT][4], int lane) {
-    uint32_t a[4][4];
-    dequant_packet(q[0], q[1], srec, j, lane, a);
-    lowbit::mma_packet<T>(acc, a, xc);
-  }
-};
+using mxfp8::Mxfp8Policy;
 
 // MXFP8 batches for the wide kernel: the same dequant, the mma's sum all of K into acc.
 struct Mxfp8Batch {
