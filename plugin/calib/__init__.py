@@ -200,7 +200,8 @@ def calibrate(src_dir, policy: Policy, text_path, n_tokens: int | None, lines: s
 
 
 class _Run:
-    """One calibration pass over the layers; `layer(i, hidden, pos)` returns layer i's quantized outputs."""
+    """One calibration pass over the layers; `layer(i, hidden, pos)` replaces the windows in the list `hidden` by
+    layer i's quantized outputs, one window at a time, and returns the list."""
 
     def __init__(self, model: LayerwiseModel, policy: Policy, result: CalibResult, gptq: GPTQConfig | None,
                  sequential: bool):
