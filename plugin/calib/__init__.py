@@ -41,7 +41,8 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
-from cublade.calib.capture import LayerwiseModel, QuantizedLinear, linear_groups, observe_kv, observe_linears
+from cublade.calib.capture import (LayerwiseModel, QuantizedLinear, linear_groups, observe_kv, observe_linears,
+                                   release_free_heap)
 from cublade.calib.gptq import GPTQConfig, gptq_quantize, weighted_error
 from cublade.config import Fp8Scheme, Policy, UnsupportedShape, W4A16Scheme
 from cublade.numerics.fp8 import dynamic_scale
@@ -176,6 +177,8 @@ def calibrate(src_dir, policy: Policy, text_path, n_tokens: int | None, lines: s
         for i in tqdm(range(len(model)), desc="calibrate", unit="layer",
                       disable=None if progress is None else not progress):
             hidden = run.layer(i, hidden, pos)
+    del hidden, pos
+    release_free_heap()  # before the conversion streams the checkpoint
 
     info: dict = {"text": text_path.name, "lines": format_lines(lines), "tokens": len(ids), "window": win,
                   "device": dev.type, "sequential": sequential, "method": needs}
@@ -197,7 +200,8 @@ def calibrate(src_dir, policy: Policy, text_path, n_tokens: int | None, lines: s
 
 
 class _Run:
-    """One calibration pass over the layers; `layer(i, hidden, pos)` returns layer i's quantized outputs."""
+    """One calibration pass over the layers; `layer(i, hidden, pos)` replaces the windows in the list `hidden` by
+    layer i's quantized outputs, one window at a time, and returns the list."""
 
     def __init__(self, model: LayerwiseModel, policy: Policy, result: CalibResult, gptq: GPTQConfig | None,
                  sequential: bool):
@@ -232,6 +236,7 @@ class _Run:
     def layer(self, i: int, hidden: list[torch.Tensor], pos: list) -> list[torch.Tensor]:
         model = self.model
         prefix = model.layer_name(i)
+        release_free_heap()
         layer = model.load_layer(i, self.policy)
         self._check_experts(prefix)
         plan = self._plan(layer, prefix)
@@ -249,21 +254,25 @@ class _Run:
                     for h, pe in zip(hidden, pos):
                         model.run_layer(layer, h, pe)
             for full in group:
-                path, mod, scheme = plan[full]
-                w = mod.weight.detach()
+                path, mod, scheme = plan.pop(full)  # the float linear is freed once its stand-in replaces it
+                w, st = mod.weight.detach(), stats.pop(full, None)  # a Hessian is freed once its last user is done
                 if full in want_h:
-                    tensors = self._gptq(full, w, scheme, stats[full].hessian)
+                    tensors = self._gptq(full, w, scheme, st.hessian)
                     spooled.update({f"{full}.{k}": v for k, v in tensors.items()})
                 else:
                     tensors = scheme.quantize(w)
                 if full in want_a:
-                    tensors["input_scale"] = dynamic_scale(stats[full].amax.float()).reshape(1)
+                    tensors["input_scale"] = dynamic_scale(st.amax.float()).reshape(1)
                     self.result._put(f"{full}.input_scale", tensors["input_scale"])
                 layer.set_submodule(path, QuantizedLinear(scheme, tensors, mod.bias))
+                del mod, w, st
+            del stats
         self.result._spool(f"layer{i:05d}", spooled)
 
+        # Each window's input is dropped as its output is made: one set of calibration activations at a time.
         with observe_kv(layer, prefix) if self.policy.kv_cache is not None else nullcontext() as kv:
-            hidden = [model.run_layer(layer, h, pe) for h, pe in zip(hidden, pos)]
+            for j, pe in enumerate(pos):
+                hidden[j] = model.run_layer(layer, hidden[j], pe)
         if kv is not None:
             if not kv.k_amax:
                 raise NotImplementedError(f"calibration: --kv-cache fp8 but layer {prefix} has no attention module "
@@ -275,6 +284,7 @@ class _Run:
         return hidden
 
     def _gptq(self, full: str, w: torch.Tensor, scheme: W4A16Scheme, H: torch.Tensor) -> dict[str, torch.Tensor]:
+        release_free_heap()  # the observation passes' temporaries, before the K x K factorizations
         r = gptq_quantize(w, H, scheme.group_size, scheme.symmetric, self.gptq, full)
         rtn = scheme.dequantize({k: v.to(w.device) for k, v in scheme.quantize(w).items()})
         e_rtn = weighted_error(w, rtn, H)

@@ -13,7 +13,9 @@ Observers (forward pre-hooks on the layer's nn.Linear modules, and an attention 
 """
 from __future__ import annotations
 
+import ctypes
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,13 +23,34 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cublade.checkpoint import CheckpointError, open_shard, tensor_infos
+from cublade.checkpoint import CheckpointError, read_header, read_tensor, tensor_infos
 from cublade.config.experts import ExpertLayout
 
 CALIB_ATTENTION = "cublade_calib"
 
 # The KVStats collecting right now (None: the attention function only computes attention).
 _ACTIVE_KV: KVStats | None = None
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; nothing where libc has none).
+
+    Tensors freed below glibc's mmap threshold (which grows to 32 MiB as large blocks are freed) stay in the heap,
+    resident; the next Hessian or factor (K x K, above the threshold) is mapped afresh beside them. Called before
+    each layer and each GPTQ linear, so calibration's peak does not hold a layer's freed temporaries too."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc_with_malloc_trim():
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc_with_malloc_trim()
 
 
 @dataclass
@@ -87,6 +110,9 @@ def observe_linears(layer: nn.Module, prefix: str, hessian: set[str], amax: set[
     Yields {full name: LinearInputStats}."""
     stats: dict[str, LinearInputStats] = {}
     handles = []
+    # The input the last Hessian hook summed and the sum it went into: linears that read the same tensor (q, k, v;
+    # gate, up) share one X^T X, computed once per input.
+    last: dict[str, torch.Tensor] = {}
 
     def hook(name, want_h, want_a):
         def fn(mod, args):
@@ -94,8 +120,12 @@ def observe_linears(layer: nn.Module, prefix: str, hessian: set[str], amax: set[
             x = x.reshape(-1, x.shape[-1]).float()
             st = stats[name]
             if want_h:
-                xtx = x.t() @ x
-                st.hessian = xtx if st.hessian is None else st.hessian.add_(xtx)
+                if last.get("input") is args[0] and (st.hessian is None or st.hessian is last["sum"]):
+                    st.hessian = last["sum"]
+                else:
+                    xtx = x.t() @ x
+                    st.hessian = xtx if st.hessian is None else st.hessian.add_(xtx)
+                    last.update(input=args[0], sum=st.hessian)
             if want_a:
                 a = x.abs().amax()
                 st.amax = a if st.amax is None else torch.maximum(st.amax, a)
@@ -109,6 +139,7 @@ def observe_linears(layer: nn.Module, prefix: str, hessian: set[str], amax: set[
                 handles.append(mod.register_forward_pre_hook(hook(full, full in hessian, full in amax)))
         yield stats
     finally:
+        last.clear()
         for h in handles:
             h.remove()
 
@@ -200,24 +231,30 @@ class LayerwiseModel:
     def layer_name(self, i: int) -> str:
         return f"{self.prefix}.{i}"
 
-    def _load(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def _read(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors `names` as the checkpoint stores them, one at a time, each on a mapping of its own bytes
+        (cublade.checkpoint.read_tensor) that is unmapped when the tensor is freed: no shard stays mapped."""
         missing = [n for n in names if n not in self.files]
         if missing:
             raise CheckpointError(f"{self.src_dir}: tensor(s) {', '.join(missing[:4])} missing from the "
                                   f"checkpoint (needed to run the model for calibration)")
-        out = {}
+        wanted = set(names)
         for path in dict.fromkeys(self.files[n] for n in names):
-            with open_shard(path) as f:
-                for n in names:
-                    if self.files[n] == path:
-                        out[n] = f.get_tensor(n).to(self.device, self.dtype)
-        return out
+            with open(path, "rb") as f:
+                for e in read_header(path):
+                    if e.name in wanted:
+                        yield e.name, read_tensor(f, e)
+
+    def _load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors `names` on the device in the calibration dtype; each source tensor is dropped once
+        converted."""
+        return {n: t.to(self.device, self.dtype) for n, t in self._read(names)}
 
     def embed(self, windows: list[list[int]]) -> list[torch.Tensor]:
-        """Hidden states [1, T, hidden] of each window of token ids."""
-        name = f"{self.embed_name}.weight"
-        w = self._load([name])[name]
-        return [nn.functional.embedding(torch.tensor([ids], device=self.device), w) for ids in windows]
+        """Hidden states [1, T, hidden] of each window of token ids: rows gathered from the embedding as stored
+        (only the rows' pages are read), then converted."""
+        (_, w), = self._read([f"{self.embed_name}.weight"])
+        return [nn.functional.embedding(torch.tensor([ids]), w).to(self.device, self.dtype) for ids in windows]
 
     def load_layer(self, i: int, policy=None) -> nn.Module:
         """Layer i with its weights from the checkpoint. MoE experts (read in either layout, see

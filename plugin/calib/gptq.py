@@ -92,10 +92,12 @@ def search_group_params(w: torch.Tensor, group_size: int, symmetric: bool, confi
     best = best_s = best_z = None
     for k in range(int(round((1 - config.clip_min) * config.clip_grid)) + 1):
         s, z = group_params(w * (1 - k / config.clip_grid), group_size, symmetric)
-        u = quantize_groups(w, s, z, group_size).reshape(N, K // G, G).float()
-        zf = INT4_SYM_OFFSET if z is None else z.float().unsqueeze(-1)
-        e = ((u - zf) * s.float().unsqueeze(-1) - wg).abs().pow(config.clip_norm)
-        err = (e if c is None else e * c).sum(-1)
+        # |dequantized - w|^norm in place on one fp32 temporary (the same operations as out of place)
+        e = quantize_groups(w, s, z, group_size).reshape(N, K // G, G).float()
+        e.sub_(INT4_SYM_OFFSET if z is None else z.float().unsqueeze(-1)).mul_(s.float().unsqueeze(-1)).sub_(wg)
+        e.abs_().pow_(config.clip_norm)
+        err = (e if c is None else e.mul_(c)).sum(-1)
+        del e
         if best is None:
             best, best_s, best_z = err, s, z
             continue
@@ -114,18 +116,31 @@ class GPTQResult:
     damp: float  # dampening actually added (absolute), after any retries
 
 
-def _upper_cholesky_of_inverse(H: torch.Tensor, damp_percent: float, name: str
-                               ) -> tuple[torch.Tensor, float]:
-    """U with U^T U = (H + damp I)^-1, upper triangular. A Hessian that is not positive definite after
-    dampening (rank-deficient in fp32) is retried with 10x the dampening, up to 4 times."""
-    mean_diag = torch.mean(torch.diag(H)).item()
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
-    pct = damp_percent
+def _upper_cholesky_of_inverse(hessian: torch.Tensor, perm: torch.Tensor | None, dead: torch.Tensor,
+                               damp_percent: float, name: str) -> tuple[torch.Tensor, float]:
+    """U with U^T U = (H + damp I)^-1, upper triangular, for H = `hessian` with its rows and columns in the order
+    `perm` (None: as they are) and the diagonal of the `dead` columns (in that order) set to 1. A Hessian that is
+    not positive definite after dampening (rank-deficient in fp32) is retried with 10x the dampening, up to 4 times.
+
+    Memory: at most three K x K matrices beside `hessian` at once: the matrix being factorized with cholesky_ex's
+    result and workspace, or the factor and its inverse. H is one copy (a single gather with `perm`), dampened in
+    place (the same sums as H + damp * I) and freed once factorized; the factor is freed once inverted; a retry makes
+    the copy again."""
+    pct, mean_diag = damp_percent, None
     for _ in range(5):
+        H = hessian.detach().float()[perm.unsqueeze(1), perm] if perm is not None else hessian.detach().float().clone()
+        H.diagonal()[dead] = 1.0
+        if mean_diag is None:
+            mean_diag = torch.mean(torch.diag(H)).item()
         damp = pct * mean_diag
-        L, info = torch.linalg.cholesky_ex(H + damp * eye)
+        H.diagonal().add_(damp)
+        L, info = torch.linalg.cholesky_ex(H)
+        del H
         if info.item() == 0:
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            H_inv = torch.cholesky_inverse(L)
+            del L
+            U, info = torch.linalg.cholesky_ex(H_inv, upper=True)
+            del H_inv
             if info.item() == 0:
                 return U, damp
         pct *= 10
@@ -150,28 +165,25 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
                          f"(layer {name or '?'})")
     n_groups = K // G
     W = weight.detach().float().clone()
-    H = hessian.detach().float().clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
+    hdiag = torch.diag(hessian.detach()).float()  # a copy: dead columns get H[i, i] = 1 below
+    dead = hdiag == 0
+    hdiag[dead] = 1.0
 
     # Static group params: from the original weight (group -1, or act_order). Otherwise filled per group.
     static = group_size == -1 or config.act_order
     if static:
-        scale, zero = search_group_params(W, group_size, symmetric, config,
-                                          torch.diag(H) if config.clip_weighted else None)
+        scale, zero = search_group_params(W, group_size, symmetric, config, hdiag if config.clip_weighted else None)
     else:
         scale = torch.empty(N, n_groups, dtype=torch.bfloat16, device=W.device)
         zero = None if symmetric else torch.empty(N, n_groups, dtype=torch.uint8, device=W.device)
 
     perm = None
     if config.act_order:
-        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
-        W, H = W[:, perm], H[perm][:, perm]
+        perm = torch.argsort(hdiag, descending=True, stable=True)
+        W, hdiag, dead = W[:, perm], hdiag[perm], dead[perm]
     col_group = ((perm.cpu() if perm is not None else torch.arange(K)) // G).tolist()  # host list: no syncs
 
-    hdiag = torch.diag(H).clone()
-    U, damp = _upper_cholesky_of_inverse(H, config.damp_percent, name)
-    del H
+    U, damp = _upper_cholesky_of_inverse(hessian, perm, dead, config.damp_percent, name)
 
     # A group must start at a block boundary and fit in the block (natural order), so B is a multiple of G.
     B = K if G >= K else max(G, config.block_size // G * G)
