@@ -1,5 +1,5 @@
 // The torch side shared by the weight-streaming GEMM ops (w4a16_gemm_torch.cpp, mxfp8_gemm_torch.cpp,
-// sm80/mxfp8_gemm_sm80_torch.cpp): after an op has
+// sm80/lowbit_gemm_sm80_torch.cpp): after an op has
 // checked its inputs, the same flow turns x [..., K] into y [..., size_n] in x's dtype; and the int4 blob's check
 // and dequant, shared by w4a16_gemm_torch.cpp and w4a16_dequant_torch.cpp. Host compiler only.
 #pragma once
@@ -28,7 +28,7 @@ inline void check_w4a16_packed(const char* op, const at::Tensor& packed, int64_t
 }
 
 // The blob mxfp8_repack makes for (N, K): int32 [ceil(N/64), ceil(K/512), 4, 2048 + 64] (mxfp8_gemm_torch.cpp and
-// sm80/mxfp8_gemm_sm80_torch.cpp).
+// sm80/lowbit_gemm_sm80_torch.cpp).
 inline void check_mxfp8_packed(const char* op, const at::Tensor& packed, int64_t size_n, int64_t K) {
   const std::vector<int64_t> want = {cdiv(size_n, kLowbitGroupRows), cdiv(K, kLowbitChunkK), 4,
                                      2 * kLowbitTileWords + kMxfp8RecordBytes / 4};
@@ -36,6 +36,43 @@ inline void check_mxfp8_packed(const char* op, const at::Tensor& packed, int64_t
                           packed.is_contiguous(),
                       op, "packed must be a contiguous int32 ", shape(want), " tensor (mxfp8_repack of N=",
                       num(size_n), ", K=", num(K), "), got ", dt(packed.scalar_type()), " ", shape(packed.sizes()));
+}
+
+// The argument checks the GEMM ops of one blob share (Hopper's and the sm_80 library's), in the order of their messages;
+// check_gpu(op, x): the op's check of the GPU it runs on. Return K.
+template <class CheckGpu>
+int64_t check_w4a16_gemm_args(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
+                              bool symmetric, int64_t size_n, CheckGpu&& check_gpu) {
+  CUBLADE_CHECK_NOT_IMPLEMENTED(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, op,
+                                "x must be bfloat16 or float16, got ", dt(x.scalar_type()));
+  CUBLADE_CHECK_VALUE(x.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
+  CUBLADE_CHECK_VALUE(x.is_cuda() && packed.device() == x.device(), op, "x and packed must be on one CUDA device, got ",
+                      dev(x.device()), " and ", dev(packed.device()));
+  check_gpu(op, x);
+  const int64_t K = x.size(-1);
+  CUBLADE_CHECK_VALUE(K > 0 && K % 8 == 0, op, "in_features K=", num(K), " must be a positive multiple of 8");
+  CUBLADE_CHECK_VALUE(group_size == 32 || group_size == 64 || group_size == 128 || group_size == -1, op,
+                      "group_size must be 32, 64, 128 or -1 (per channel), got ", num(group_size));
+  CUBLADE_CHECK_VALUE(group_size == -1 || K % group_size == 0, op, "in_features K=", num(K),
+                      " is not a multiple of group_size=", num(group_size));
+  CUBLADE_CHECK_VALUE(size_n > 0 && size_n <= INT32_MAX, op, "size_n must be in [1, 2^31), got ", num(size_n));
+  check_w4a16_packed(op, packed, size_n, K, group_size, symmetric);
+  return K;
+}
+template <class CheckGpu>
+int64_t check_mxfp8_gemm_args(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t size_n,
+                              CheckGpu&& check_gpu) {
+  CUBLADE_CHECK_NOT_IMPLEMENTED(x.scalar_type() == at::kBFloat16, op,
+                                "x must be bfloat16 (the kernel builds bf16 weights), got ", dt(x.scalar_type()));
+  CUBLADE_CHECK_VALUE(x.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
+  CUBLADE_CHECK_VALUE(x.is_cuda() && packed.device() == x.device(), op, "x and packed must be on one CUDA device, got ",
+                      dev(x.device()), " and ", dev(packed.device()));
+  check_gpu(op, x);
+  const int64_t K = x.size(-1);
+  CUBLADE_CHECK_VALUE(K > 0 && K % 32 == 0, op, "in_features K=", num(K), " must be a positive multiple of 32");
+  CUBLADE_CHECK_VALUE(size_n > 0 && size_n <= INT32_MAX, op, "size_n must be in [1, 2^31), got ", num(size_n));
+  check_mxfp8_packed(op, packed, size_n, K);
+  return K;
 }
 
 // The op w4a16_dequant (w4a16_dequant_torch.cpp): the dense weight [size_n, size_k] in dtype (bf16 / fp16) from

@@ -1,5 +1,5 @@
 // MXFP8 blob decoding shared by the Hopper kernels (mxfp8_gemm.cu) and the sm_80-89 streaming kernel
-// (mxfp8_gemm_sm80.cu): e4m3 codes and E8M0 block exponents -> the exact bf16 weights as mma.m16n8k16 A fragments.
+// (sm80/lowbit_gemm_sm80.cu): e4m3 codes and E8M0 block exponents -> the exact bf16 weights as mma.m16n8k16 A fragments.
 // Plain integer and bf16 arithmetic (PRMT, LOP3, HMUL2.BF16): sm_80 and later. The blob: mxfp8_gemm.cu's header.
 #pragma once
 

@@ -18,20 +18,10 @@ at::Tensor mxfp8_dequant_packed(const at::Tensor& packed_in, int64_t size_n, int
 
 at::Tensor mxfp8_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t size_n, int64_t split_k) {
   constexpr const char* op = "mxfp8_gemm";
-  CUBLADE_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kBFloat16, op,
-                                "x must be bfloat16 (the kernel builds bf16 weights), got ", dt(x_in.scalar_type()));
-  CUBLADE_CHECK_VALUE(x_in.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
-  CUBLADE_CHECK_VALUE(x_in.is_cuda() && packed.device() == x_in.device(), op,
-                      "x and packed must be on one CUDA device, got ", dev(x_in.device()), " and ",
-                      dev(packed.device()));
-  check_arch(op, x_in);
-  const int64_t K = x_in.size(-1);
-  CUBLADE_CHECK_VALUE(K > 0 && K % 32 == 0, op, "in_features K=", num(K), " must be a positive multiple of 32");
-  CUBLADE_CHECK_VALUE(size_n > 0 && size_n <= INT32_MAX, op, "size_n must be in [1, 2^31), got ", num(size_n));
+  const int64_t K = check_mxfp8_gemm_args(op, x_in, packed, size_n, check_arch);
   CUBLADE_CHECK_VALUE(split_k >= 0 && split_k <= kLowbitMaxSplit, op, "split_k must be in [0, ",
                       num(kLowbitMaxSplit), "] (0 = automatic; >= 1 forces the streaming kernel), got ",
                       num(split_k));
-  check_mxfp8_packed(op, packed, size_n, K);
 
   return lowbit_gemm(
       op, x_in, size_n, split_k == 0, mxfp8_gemm_prefill_rows(size_n, K),

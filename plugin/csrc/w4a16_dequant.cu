@@ -153,6 +153,9 @@ template <int GS, bool ASYM>
 __global__ void __launch_bounds__(kThreads)
 w4a16_dequant_fp8_kernel(const uint32_t* __restrict__ packed, int chunks, int N, int K, uint8_t* __restrict__ out,
                          float* __restrict__ scale_t) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890  // no E4M3 conversion before sm_89 (cublade._C_sm80's sm_80 / 86)
+  __trap();
+#else
   using B = BlockLoad<GS, ASYM>;
   using Rec = typename B::Rec;
   B b(packed, chunks, N);
@@ -194,6 +197,7 @@ w4a16_dequant_fp8_kernel(const uint32_t* __restrict__ packed, int chunks, int N,
     if (lo_ok) scale_t[kb * N + row] = bf16_lo(sw);
     if (hi_ok) scale_t[kb * N + row + 8] = bf16_hi(sw);
   }
+#endif
 }
 
 template <int GS, bool ASYM>

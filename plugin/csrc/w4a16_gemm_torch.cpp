@@ -19,24 +19,10 @@ namespace {
 at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group_size, bool symmetric,
                       int64_t size_n, int64_t split_k) {
   constexpr const char* op = "w4a16_gemm";
-  CUBLADE_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kHalf, op,
-                                "x must be bfloat16 or float16, got ", dt(x_in.scalar_type()));
-  CUBLADE_CHECK_VALUE(x_in.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
-  CUBLADE_CHECK_VALUE(x_in.is_cuda() && packed.device() == x_in.device(), op,
-                      "x and packed must be on one CUDA device, got ", dev(x_in.device()), " and ",
-                      dev(packed.device()));
-  check_arch(op, x_in);
-  const int64_t K = x_in.size(-1);
-  CUBLADE_CHECK_VALUE(K > 0 && K % 8 == 0, op, "in_features K=", num(K), " must be a positive multiple of 8");
-  CUBLADE_CHECK_VALUE(group_size == 32 || group_size == 64 || group_size == 128 || group_size == -1, op,
-                      "group_size must be 32, 64, 128 or -1 (per channel), got ", num(group_size));
-  CUBLADE_CHECK_VALUE(group_size == -1 || K % group_size == 0, op, "in_features K=", num(K),
-                      " is not a multiple of group_size=", num(group_size));
-  CUBLADE_CHECK_VALUE(size_n > 0 && size_n <= INT32_MAX, op, "size_n must be in [1, 2^31), got ", num(size_n));
+  const int64_t K = check_w4a16_gemm_args(op, x_in, packed, group_size, symmetric, size_n, check_arch);
   CUBLADE_CHECK_VALUE(split_k >= 0 && split_k <= kLowbitMaxSplit, op, "split_k must be in [0, ",
                       num(kLowbitMaxSplit), "] (0 = automatic; >= 1 forces the streaming kernel), got ",
                       num(split_k));
-  check_w4a16_packed(op, packed, size_n, K, group_size, symmetric);
 
   const int gs = static_cast<int>(group_size), sk = static_cast<int>(split_k);
   return lowbit_gemm(

@@ -153,7 +153,7 @@ def mxfp8_gemm_sm80_ref(x: torch.Tensor, packed: torch.Tensor, size_n: int, row_
 
 def mxfp8_gemm_sm80(x: torch.Tensor, packed: torch.Tensor, size_n: int, row_scale: torch.Tensor | None = None,
                     kernel_only: bool = False) -> torch.Tensor:
-    """`mxfp8_gemm_sm80_ref` on the sm_80-89 kernel (csrc/sm80/mxfp8_gemm_sm80.cu: cp.async stages, mma.sync; the
+    """`mxfp8_gemm_sm80_ref` on the sm_80-89 kernel (csrc/sm80/lowbit_gemm_sm80.cu: cp.async stages, mma.sync; the
     same fp32 sums up to their order) where cublade._C_sm80 is built, on any GPU from sm_80 (the compute_80 PTX on
     later ones). From 64 rows, unless kernel_only, the op dequantizes the weight and runs cuBLAS; with a row_scale the
     weight is then W * row_scale rounded once to bf16 (as vLLM's FP8 Marlin multiplies)."""

@@ -206,3 +206,20 @@ def _w4a16_gemm_fake(x: torch.Tensor, packed: torch.Tensor, group_size: int, sym
                      split_k: int = 0) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], size_n))
 
+
+
+def w4a16_gemm_sm80(x: torch.Tensor, packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int,
+                    kernel_only: bool = False) -> torch.Tensor:
+    """`w4a16_gemm_ref` on the sm_80-89 kernel (csrc/sm80/lowbit_gemm_sm80.cu: cp.async stages, mma.sync, the same
+    blob and register dequant as the Hopper kernels; the same fp32 sums up to their order) where cublade._C_sm80 is
+    built, on any GPU from sm_80 (the compute_80 PTX on later ones). From 64 rows, unless kernel_only, the op
+    dequantizes the weight (w4a16_dequant's kernel, bit for bit) and runs cuBLAS."""
+    if use_kernel(x, "w4a16_gemm_sm80"):
+        return torch.ops.cublade.w4a16_gemm_sm80(x, packed, group_size, symmetric, size_n, kernel_only)
+    return w4a16_gemm_ref(x, packed, group_size, symmetric, size_n)
+
+
+@register_fake("cublade::w4a16_gemm_sm80", library="_C_sm80")
+def _w4a16_gemm_sm80_fake(x: torch.Tensor, packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int,
+                          kernel_only: bool = False) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], size_n))

@@ -17,10 +17,10 @@ CAPS = (80, 86, 89, 90)
 EXPECTED = {
     Fp8Scheme("channel", "dynamic-token"): ("cublade-fp8-w8a16",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
     Fp8Scheme("tensor", "static-tensor"): ("cublade-fp8-w8a16",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
-    W4A16Scheme(128, True): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
-    W4A16Scheme(64, False): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
-    W4A16Scheme(-1, True): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
-    W4A16Scheme(32, True): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
+    W4A16Scheme(128, True): ("cublade-w4a16-gemm-sm80",) * 3 + ("cublade-w4a16-gemm",),
+    W4A16Scheme(64, False): ("cublade-w4a16-gemm-sm80",) * 3 + ("cublade-w4a16-gemm",),
+    W4A16Scheme(-1, True): ("cublade-w4a16-gemm-sm80",) * 3 + ("cublade-w4a16-gemm",),
+    W4A16Scheme(32, True): ("cublade-w4a16-gemm-sm80",) * 3 + ("cublade-w4a16-gemm",),
     MXFP8Scheme(): ("cublade-mxfp8-gemm-sm80",) * 3 + ("cublade-mxfp8-gemm",),
 }
 # the same without cublade's extensions: vLLM's kernels, named fallbacks
@@ -109,7 +109,7 @@ def test_fp8_shapes_cutlass_refuses_run_w8a16(vllm_ctx, monkeypatch, cap):
 
 
 def test_w4a16_without_cublade_on_hopper_runs_machete(vllm_ctx, monkeypatch):
-    monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "cublade-w4a16-gemm")
+    monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "cublade-w4a16-gemm,cublade-w4a16-gemm-sm80")
     layer = loaded_layer(W4A16Scheme(128, True), KINDS["gate_up"], monkeypatch)
     with mocked_gpu(monkeypatch, 90):
         assert choice(layer)[0] == "vllm-machete"
@@ -172,8 +172,9 @@ def test_only_reference_left_stops_the_load(vllm_ctx, monkeypatch, cap):
 
 
 def test_asymmetric_w4a16_rows_off_the_zero_point_packing(vllm_ctx, monkeypatch):
-    """N per rank not a multiple of 8 (12 here, e.g. 24 rows over 2 ranks) with zero points: cublade's kernel takes it
-    on sm_90; vLLM's Marlin packs zero points 8 per int32 along N, so on sm_80-89 the load stops with the reasons."""
+    """N per rank not a multiple of 8 (12 here, e.g. 24 rows over 2 ranks) with zero points: cublade's kernels take
+    it (sm_90, and sm_80-89 with cublade._C_sm80); vLLM's Marlin packs zero points 8 per int32 along N, so without
+    cublade's sm_80 kernel the load stops there with the reasons."""
     from vllm.model_executor.layers.linear import ColumnParallelLinear
 
     from cublade.vllm import kernels
@@ -184,6 +185,8 @@ def test_asymmetric_w4a16_rows_off_the_zero_point_packing(vllm_ctx, monkeypatch)
     with mocked_gpu(monkeypatch, 90):
         assert choice(layer)[0] == "cublade-w4a16-gemm"
     with mocked_gpu(monkeypatch, 86):
+        assert choice(layer)[0] == "cublade-w4a16-gemm-sm80"
+    with mocked_gpu(monkeypatch, 86, extension=False):
         with pytest.raises(NotImplementedError, match=r"^model\.layers\.0\.self_attn\.k_proj: no kernel can run .* "
                                                       r"\[N=12, K=128, torch\.bfloat16\]: .*vllm-marlin: zero points "
                                                       r"pack 8 per int32 along N; N=12; reference: fp32 reference"):

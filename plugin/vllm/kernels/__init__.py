@@ -27,6 +27,7 @@ from cublade.vllm.kernels.cublade_mxfp8_gemm import CubladeMxfp8Gemm
 from cublade.vllm.kernels.cublade_mxfp8_gemm_sm80 import CubladeMxfp8GemmSm80
 from cublade.vllm.kernels.cublade_w4a16_fp8_prefill import CubladeW4A16Fp8Prefill
 from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
+from cublade.vllm.kernels.cublade_w4a16_gemm_sm80 import CubladeW4A16GemmSm80
 from cublade.vllm.kernels.reference import ReferenceKernel
 from cublade.vllm.kernels.reference_moe import ReferenceMoE
 from cublade.vllm.kernels.vllm_cutlass_scaled_mm import VllmCutlassScaledMM
@@ -45,7 +46,9 @@ CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel] | type[MoEKernel], ...]]
     # FP8 Marlin (also for shapes the others refuse).
     Fp8Scheme: (VllmCutlassScaledMM, CubladeFp8W8A16, VllmMarlinFp8, ReferenceKernel),
     # The FP8 tensor-core path first, but only when asked for (CUBLADE_W4A16_PREFILL=fp8): it rounds activations.
-    W4A16Scheme: (CubladeW4A16Fp8Prefill, CubladeW4A16Gemm, VllmMachete, VllmMarlin, ReferenceKernel),
+    # Then the Hopper kernels, else (sm_80 / 86 / 89) the sm_80 kernel; then vLLM's Machete (Hopper) and Marlin.
+    W4A16Scheme: (CubladeW4A16Fp8Prefill, CubladeW4A16Gemm, CubladeW4A16GemmSm80, VllmMachete, VllmMarlin,
+                  ReferenceKernel),
     # W8A16 on the 1-byte weights (bf16 activations): the Hopper kernels, else (sm_80 / 86 / 89) the sm_80 kernel;
     # then Marlin (fp16 activations, block scales above 2^7); then dequantize to the activation dtype with cublade's
     # op and a dense GEMM (no MX tensor cores before sm_100).

@@ -1,11 +1,12 @@
-// Torch wrapper of the sm_80-89 1-byte-weight GEMM (mxfp8_gemm_sm80.cu): validates the inputs (errors name the op and
-// the bad value: docs/kernels.md, "Error messages"), allocates the output, runs the kernel on the current stream, or
-// from kMxfp8Sm80PrefillRows rows the dequantized weight (times row_scale, rounded once to bf16) and cuBLAS.
+// Torch wrappers of the sm_80-89 weight-streaming GEMM (lowbit_gemm_sm80.cu): validate the inputs (errors name the op
+// and the bad value: docs/kernels.md, "Error messages"), allocate the output, run the kernel on the current stream, or
+// from kSm80PrefillRows rows the dequantized weight and cuBLAS (w4a16_dequant.cu's kernel for int4; the MXFP8
+// dequant, times row_scale rounded once to bf16 when given).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "lowbit_torch.h"
-#include "sm80/mxfp8_gemm_sm80.h"
+#include "sm80/lowbit_gemm_sm80.h"
 #include "torch_utils.h"
 #include "w4a16_gemm.h"
 
@@ -20,9 +21,8 @@ void check_sm80(const char* op, const at::Tensor& t) {
                                 num(major), num(device_attr(cudaDevAttrComputeCapabilityMinor, dev)));
 }
 
-// The blob's shape, and 16-byte alignment for the kernels' 16-byte copies.
-void check_packed(const char* op, const at::Tensor& packed, int64_t size_n, int64_t K) {
-  check_mxfp8_packed(op, packed, size_n, K);
+// The kernels' 16-byte copies read the blob from its start.
+void check_aligned(const char* op, const at::Tensor& packed) {
   CUBLADE_CHECK_VALUE(aligned16(packed.data_ptr()), op, "packed must be 16-byte aligned (a view at an offset?)");
 }
 
@@ -33,7 +33,8 @@ at::Tensor mxfp8_dequant_packed_sm80(const at::Tensor& packed, int64_t size_n, i
   CUBLADE_CHECK_VALUE(size_n > 0 && size_n <= INT32_MAX, op, "size_n must be in [1, 2^31), got ", num(size_n));
   CUBLADE_CHECK_VALUE(size_k > 0 && size_k % 32 == 0 && size_k <= INT32_MAX - kLowbitChunkK, op, "size_k=",
                       num(size_k), " must be a positive multiple of 32 below 2^31 - 512");
-  check_packed(op, packed, size_n, size_k);
+  check_mxfp8_packed(op, packed, size_n, size_k);
+  check_aligned(op, packed);
   const c10::cuda::CUDAGuard guard(packed.device());
   at::Tensor out = at::empty({size_n, size_k}, packed.options().dtype(at::kBFloat16));
   check_launch(op, sm80::launch_mxfp8_dequant_packed_sm80(packed.data_ptr(), size_n, size_k, out.data_ptr(),
@@ -44,17 +45,8 @@ at::Tensor mxfp8_dequant_packed_sm80(const at::Tensor& packed, int64_t size_n, i
 at::Tensor mxfp8_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
                            int64_t size_n, bool kernel_only) {
   constexpr const char* op = "mxfp8_gemm_sm80";
-  CUBLADE_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kBFloat16, op,
-                                "x must be bfloat16 (the kernel builds bf16 weights), got ", dt(x_in.scalar_type()));
-  CUBLADE_CHECK_VALUE(x_in.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
-  CUBLADE_CHECK_VALUE(x_in.is_cuda() && packed.device() == x_in.device(), op,
-                      "x and packed must be on one CUDA device, got ", dev(x_in.device()), " and ",
-                      dev(packed.device()));
-  check_sm80(op, x_in);
-  const int64_t K = x_in.size(-1);
-  CUBLADE_CHECK_VALUE(K > 0 && K % 32 == 0, op, "in_features K=", num(K), " must be a positive multiple of 32");
-  CUBLADE_CHECK_VALUE(size_n > 0 && size_n <= INT32_MAX, op, "size_n must be in [1, 2^31), got ", num(size_n));
-  check_packed(op, packed, size_n, K);
+  const int64_t K = check_mxfp8_gemm_args(op, x_in, packed, size_n, check_sm80);
+  check_aligned(op, packed);
   if (row_scale.has_value()) {
     const at::Tensor& s = *row_scale;
     CUBLADE_CHECK_VALUE(s.scalar_type() == at::kFloat && s.dim() == 1 && s.size(0) == size_n && s.is_contiguous() &&
@@ -64,7 +56,7 @@ at::Tensor mxfp8_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, con
   }
   const float* rs = row_scale.has_value() ? row_scale->data_ptr<float>() : nullptr;
   return lowbit_gemm(
-      op, x_in, size_n, !kernel_only, sm80::kMxfp8Sm80PrefillRows,
+      op, x_in, size_n, !kernel_only, sm80::kSm80PrefillRows,
       [&] {
         at::Tensor w = mxfp8_dequant_packed_sm80(packed, size_n, K);
         return row_scale.has_value() ? (w.to(at::kFloat) * row_scale->unsqueeze(1)).to(at::kBFloat16) : w;
@@ -79,9 +71,39 @@ at::Tensor mxfp8_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, con
       });
 }
 
+// The dense weight [size_n, K] in dtype from the int4 blob (the prefill path), w4a16_dequant.cu's kernel.
+at::Tensor w4a16_dequant_sm80(const at::Tensor& packed, int64_t group_size, bool symmetric, int64_t size_n, int64_t K,
+                              at::ScalarType dtype) {
+  at::Tensor out = at::empty({size_n, K}, packed.options().dtype(dtype));
+  W4a16DequantArgs a;
+  a.packed = packed.data_ptr(); a.group_size = static_cast<int>(group_size); a.asym = !symmetric;
+  a.N = size_n; a.K = K; a.out = out.data_ptr(); a.out_dtype = in_dtype_of("w4a16_gemm_sm80", "x", out);
+  check_launch("w4a16_gemm_sm80", launch_w4a16_dequant(a, current_stream()));
+  return out;
+}
+
+at::Tensor w4a16_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, int64_t group_size, bool symmetric,
+                           int64_t size_n, bool kernel_only) {
+  constexpr const char* op = "w4a16_gemm_sm80";
+  const int64_t K = check_w4a16_gemm_args(op, x_in, packed, group_size, symmetric, size_n, check_sm80);
+  check_aligned(op, packed);
+  return lowbit_gemm(
+      op, x_in, size_n, !kernel_only, sm80::kSm80PrefillRows,
+      [&] { return w4a16_dequant_sm80(packed, group_size, symmetric, size_n, K, x_in.scalar_type()); },
+      [](int64_t) { return size_t{0}; },
+      [&](const at::Tensor& x, int64_t M, at::Tensor& out, void*) {
+        sm80::W4a16GemmSm80Args a;
+        a.x = x.data_ptr(); a.dtype = in_dtype_of(op, "x", x); a.M = M; a.K = K; a.x_stride = x.stride(0);
+        a.packed = packed.data_ptr(); a.group_size = static_cast<int>(group_size); a.asym = !symmetric;
+        a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n;
+        return sm80::launch_w4a16_gemm_sm80(a, current_stream());
+      });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(cublade, CUDA, m) {
+  m.impl("w4a16_gemm_sm80", &w4a16_gemm_sm80);
   m.impl("mxfp8_gemm_sm80", &mxfp8_gemm_sm80);
   m.impl("mxfp8_dequant_packed_sm80", &mxfp8_dequant_packed_sm80);
 }

@@ -1,0 +1,275 @@
+// Weight-streaming GEMM for GPUs without Hopper's copy engine and wgmma (sm_80 / 86 / 89, and any later GPU through
+// the compute_80 PTX): y[M, N] = x[M, K] @ W[N, K]^T for decode batches, on the Hopper kernels' blobs and register
+// dequant (a policy per blob: int4_codes.cuh, mxfp8_codes.cuh). It serves:
+//   * w4a16 (bf16 / fp16 x): w4a16_repack's int4 blob, each group's sum scaled in fp32 (Int4Policy);
+//   * mxfp8 (W8A16, bf16 x): mxfp8_repack's blob (Mxfp8Policy);
+//   * fp8 weights as storage (W8A16, bf16 x): the e4m3 codes in mxfp8_repack's blob with every exponent 127 (2^0),
+//     the per-channel (or broadcast per-tensor) fp32 weight scale multiplying the fp32 sum once (row_scale).
+// Numerics: as the Hopper streaming kernel's for the same blob (the same policies), the 4 K slices of a tile added
+// in slice order; one rounding to x's dtype.
+//
+// Schedule: one CTA per tile of 16 weight rows (the blob's tile blocks of that tile, one per 512-K chunk), 4 warps
+// over the K slices of each chunk (warp w: packets 2w and 2w + 1; a slice of 128 K holds whole scale groups), the
+// slices added through shared memory at the end of each token pass (8 or 16 tokens). A tile per CTA gives N / 16
+// CTAs (256 on a 4096-row weight): enough for every SM without splitting K across CTAs. The chunks stream through a
+// ring of shared-memory stages filled by every thread with 16-byte cp.async (Ampere's asynchronous copy; no
+// bulk-copy engine, no mbarrier transaction counts), cp.async.wait_group + one barrier per stage; the x rows of the
+// pass travel in the same stages (zero-filled past K).
+#define CUBLADE_KERNELS_ONLY  // framework-free; the torch wrapper is lowbit_gemm_sm80_torch.cpp
+#include "int4_codes.cuh"
+#include "mxfp8_codes.cuh"
+#include "sm80/lowbit_gemm_sm80.h"
+
+#include <algorithm>
+
+namespace cublade {
+namespace sm80 {
+namespace {
+
+using lowbit::kChunk;
+using lowbit::kPacketK;
+using lowbit::kTileN;
+using lowbit::kXRowBytes;
+
+constexpr int kWarps = 4;                            // K slices per chunk
+constexpr int kThreads = 32 * kWarps;
+constexpr int kPacketsPerWarp = kChunk / kWarps;     // 2
+constexpr int kSliceK = kPacketsPerWarp * kPacketK;  // 128 K per warp per chunk
+constexpr int kChunkXBytes = kChunk * kPacketK * 2;  // one x row's bf16 of a chunk: 1024 bytes
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool fill) {
+  // src_size 0 writes 16 zero bytes (the x columns past K).
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(lowbit::smem_u32(dst)), "l"(src),
+               "r"(fill ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// A tile block (one tile's 512 K of the blob: packets, then the chunk's scale records) and one stage.
+template <class P>
+constexpr int block_bytes() {
+  return kChunk * P::kPacketBytes + P::kSBytes;
+}
+template <class P>
+constexpr int stage_bytes() {
+  return block_bytes<P>() + 8 * P::NT * kXRowBytes;
+}
+template <class P>
+constexpr int red_bytes() {
+  return (kWarps - 1) * P::NT * 4 * 32 * 4;
+}
+// Ring depth: up to 4 stages, as many as fit sm_86 / sm_89's 99 KB of shared memory per CTA with the reduction
+// buffer (MXFP8 at 16 tokens: 3).
+template <class P>
+constexpr int stages() {
+  return std::min(4, (99 * 1024 - red_bytes<P>()) / stage_bytes<P>());
+}
+template <class P>
+constexpr int smem_bytes() {
+  return stages<P>() * stage_bytes<P>() + red_bytes<P>();
+}
+
+struct Params {
+  const void* x;
+  int64_t x_stride;
+  int M, K;
+  const unsigned char* w;  // the blob
+  int chunks;
+  const float* row_scale;  // [N] or null
+  void* out;
+  int64_t out_stride;
+  int N;
+};
+
+template <class P>
+__global__ void __launch_bounds__(kThreads) gemm_kernel(const __grid_constant__ Params prm) {
+  using T = typename P::T;
+  constexpr int NT = P::NT, S = stages<P>(), kBlock = block_bytes<P>(), kStage = stage_bytes<P>();
+  constexpr int V = P::kPacketBytes / 512;  // 16-byte vectors per lane per packet
+  static_assert(S >= 2, "two stages must fit");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x;  // 16 rows: tile group tile / 4, tile tile % 4 of it
+  const int rows_per_pass = 8 * NT;
+  const int passes = (prm.M + rows_per_pass - 1) / rows_per_pass;
+  const int total = passes * prm.chunks;  // (pass, chunk) steps, streamed through one ring
+  const unsigned char* w_tile =
+      prm.w + (static_cast<int64_t>(tile / lowbit::kGroupTiles) * prm.chunks * lowbit::kGroupTiles +
+               tile % lowbit::kGroupTiles) * kBlock;
+  const T* x = static_cast<const T*>(prm.x);
+  float* red = reinterpret_cast<float*>(smem + S * kStage);
+
+  auto load = [&](int step) {
+    unsigned char* st = smem + (step % S) * kStage;
+    const int pass = step / prm.chunks, c = step % prm.chunks;
+    const unsigned char* wsrc = w_tile + static_cast<int64_t>(c) * lowbit::kGroupTiles * kBlock;
+    for (int i = tid; i < kBlock / 16; i += kThreads) cp_async16(st + 16 * i, wsrc + 16 * i, true);
+    const int m0 = pass * rows_per_pass, rows = min(rows_per_pass, prm.M - m0);
+    const int k0 = c * kChunk * kPacketK;
+    for (int i = tid; i < rows * (kChunkXBytes / 16); i += kThreads) {
+      const int r = i / (kChunkXBytes / 16), v = i % (kChunkXBytes / 16), k = k0 + 8 * v;
+      const bool in = k < prm.K;  // K % 8 == 0: a vector of 8 is all in or all out
+      cp_async16(st + kBlock + r * kXRowBytes + 16 * v, x + static_cast<int64_t>(m0 + r) * prm.x_stride + (in ? k : 0),
+                 in);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < total) load(s);
+    cp_async_commit();
+  }
+  float acc[NT][4];
+  typename P::State state;
+  for (int step = 0; step < total; ++step) {
+    cp_async_wait<S - 2>();
+    __syncthreads();  // stage `step` landed for every thread's copies; stage step - 1 is free for all
+    if (step + S - 1 < total) load(step + S - 1);
+    cp_async_commit();
+
+    const int pass = step / prm.chunks, c = step % prm.chunks;
+    const int m0 = pass * rows_per_pass, rows = min(rows_per_pass, prm.M - m0);
+    if (c == 0) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[n][j] = 0.0f;
+    }
+    const unsigned char* st = smem + (step % S) * kStage;
+    const unsigned char* xs = st + kBlock;
+    const unsigned char* srec = P::template slice_records<kSliceK>(st + kChunk * P::kPacketBytes, warp);
+    lowbit::static_for<kPacketsPerWarp>([&](auto j_c) {
+      constexpr int j = decltype(j_c)::value;  // packet of the warp's slice
+      const int p = warp * kPacketsPerWarp + j;  // packet of the chunk
+      uint4 xv[2][NT];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const int row = 8 * n + g;
+          xv[h][n] = row < rows ? lowbit::lds128(xs + row * kXRowBytes + (p * kPacketK + 32 * h) * 2 + t * 16)
+                                : make_uint4(0u, 0u, 0u, 0u);
+        }
+      uint4 q[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) q[v] = lowbit::lds128(st + p * P::kPacketBytes + v * 512 + lane * 16);
+      P::template packet<j, kSliceK>(state, q, srec, xv, acc, lane);
+    });
+
+    if (c == prm.chunks - 1) {  // the pass's sums: slices 1..3 through shared memory, added in slice order
+      auto red_at = [&](int slot, int n, int j) { return red + ((slot * NT + n) * 4 + j) * 32 + lane; };
+      if (warp > 0)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) *red_at(warp - 1, n, j) = acc[n][j];
+      __syncthreads();
+      if (warp == 0) {
+        const int r_lo = tile * kTileN + g, r_hi = r_lo + 8;
+        const float f_lo = prm.row_scale && r_lo < prm.N ? prm.row_scale[r_lo] : 1.0f;
+        const float f_hi = prm.row_scale && r_hi < prm.N ? prm.row_scale[r_hi] : 1.0f;
+        T* out = static_cast<T*>(prm.out);
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float v = acc[n][j];
+            for (int slot = 0; slot < kWarps - 1; ++slot) v += *red_at(slot, n, j);
+            const int row = j < 2 ? r_lo : r_hi;
+            const int tok = 8 * n + 2 * t + (j & 1);
+            if (row < prm.N && tok < rows)
+              out[static_cast<int64_t>(m0 + tok) * prm.out_stride + row] =
+                  lowbit::from_float<T>(v * (j < 2 ? f_lo : f_hi));
+          }
+      }
+      __syncthreads();  // red is read before the next pass's slices write it
+    }
+  }
+  cp_async_wait<0>();
+}
+
+template <class P>
+cudaError_t launch(const Params& prm, int64_t N, cudaStream_t stream) {
+  constexpr auto kernel = gemm_kernel<P>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<P>());
+  if (attr != cudaSuccess) return attr;
+  kernel<<<static_cast<unsigned>(ceil_div(N, kTileN)), kThreads, smem_bytes<P>(), stream>>>(prm);
+  return cudaGetLastError();
+}
+
+// The checks and fields both ops share; false when the arguments cannot run.
+bool make_params(const void* x, int64_t M, int64_t K, int64_t x_stride, const void* packed, const float* row_scale,
+                 void* out, int64_t out_stride, int64_t N, Params& prm) {
+  if (M < 0 || N < 0 || K <= 0 || K % 8 != 0 || N > INT32_MAX || K > INT32_MAX - kLowbitChunkK || M > INT32_MAX ||
+      !is_aligned(packed, 16) || !is_aligned(x, 16) || x_stride % 8 != 0)
+    return false;
+  prm = {};
+  prm.x = x; prm.x_stride = x_stride; prm.M = static_cast<int>(M); prm.K = static_cast<int>(K);
+  prm.w = static_cast<const unsigned char*>(packed);
+  prm.chunks = static_cast<int>(ceil_div(K, kLowbitChunkK));
+  prm.row_scale = row_scale;
+  prm.out = out; prm.out_stride = out_stride; prm.N = static_cast<int>(N);
+  return true;
+}
+
+template <typename T, int GS, bool ASYM>
+cudaError_t launch_int4(const Params& prm, int64_t N, cudaStream_t stream) {
+  return prm.M <= 8 ? launch<int4::Int4Policy<T, 1, GS, ASYM>>(prm, N, stream)
+                    : launch<int4::Int4Policy<T, 2, GS, ASYM>>(prm, N, stream);
+}
+
+template <typename T>
+cudaError_t launch_int4_dtype(const Params& prm, int64_t N, int group_size, bool asym, cudaStream_t stream) {
+  switch (group_size) {
+    case 32: return asym ? launch_int4<T, 32, true>(prm, N, stream) : launch_int4<T, 32, false>(prm, N, stream);
+    case 64: return asym ? launch_int4<T, 64, true>(prm, N, stream) : launch_int4<T, 64, false>(prm, N, stream);
+    case 128: return asym ? launch_int4<T, 128, true>(prm, N, stream) : launch_int4<T, 128, false>(prm, N, stream);
+    case -1: return asym ? launch_int4<T, 0, true>(prm, N, stream) : launch_int4<T, 0, false>(prm, N, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_mxfp8_gemm_sm80(const Mxfp8GemmSm80Args& a, cudaStream_t stream) {
+  if (a.M == 0 || a.N == 0) return cudaSuccess;
+  Params prm;
+  if (a.K % 32 != 0 || !make_params(a.x, a.M, a.K, a.x_stride, a.packed, a.row_scale, a.out, a.out_stride, a.N, prm))
+    return cudaErrorInvalidValue;
+  return a.M <= 8 ? launch<mxfp8::Mxfp8Policy<1>>(prm, a.N, stream) : launch<mxfp8::Mxfp8Policy<2>>(prm, a.N, stream);
+}
+
+cudaError_t launch_w4a16_gemm_sm80(const W4a16GemmSm80Args& a, cudaStream_t stream) {
+  if (a.M == 0 || a.N == 0) return cudaSuccess;
+  Params prm;
+  if (!make_params(a.x, a.M, a.K, a.x_stride, a.packed, nullptr, a.out, a.out_stride, a.N, prm))
+    return cudaErrorInvalidValue;
+  switch (a.dtype) {
+    case InDtype::kBF16: return launch_int4_dtype<__nv_bfloat16>(prm, a.N, a.group_size, a.asym, stream);
+    case InDtype::kF16: return launch_int4_dtype<__half>(prm, a.N, a.group_size, a.asym, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t launch_mxfp8_dequant_packed_sm80(const void* packed, int64_t N, int64_t K, void* out,
+                                             cudaStream_t stream) {
+  if (N == 0 || K == 0) return cudaSuccess;
+  if (N < 0 || K < 0 || K % 32 != 0 || N > INT32_MAX || K > INT32_MAX - kLowbitChunkK || !is_aligned(packed, 16) ||
+      ceil_div(N, kLowbitGroupRows) * ceil_div(K, kLowbitChunkK) > INT32_MAX)
+    return cudaErrorInvalidValue;
+  const int chunks = static_cast<int>(ceil_div(K, kLowbitChunkK));
+  const int64_t blocks = ceil_div(N, kLowbitGroupRows) * chunks;
+  mxfp8::dequant_packed_kernel<<<static_cast<unsigned>(blocks), mxfp8::kDequantThreads, 0, stream>>>(
+      static_cast<const unsigned char*>(packed), chunks, static_cast<int>(N), static_cast<int>(K),
+      static_cast<__nv_bfloat16*>(out));
+  return cudaGetLastError();
+}
+
+}  // namespace sm80
+}  // namespace cublade
