@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile every plugin/csrc/*.cu (kernels + launchers; each defines CUBLADE_KERNELS_ONLY and includes no torch
 # header) for sm_90a and every plugin/csrc/sm80/*.cu for sm_80, sm_86, sm_89 and compute_80 PTX (cublade._C_sm80's
-# targets), to catch a broken kernel build on a machine without a GPU (CI runs this).
+# targets), and (with no FILE given) syntax-check the torch wrappers against torch's headers, to catch a broken
+# build on a machine without a GPU (CI runs this).
 # Prints ptxas' register / spill report per kernel with -v. Exits non-zero if any file fails.
 #   scripts/compile_kernels.sh [-v] [FILE.cu ...]      (default: every plugin/csrc/*.cu)
 # Without nvcc it says so and exits 0 (the tests need no CUDA toolkit), unless CUBLADE_NVCC_REQUIRED=1.
@@ -31,6 +32,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 fail=0
 for f in "${files[@]}"; do
+  case "$f" in *.cpp) continue;; esac  # torch wrappers: check_wrappers below
   arch=$ARCH
   case "$f" in */sm80/*) arch=$ARCH_SM80;; esac
   flags=(-std=c++17 -O3 --expt-relaxed-constexpr $arch -Iplugin/csrc -c "$f" -o "$out/$(basename "$f").o")
@@ -44,4 +46,47 @@ for f in "${files[@]}"; do
     fail=1
   fi
 done
+
+# The torch wrappers (*_torch.cpp, bindings*.cpp) need torch's headers: a syntax check with the host compiler against
+# the installed torch's (a CPU build ships them), CUDA's runtime headers from nvcc's toolkit, and empty stand-ins for
+# the CUDA library headers ATen's CUDA context includes but a compiler-only toolkit may lack (cuBLAS, cuSPARSE,
+# cuSOLVER: their handle and status types only; the wrappers call none of those libraries). Skipped, with the reason, without a host compiler or torch.
+check_wrappers() {
+  local cxx=${CXX:-g++} py=${PYTHON:-python3} inc
+  command -v "$cxx" >/dev/null || { echo "compile_kernels: wrappers not checked: $cxx not found"; return 0; }
+  inc=$("$py" -c 'import os, sysconfig, torch; d = os.path.join(os.path.dirname(torch.__file__), "include")
+print(d, os.path.join(d, "torch", "csrc", "api", "include"), sysconfig.get_paths()["include"])' 2>/dev/null) ||
+    { echo "compile_kernels: wrappers not checked: torch is not importable"; return 0; }
+  local cuda_inc
+  cuda_inc=$(dirname "$(dirname "$(readlink -f "$(command -v "$NVCC")")")")/include
+  local stubs="$out/stubs"  # each stand-in declares the handle and status types ATen's headers name
+  mkdir -p "$stubs/c10/cuda/impl"
+  stub() { [ -e "$cuda_inc/$1" ] || printf '#pragma once\n%s\n' "$2" > "$stubs/$1"; }
+  stub cublas.h ""
+  stub cublas_v2.h "typedef struct cublasContext* cublasHandle_t; typedef int cublasStatus_t;"
+  stub cublasLt.h "#include \"cublas_v2.h\"
+typedef struct cublasLtContext* cublasLtHandle_t;"
+  stub cusparse.h "typedef struct cusparseContext* cusparseHandle_t;"
+  stub cusolver_common.h "typedef int cusolverStatus_t;"
+  stub cusolverDn.h "#include \"cusolver_common.h\"
+typedef struct cusolverDnContext* cusolverDnHandle_t;"
+  [ -e "$cuda_inc/c10/cuda/impl/cuda_cmake_macros.h" ] || printf '#pragma once\n' > "$stubs/c10/cuda/impl/cuda_cmake_macros.h"
+  local flags=(-std=c++20 -w -Iplugin/csrc)
+  for d in $inc; do flags+=(-I"$d"); done
+  flags+=(-I"$cuda_inc" -I/usr/local/cuda/include -I"$stubs")
+  # torch's headers parsed once, as a precompiled header every wrapper starts from (15-20 s a file otherwise)
+  printf '#include <ATen/ATen.h>\n#include <ATen/cuda/CUDAContext.h>\n#include <c10/cuda/CUDAGuard.h>\n#include <torch/library.h>\n' \
+    > "$out/torch_headers.h"
+  "$cxx" "${flags[@]}" -x c++-header "$out/torch_headers.h" -o "$out/torch_headers.h.gch" 2>/dev/null || true
+  for f in plugin/csrc/*.cpp plugin/csrc/sm80/*.cpp; do
+    if log=$("$cxx" "${flags[@]}" -fsyntax-only -include "$out/torch_headers.h" "$f" 2>&1); then
+      echo "ok      $f"
+    else
+      echo "FAILED  $f"
+      echo "$log" | grep -E "error" | head -20 | sed 's/^/        /'
+      fail=1
+    fi
+  done
+}
+[ $# -eq 0 ] && check_wrappers
 exit $fail
