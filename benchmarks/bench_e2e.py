@@ -283,7 +283,8 @@ KERNEL_KINDS = (
 
 def kernel_profile(timed, steps: int) -> dict:
     """GPU time per decode step by kernel: torch.profiler over a generate of 1 + steps tokens minus one of 1 token,
-    divided by steps. Returns the step time measured in the same two calls, the kernels' sum and its parts."""
+    divided by steps. Returns the step time measured in the same two calls, the kernels' sum, the time per kind
+    of kernel and the kernels that take the most."""
     from torch.profiler import ProfilerActivity, profile
 
     def kernels(n: int) -> tuple[float, dict[str, list[float]]]:

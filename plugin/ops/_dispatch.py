@@ -35,7 +35,6 @@ def _load_sm80() -> None:
     join _CUDA_OPS. Built only by setup.py (no first-use build)."""
     global _SM80_FROM
     try:
-        import torch  # noqa: F401,PLC0415  (the library links against torch's)
         from cublade import _C_sm80  # (a TORCH_LIBRARY_FRAGMENT of cublade)
         _SM80_FROM = _C_sm80.__file__
     except ImportError:
@@ -53,15 +52,13 @@ def _load() -> bool:
     except ImportError as e:  # no build (CPU machines, a pure-Python install), or a build for another torch
         from cublade import extension
 
-        if not extension.kernels_target_this_gpu():
-            _load_sm80()
+        if extension.kernels_target_this_gpu():
+            _LOADED_FROM = str(extension.load_or_build())  # raises ExtensionUnavailable when it cannot
+        else:
             _LOAD_ERROR = f"{type(e).__name__}: {e}"
-            if _SM80_FROM is None:
-                return False
-            _CUDA_OPS = ops_with_cuda_kernel("cublade")
-            return True
-        _LOADED_FROM = str(extension.load_or_build())  # raises ExtensionUnavailable when it cannot
     _load_sm80()
+    if _LOADED_FROM is None and _SM80_FROM is None:
+        return False
     _CUDA_OPS = ops_with_cuda_kernel("cublade")
     return True
 

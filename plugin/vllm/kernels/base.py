@@ -63,31 +63,27 @@ def gpu_half(layer: torch.nn.Module, device: torch.device) -> tuple[int | None, 
     return cap, ""
 
 
-def why_no_kernel(name: str, device: torch.device) -> str | None:
-    """Why cublade's CUDA op `torch.ops.cublade.<name>` cannot run on `device`; None when it can."""
-    cap = _capability(device)
-    if cap is None:
-        return "CPU"
-    if cap != KERNEL_ARCH:
-        return f"cublade's kernels are built for sm_90a, this GPU is sm_{cap}"
-    if not use_kernel(torch.empty(0, device=device), name):
-        return "cublade's CUDA extension has no such op: not built?"
-    return None
-
-
-# cublade._C_sm80's kernels (sm_80 / 86 / 89 machine code, compute_80 PTX) run from sm_80 on.
+# cublade._C_sm80's ops (bindings_sm80.cpp: the names ending in _sm80; sm_80 / 86 / 89 machine code, compute_80 PTX)
+# run from sm_80 on.
 SM80_KERNEL_MIN_ARCH = 80
 
 
-def why_no_sm80_kernel(name: str, device: torch.device) -> str | None:
-    """Why cublade._C_sm80's op `torch.ops.cublade.<name>` cannot run on `device`; None when it can."""
+def why_no_kernel(name: str, device: torch.device) -> str | None:
+    """Why cublade's CUDA op `torch.ops.cublade.<name>` cannot run on `device`; None when it can. cublade._C's ops run
+    on sm_90 only, cublade._C_sm80's (named *_sm80) from sm_80 on."""
     cap = _capability(device)
     if cap is None:
         return "CPU"
-    if cap < SM80_KERNEL_MIN_ARCH:
-        return f"needs sm_80 or later, this GPU is sm_{cap}"
+    if name.endswith("_sm80"):
+        if cap < SM80_KERNEL_MIN_ARCH:
+            return f"needs sm_80 or later, this GPU is sm_{cap}"
+        missing = "cublade._C_sm80 is not installed (setup.py builds it where nvcc is)"
+    else:
+        if cap != KERNEL_ARCH:
+            return f"cublade's kernels are built for sm_90a, this GPU is sm_{cap}"
+        missing = "cublade's CUDA extension has no such op: not built?"
     if not use_kernel(torch.empty(0, device=device), name):
-        return "cublade._C_sm80 is not installed (setup.py builds it where nvcc is)"
+        return missing
     return None
 
 

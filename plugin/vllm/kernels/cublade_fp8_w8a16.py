@@ -5,7 +5,7 @@ import torch
 
 from cublade.numerics.constants import MX_BLOCK
 from cublade.ops.mxfp8_gemm import mxfp8_gemm_sm80, mxfp8_repack, unit_exponents
-from cublade.vllm.kernels.base import LinearKernel, gpu_half, replace_parameter, why_no_sm80_kernel
+from cublade.vllm.kernels.base import LinearKernel, gpu_half, replace_parameter, why_no_kernel
 
 
 class CubladeFp8W8A16(LinearKernel):
@@ -30,7 +30,7 @@ class CubladeFp8W8A16(LinearKernel):
         K = layer.input_size_per_partition
         if K % MX_BLOCK:
             return False, f"in_features K={K} is not a multiple of {MX_BLOCK} (the 1-byte blob's blocks)"
-        why = why_no_sm80_kernel("mxfp8_gemm_sm80", layer.weight.device)
+        why = why_no_kernel("mxfp8_gemm_sm80", layer.weight.device)
         if why is not None:
             return False, why
         return True, (f"W8A16 on sm_{cap}: cublade's CUDA op mxfp8_gemm_sm80 over the e4m3 codes, activations not "

@@ -20,6 +20,12 @@ class CubladeMxfp8Gemm(LinearKernel):
     as the dequantize path (CubladeMxfp8DequantMatmul) at 1-16 tokens, 0.97-1.07x from 512 (where it runs that path)."""
     name = "cublade-mxfp8-gemm"
     own = True
+    op = "mxfp8_gemm"  # the CUDA op (cublade._C); `gemm` its Python entry
+    gemm = staticmethod(mxfp8_gemm)
+
+    @classmethod
+    def reason(cls, cap: int) -> str:
+        return "cublade's CUDA op mxfp8_gemm (decode kernels; from 384-512 tokens dequantize + cuBLAS)"
 
     @classmethod
     def can_implement(cls, layer):
@@ -28,10 +34,10 @@ class CubladeMxfp8Gemm(LinearKernel):
             return False, why
         if layer.params_dtype != torch.bfloat16:
             return False, f"takes bf16 activations, the model runs in {layer.params_dtype}"
-        why = why_no_kernel("mxfp8_gemm", layer.weight.device) or why_not_repackable(layer.weight_scale)
+        why = why_no_kernel(cls.op, layer.weight.device) or why_not_repackable(layer.weight_scale)
         if why is not None:
             return False, why
-        return True, "cublade's CUDA op mxfp8_gemm (decode kernels; from 384-512 tokens dequantize + cuBLAS)"
+        return True, cls.reason(cap)
 
     def __init__(self, layer):
         super().__init__(layer)
@@ -40,5 +46,5 @@ class CubladeMxfp8Gemm(LinearKernel):
         replace_parameter(layer, "weight_scale", None)  # in the blob's records
 
     def apply(self, layer, x, bias):
-        y = mxfp8_gemm(x, layer.weight, self.size_n)
+        y = self.gemm(x, layer.weight, self.size_n)
         return y if bias is None else y + bias

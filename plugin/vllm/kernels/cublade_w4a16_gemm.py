@@ -16,20 +16,21 @@ class CubladeW4A16Gemm(LinearKernel):
     `CUBLADE_DISABLED_KERNELS=cublade-w4a16-gemm` runs Machete/Marlin for every M instead."""
     name = "cublade-w4a16-gemm"
     own = True
+    op = "w4a16_gemm"  # the CUDA op the layer runs (its reference where it cannot)
 
     @classmethod
     def can_implement(cls, layer):
         device = layer.weight_packed.device
         if layer.params_dtype not in HALF_DTYPES:
             return False, f"takes bf16/fp16 activations, the model runs in {layer.params_dtype}"
-        why = why_no_kernel("w4a16_gemm", device)
+        why = why_no_kernel(cls.op, device)
         if why is not None:
             return False, why
         return True, "cublade's CUDA op w4a16_gemm (decode kernels; from 448-640 tokens dequantize + cuBLAS)"
 
     def __init__(self, layer):
         super().__init__(layer)
-        self.gemm, _ = cublade_op("w4a16_gemm", layer.weight_packed.device, w4a16_gemm_ref)
+        self.gemm, _ = cublade_op(self.op, layer.weight_packed.device, w4a16_gemm_ref)
         zp = getattr(layer, "weight_zero_point", None)
         rp = w4a16_repack(layer.weight_packed.data, layer.weight_scale.data,
                                     None if zp is None else zp.data, self.scheme.group_size)
