@@ -134,14 +134,9 @@ cudaError_t launch_typed(const W4a16DequantArgs& a, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_dtype(const W4a16DequantArgs& a, cudaStream_t stream) {
-  const bool asym = a.asym;
-  switch (a.group_size) {
-    case 32: return asym ? launch_typed<T, 32, true>(a, stream) : launch_typed<T, 32, false>(a, stream);
-    case 64: return asym ? launch_typed<T, 64, true>(a, stream) : launch_typed<T, 64, false>(a, stream);
-    case 128: return asym ? launch_typed<T, 128, true>(a, stream) : launch_typed<T, 128, false>(a, stream);
-    case -1: return asym ? launch_typed<T, 0, true>(a, stream) : launch_typed<T, 0, false>(a, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_int4_group(a.group_size, a.asym, [&](auto gs, auto asym) {
+    return launch_typed<T, decltype(gs)::value, decltype(asym)::value>(a, stream);
+  });
 }
 
 

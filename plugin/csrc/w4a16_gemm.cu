@@ -178,13 +178,9 @@ cudaError_t launch_nt(lowbit::GemmParams prm, int S, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_dtype(const lowbit::GemmParams& prm, int group_size, bool asym, int S, cudaStream_t stream) {
-  switch (group_size) {
-    case 32: return asym ? launch_nt<T, 32, true>(prm, S, stream) : launch_nt<T, 32, false>(prm, S, stream);
-    case 64: return asym ? launch_nt<T, 64, true>(prm, S, stream) : launch_nt<T, 64, false>(prm, S, stream);
-    case 128: return asym ? launch_nt<T, 128, true>(prm, S, stream) : launch_nt<T, 128, false>(prm, S, stream);
-    case -1: return asym ? launch_nt<T, 0, true>(prm, S, stream) : launch_nt<T, 0, false>(prm, S, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_int4_group(group_size, asym, [&](auto gs, auto asym_c) {
+    return launch_nt<T, decltype(gs)::value, decltype(asym_c)::value>(prm, S, stream);
+  });
 }
 
 }  // namespace

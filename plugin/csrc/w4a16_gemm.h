@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cuda_runtime.h>
+#include <type_traits>
 
 #include "launchers.h"  // InDtype
 
@@ -26,6 +27,21 @@ constexpr int w4a16_gemm_sbytes(int group_size, bool asym) {
   return group_size == 32 || group_size == 64 || group_size == 128 || group_size == -1
              ? kLowbitChunkK / (group_size == -1 ? kLowbitChunkK : group_size) * 8 * (asym ? 8 : 4)
              : -1;
+}
+
+// f(std::integral_constant<int, GS>{}, std::integral_constant<bool, ASYM>{}) for a group size (32, 64, 128, or -1 per
+// channel as GS 0) and symmetry: the one switch from an int4 op's arguments to its kernels' template arguments
+// (w4a16_gemm.cu, w4a16_dequant.cu, sm80/lowbit_gemm_sm80.cu). Other group sizes: cudaErrorInvalidValue.
+template <class F>
+cudaError_t with_int4_group(int group_size, bool asym, F&& f) {
+  auto by_symmetry = [&](auto gs) { return asym ? f(gs, std::true_type{}) : f(gs, std::false_type{}); };
+  switch (group_size) {
+    case 32: return by_symmetry(std::integral_constant<int, 32>{});
+    case 64: return by_symmetry(std::integral_constant<int, 64>{});
+    case 128: return by_symmetry(std::integral_constant<int, 128>{});
+    case -1: return by_symmetry(std::integral_constant<int, 0>{});
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 // Group sizes the wide (wgmma) kernel takes: 128 and -1 (per channel).

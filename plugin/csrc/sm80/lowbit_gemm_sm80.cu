@@ -226,13 +226,9 @@ cudaError_t launch_int4(const Params& prm, int64_t N, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_int4_dtype(const Params& prm, int64_t N, int group_size, bool asym, cudaStream_t stream) {
-  switch (group_size) {
-    case 32: return asym ? launch_int4<T, 32, true>(prm, N, stream) : launch_int4<T, 32, false>(prm, N, stream);
-    case 64: return asym ? launch_int4<T, 64, true>(prm, N, stream) : launch_int4<T, 64, false>(prm, N, stream);
-    case 128: return asym ? launch_int4<T, 128, true>(prm, N, stream) : launch_int4<T, 128, false>(prm, N, stream);
-    case -1: return asym ? launch_int4<T, 0, true>(prm, N, stream) : launch_int4<T, 0, false>(prm, N, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_int4_group(group_size, asym, [&](auto gs, auto asym_c) {
+    return launch_int4<T, decltype(gs)::value, decltype(asym_c)::value>(prm, N, stream);
+  });
 }
 
 }  // namespace
