@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from common import bench_us, rel_err, require_op
+from common import bench_us, rel_err, require_op, write_json
 
 bench = functools.partial(bench_us, rep_ms=100)  # median us, do_bench's 100 ms window
 
@@ -132,10 +132,7 @@ def main() -> None:
             del w32, wbf, rp, one, t
             torch.cuda.empty_cache()
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "baseline": note,
-                       "rows": rows}, f, indent=1)
+    write_json(args.json, rows, baseline=note)
     print(note)
     print("\nfp4_gemm: median us (do_bench, L2 cleared); TB/s = FP4 + scale bytes of the experts with rows / time")
     print(f"{'kind':>7} {'fmt':>5} {'K x N':>12} {'M/T':>4} {'cublade':>8} {'TB/s':>5} {'Marlin':>8} "

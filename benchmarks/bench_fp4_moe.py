@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from common import bench_us, rel_err
+from common import bench_us, rel_err, write_json
 
 bench = functools.partial(bench_us, rep_ms=100)  # median us, do_bench's 100 ms window
 E, TOPK, H, I = 8, 2, 4096, 14336
@@ -142,10 +142,7 @@ def main() -> None:
                  "marlin_graph_us": times.get((KERNELS[1], "graph", T))}
             rows.append(r)
             print(json.dumps(r), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": vllm.__version__,
-                       "rows": rows}, f, indent=1)
+    write_json(args.json, rows, vllm=vllm.__version__)
     print(f"\nGPU {torch.cuda.get_device_name()}, torch {torch.__version__}, vLLM {vllm.__version__}")
     print(f"FP4 MoE layer (E={E}, top-{TOPK}, H={H}, I={I}), apply(): median us (do_bench, L2 cleared); "
           "Marlin = vLLM's fused_marlin_moe (nan: not available); bf16 = the dequantized experts' loop; "

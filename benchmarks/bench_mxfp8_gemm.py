@@ -22,7 +22,7 @@ import json
 
 import torch
 
-from common import REFERENCE_COPY_TBPS, bench_us, rel_err, require_op, vllm_single_process_state
+from common import REFERENCE_COPY_TBPS, bench_us, rel_err, require_op, vllm_single_process_state, write_json
 
 bench = functools.partial(bench_us, rep_ms=100)
 KERNELS = ("cublade-mxfp8-gemm", "vllm-marlin-mxfp8", "cublade-mxfp8-dequant-matmul")
@@ -130,10 +130,7 @@ def main() -> None:
         q = codes = wbf = packed = fns = None  # free the shape's tensors before the next
         torch.cuda.empty_cache()
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "not_run": why_not,
-                       "rows": rows}, f, indent=1)
+    write_json(args.json, rows, not_run=why_not)
     for name, why in why_not.items():
         print(f"not run: {name}: {why}")
     names = list(rows[0]["us"])

@@ -27,7 +27,7 @@ import json
 
 import torch
 
-from common import REFERENCE_COPY_TBPS, bench_us, rel_err, require_op, vllm_single_process_state
+from common import REFERENCE_COPY_TBPS, bench_us, rel_err, require_op, vllm_single_process_state, write_json
 
 bench = functools.partial(bench_us, rep_ms=100)  # median us, do_bench's 100 ms window
 G = 128
@@ -135,10 +135,7 @@ def main() -> None:
         del wbf, rp, base
         torch.cuda.empty_cache()
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "baseline": note,
-                       "rows": rows}, f, indent=1)
+    write_json(args.json, rows, baseline=note)
     print(note)
     print("\nw4a16_gemm, int4 g128 sym, bf16 activations; median us (do_bench, L2 cleared); TB/s = weight+scale "
           f"bytes / time; % of the {REFERENCE_COPY_TBPS} TB/s copy ceiling")

@@ -162,3 +162,11 @@ def vllm_single_process_state() -> None:
 
 
 _VLLM_CONTEXT = contextlib.ExitStack()  # the bench's VllmConfig, current until the process ends
+
+
+def write_json(path: str | None, rows: list, **meta) -> None:
+    """A bench's rows with the GPU, torch and `meta` (baseline notes, kernels not run) as JSON at `path` (if given)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **meta, "rows": rows}, f,
+                      indent=1)

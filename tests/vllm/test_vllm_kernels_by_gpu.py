@@ -234,3 +234,22 @@ def test_fp8_marlin_prepares_weight_and_scales(vllm_ctx, monkeypatch, strategy, 
     assert layer.weight_scale.dtype == torch.bfloat16 and layer.weight_scale.shape == (1, pN)
     assert torch.equal(layer.weight_scale, want)
     assert not hasattr(layer, "input_scale")
+
+
+@pytest.mark.parametrize("activations", ["dynamic-token", "static-tensor"])
+def test_fp8_activation_quant_per_gpu(vllm_ctx, monkeypatch, activations):
+    """CUTLASS FP8 runs from sm_89; the activations are quantized by cublade's op on sm_90 (the arch cublade._C is
+    built for) and by vLLM's scaled_fp8_quant on sm_89, never by the PyTorch reference on a GPU."""
+    from cublade.vllm.kernels.vllm_cutlass_scaled_mm import input_quant_choice
+
+    scheme = Fp8Scheme("channel" if activations == "dynamic-token" else "tensor", activations)
+    layer = loaded_layer(scheme, KINDS["qkv"], monkeypatch)
+    op = "fp8_quant_per_token" if activations == "dynamic-token" else "fp8_quant_per_tensor"
+    assert input_quant_choice(scheme, layer.weight.device) == (
+        "reference", f"activations by the PyTorch reference of {op} (CPU)")  # no GPU: the reference
+    for cap, want in ((89, f"activations by vLLM's scaled_fp8_quant ({op}: cublade's kernels are built for sm_90a"),
+                      (90, f"activations by cublade's {op}")):
+        with mocked_gpu(monkeypatch, cap):
+            got, reason, _ = choice(layer)
+            words = input_quant_choice(scheme, layer.weight.device)[1]
+        assert got == "vllm-cutlass-scaled-mm" and words.startswith(want) and words in reason, (cap, reason)

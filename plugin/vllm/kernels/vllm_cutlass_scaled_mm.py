@@ -1,4 +1,4 @@
-"""FP8 W8A8 on vLLM's CUTLASS scaled-mm, with activations quantized by cublade's op.
+"""FP8 W8A8 on vLLM's CUTLASS scaled-mm, with activations quantized by cublade's op (vLLM's on sm_89).
 
 CUBLADE_FP8_FUSE=1: while torch.compile traces the model (vLLM's default), the activations are quantized with the
 reference's torch ops instead (cublade.numerics.fp8, the same rule), so that Inductor can fuse the quantization into
@@ -16,7 +16,8 @@ from cublade.config import Fp8Scheme
 from cublade.numerics.fp8 import Fp8Activations
 from cublade.ops.fp8_quant_per_tensor import fp8_quant_per_tensor_ref
 from cublade.ops.fp8_quant_per_token import fp8_quant_per_token_ref
-from cublade.vllm.kernels.base import LinearKernel, cublade_op, gpu_half
+from cublade.vllm.kernels import base
+from cublade.vllm.kernels.base import LinearKernel, cublade_op, gpu_half, why_no_kernel
 
 FUSE_ENV = "CUBLADE_FP8_FUSE"
 
@@ -41,10 +42,36 @@ def _fp8_input_quant(scheme: Fp8Scheme, pick: Callable[[str, Callable], Callable
     return lambda x, s: fn(x, s.float())  # the op takes an fp32 scale
 
 
+def _vllm_input_quant(scheme: Fp8Scheme) -> Callable:
+    """The same (x2d, input_scale) -> (e4m3, fp32 scale) through vLLM's scaled_fp8_quant, for GPUs cublade's quant
+    ops are not built for (sm_89): per token its bytes equal cublade's; per tensor it multiplies by the scale's
+    reciprocal where cublade divides, so a value at a rounding tie may land one E4M3 step apart."""
+    from vllm import _custom_ops as ops
+
+    if scheme.activations is Fp8Activations.DYNAMIC_TOKEN:
+        return lambda x, s: ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+    if scheme.activations is Fp8Activations.DYNAMIC_TENSOR:
+        return lambda x, s: ops.scaled_fp8_quant(x)
+    return lambda x, s: ops.scaled_fp8_quant(x, s.float())
+
+
+def input_quant_choice(scheme: Fp8Scheme, device: torch.device) -> tuple[str, str]:
+    """Who quantizes the layer's activations ("cublade", "vllm" or "reference") and a few words saying so: cublade's
+    CUDA op where it runs, else on a GPU vLLM's scaled_fp8_quant (a named fallback), else (CPU) the op's PyTorch
+    reference."""
+    name = "fp8_quant_per_token" if scheme.activations is Fp8Activations.DYNAMIC_TOKEN else "fp8_quant_per_tensor"
+    why = why_no_kernel(name, device)
+    if why is None:
+        return "cublade", f"activations by cublade's {name}"
+    if base._capability(device) is None:
+        return "reference", f"activations by the PyTorch reference of {name} ({why})"
+    return "vllm", f"activations by vLLM's scaled_fp8_quant ({name}: {why})"
+
+
 class VllmCutlassScaledMM(LinearKernel):
     """vLLM's CUTLASS scaled-mm (a fallback: cublade has no FP8 GEMM of its own). Activations are quantized
-    by cublade's op; the epilogue applies the activation scale (per token or per tensor) and the weight
-    scale (per channel or per tensor)."""
+    by cublade's op (on sm_89, which cublade._C is not built for, by vLLM's scaled_fp8_quant); the epilogue
+    applies the activation scale (per token or per tensor) and the weight scale (per channel or per tensor)."""
     name = "vllm-cutlass-scaled-mm"
     own = False
 
@@ -64,12 +91,15 @@ class VllmCutlassScaledMM(LinearKernel):
         N, K = layer.output_size_per_partition, layer.input_size_per_partition
         if N % 16 or K % 16:
             return False, f"N={N}, K={K} are not multiples of 16"
-        return True, f"FP8 tensor cores on sm_{cap}"
+        return True, f"FP8 tensor cores on sm_{cap}, {input_quant_choice(layer.cublade_scheme, layer.weight.device)[1]}"
 
     def __init__(self, layer):
         super().__init__(layer)
         device = layer.weight.device
-        self.quant_input = _fp8_input_quant(self.scheme, lambda name, ref: cublade_op(name, device, ref)[0])
+        if input_quant_choice(self.scheme, device)[0] == "vllm":
+            self.quant_input = _vllm_input_quant(self.scheme)
+        else:
+            self.quant_input = _fp8_input_quant(self.scheme, lambda name, ref: cublade_op(name, device, ref)[0])
         self.quant_traced = _fp8_input_quant(self.scheme, lambda name, ref: ref) if fuse_under_compile() else None
         if self.quant_traced is not None:
             from cublade.vllm.kernels import add_to_compile_key
