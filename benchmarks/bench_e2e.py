@@ -269,14 +269,14 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
 
 # Kinds of kernels, by a regular expression on the kernel's (demangled) name; the first match wins.
 KERNEL_KINDS = (
+    ("Inductor / Triton (norms, RoPE, SiLU, and what it fused into them)", r"^triton_"),
     ("cublade GEMM", r"cublade.*(gemm|wide|dequant)"),
     ("cublade quant", r"cublade.*quant|per_token_vec|per_tensor|per_group"),
     ("cublade other", r"cublade"),
+    ("attention", r"flash|attn|attention|fmha|paged|reshape_and_cache|cache"),  # FA3 is a cutlass::device_kernel
     ("vLLM CUTLASS GEMM", r"cutlass|sm90_gemm|Gemm"),
     ("cuBLAS GEMM (bf16)", r"nvjet|xmma|gemm|cublas"),
     ("activation quant (vLLM)", r"quant"),
-    ("attention", r"flash|attn|attention|fmha|paged|reshape_and_cache|cache"),
-    ("Inductor / Triton (norms, RoPE, SiLU, fused)", r"triton|fused|poi|red_"),
     ("sampling / other", r""),
 )
 

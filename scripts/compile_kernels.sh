@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Compile every plugin/csrc/*.cu (kernels + launchers; each defines CUBLADE_KERNELS_ONLY and includes no torch
 # header) for sm_90a and every plugin/csrc/sm80/*.cu for sm_80, sm_86, sm_89 and compute_80 PTX (cublade._C_sm80's
-# targets), and (with no FILE given) syntax-check the torch wrappers against torch's headers, to catch a broken
-# build on a machine without a GPU (CI runs this).
+# targets), and (with no FILE given, or those given) syntax-check the torch wrappers (*.cpp) against torch's headers,
+# to catch a broken build on a machine without a GPU (CI runs this).
 # Prints ptxas' register / spill report per kernel with -v. Exits non-zero if any file fails.
-#   scripts/compile_kernels.sh [-v] [FILE.cu ...]      (default: every plugin/csrc/*.cu)
+#   scripts/compile_kernels.sh [-v] [FILE.cu|FILE.cpp ...]      (default: every kernel and wrapper)
 # Without nvcc it says so and exits 0 (the tests need no CUDA toolkit), unless CUBLADE_NVCC_REQUIRED=1.
 # Env: NVCC (default nvcc), CUBLADE_CUDA_ARCH / CUBLADE_CUDA_ARCH_SM80 (default: setup.py's HOPPER_ARCH / SM80_ARCH).
 set -uo pipefail
@@ -78,7 +78,7 @@ typedef struct cusolverDnContext* cusolverDnHandle_t;"
   printf '#include <ATen/ATen.h>\n#include <ATen/cuda/CUDAContext.h>\n#include <c10/cuda/CUDAGuard.h>\n#include <torch/library.h>\n' \
     > "$out/torch_headers.h"
   "$cxx" "${flags[@]}" -x c++-header "$out/torch_headers.h" -o "$out/torch_headers.h.gch" 2>/dev/null || true
-  for f in plugin/csrc/*.cpp plugin/csrc/sm80/*.cpp; do
+  for f in "$@"; do
     if log=$("$cxx" "${flags[@]}" -fsyntax-only -include "$out/torch_headers.h" "$f" 2>&1); then
       echo "ok      $f"
     else
@@ -88,5 +88,8 @@ typedef struct cusolverDnContext* cusolverDnHandle_t;"
     fi
   done
 }
-[ $# -eq 0 ] && check_wrappers
+wrappers=()
+for f in "$@"; do case "$f" in *.cpp) wrappers+=("$f");; esac; done
+if [ $# -eq 0 ]; then check_wrappers plugin/csrc/*.cpp plugin/csrc/sm80/*.cpp
+elif [ ${#wrappers[@]} -gt 0 ]; then check_wrappers "${wrappers[@]}"; fi
 exit $fail

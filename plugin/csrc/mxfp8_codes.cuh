@@ -91,9 +91,17 @@ struct Mxfp8Policy {
 constexpr int kDequantThreads = 32 * lowbit::kGroupTiles;
 
 
-__global__ void __launch_bounds__(kDequantThreads)
-dequant_packed_kernel(const unsigned char* __restrict__ packed, int chunks, int N, int K,
-                      __nv_bfloat16* __restrict__ out) {
+// Two bf16 weights times a row's fp32 scale, the product rounded to fp32, then to bf16 (as torch's
+// (w.float() * s).to(bfloat16)).
+__device__ __forceinline__ uint32_t scale_bf16x2(uint32_t v, float f) {
+  const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  const __nv_bfloat162 r = __floats2bfloat162_rn(x.x * f, x.y * f);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+template <bool kRowScale>
+__device__ __forceinline__ void dequant_packed(const unsigned char* __restrict__ packed, int chunks, int N, int K,
+                                               __nv_bfloat16* __restrict__ out, const float* __restrict__ row_scale) {
   const int tile = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row = static_cast<int64_t>(blockIdx.x / chunks) * kLowbitGroupRows + tile * lowbit::kTileN + g;  // and +8
   if (row - g >= N) return;  // a padding tile (warp-uniform)
@@ -112,6 +120,11 @@ dequant_packed_kernel(const unsigned char* __restrict__ packed, int chunks, int 
     rec[p] = __ldg(reinterpret_cast<const uint32_t*>(blk + lowbit::kChunk * kCodePacketBytes) + p * 8 + g);
 
   const bool lo_ok = row < N, hi_ok = row + 8 < N;
+  float f_row_lo = 1.0f, f_row_hi = 1.0f;
+  if constexpr (kRowScale) {
+    if (lo_ok) f_row_lo = __ldg(row_scale + row);
+    if (hi_ok) f_row_hi = __ldg(row_scale + row + 8);
+  }
   __nv_bfloat16* out_lo = out + row * K + k_chunk + 8 * t;
   __nv_bfloat16* out_hi = out_lo + static_cast<int64_t>(8) * K;
 #pragma unroll
@@ -125,11 +138,34 @@ dequant_packed_kernel(const unsigned char* __restrict__ packed, int chunks, int 
       uint32_t s0[4], s1[4];  // k-steps 2h, 2h + 1: K0 .. K0 + 3 and K0 + 4 .. K0 + 7 of rows g, g + 8
       dequant_step(q[p][h].x, q[p][h].y, f_lo, f_hi, s0);
       dequant_step(q[p][h].z, q[p][h].w, f_lo, f_hi, s1);
+      if constexpr (kRowScale) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          s0[i] = scale_bf16x2(s0[i], i % 2 ? f_row_hi : f_row_lo);
+          s1[i] = scale_bf16x2(s1[i], i % 2 ? f_row_hi : f_row_lo);
+        }
+      }
       if (lo_ok) __stwb(reinterpret_cast<uint4*>(out_lo + k), make_uint4(s0[0], s0[2], s1[0], s1[2]));
       if (hi_ok) __stwb(reinterpret_cast<uint4*>(out_hi + k), make_uint4(s0[1], s0[3], s1[1], s1[3]));
     }
   }
 }
+
+
+__global__ void __launch_bounds__(kDequantThreads)
+dequant_packed_kernel(const unsigned char* __restrict__ packed, int chunks, int N, int K,
+                      __nv_bfloat16* __restrict__ out) {
+  dequant_packed<false>(packed, chunks, N, K, out, nullptr);
+}
+
+#ifdef CUBLADE_MXFP8_SCALED_DEQUANT  // only the library that launches it (cublade._C_sm80) compiles it
+// The same with each row's weights times row_scale[row] (fp8 codes stored with unit exponents: W8A16's prefill).
+__global__ void __launch_bounds__(kDequantThreads)
+dequant_packed_scaled_kernel(const unsigned char* __restrict__ packed, int chunks, int N, int K,
+                             __nv_bfloat16* __restrict__ out, const float* __restrict__ row_scale) {
+  dequant_packed<true>(packed, chunks, N, K, out, row_scale);
+}
+#endif
 
 }  // namespace
 }  // namespace mxfp8

@@ -227,8 +227,8 @@ def test_compiled_model_cache_follows_the_kernel_choice(served, checkpoint, logs
     with that kernel disabled, must compile anew on vllm-marlin-mxfp8 and answer the eager text. (Before the key held
     the choice, the second engine loaded the first run's graph and failed at start: mxfp8_gemm on Marlin's weights.)"""
     eager, _ = served("mxfp8")
-    for disabled, kernel in (("", "cublade-mxfp8-gemm"), ("cublade-mxfp8-gemm", "cublade-mxfp8-gemm-sm80"),
-                             ("cublade-mxfp8-gemm,cublade-mxfp8-gemm-sm80", "vllm-marlin-mxfp8")):
+    for disabled, kernel in (("", "cublade-mxfp8-gemm"), ("cublade-mxfp8-gemm", "vllm-marlin-mxfp8"),
+                             ("cublade-mxfp8-gemm,vllm-marlin-mxfp8", "cublade-mxfp8-gemm-sm80")):
         monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", disabled)
         log = logs / f"serve-mxfp8-compiled-{kernel}.log"
         with vllm_server(checkpoint("mxfp8"), log) as url:
@@ -238,12 +238,12 @@ def test_compiled_model_cache_follows_the_kernel_choice(served, checkpoint, logs
 
 
 @pytest.mark.parametrize("name,disabled,kernel", [
-    ("w4a16", "cublade-w4a16-gemm", "cublade-w4a16-gemm-sm80"),
-    ("fp8-dynamic", "vllm-cutlass-scaled-mm", "cublade-fp8-w8a16"),
-    ("mxfp8", "cublade-mxfp8-gemm", "cublade-mxfp8-gemm-sm80")])
+    ("w4a16", "cublade-w4a16-gemm,vllm-machete,vllm-marlin", "cublade-w4a16-gemm-sm80"),
+    ("fp8-dynamic", "vllm-cutlass-scaled-mm,vllm-marlin-fp8", "cublade-fp8-w8a16"),
+    ("mxfp8", "cublade-mxfp8-gemm,vllm-marlin-mxfp8", "cublade-mxfp8-gemm-sm80")])
 def test_sm80_kernels_serve_the_default_text(served, checkpoint, logs, monkeypatch, name, disabled, kernel):
     """The kernels cublade runs on Ampere / Ada (cublade._C_sm80), served here through their compute_80 PTX by
-    disabling the kernel the preset runs on this GPU: the log names the sm_80 kernel and the greedy text equals the
+    disabling the kernels ahead of them on this GPU: the log names the sm_80 kernel and the greedy text equals the
     default kernel's, except at a near-tie of the default run (fp8 as W8A16 leaves the activations unquantized, so
     its logits differ from W8A8's by more than summation order)."""
     base, _ = served(name)

@@ -63,7 +63,7 @@ def test_kernel_shapes(N, K):
 
 @SM80
 def test_prefill_path_from_64_rows():
-    from cublade.ops.w4a16_gemm import w4a16_dequant
+    from cublade.ops.w4a16_dequant import w4a16_dequant
 
     rp, _ = gpu_case(200, 1024, 128, False)
     for M in (64, 150):

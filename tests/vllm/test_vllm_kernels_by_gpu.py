@@ -15,12 +15,20 @@ from cublade.config import Fp8Scheme, MXFP8Scheme, W4A16Scheme
 CAPS = (80, 86, 89, 90)
 # scheme -> the kernel chosen at each of CAPS (bf16 activations, the extension built)
 EXPECTED = {
+    Fp8Scheme("channel", "dynamic-token"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
+    Fp8Scheme("tensor", "static-tensor"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
+    W4A16Scheme(128, True): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
+    W4A16Scheme(64, False): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
+    W4A16Scheme(-1, True): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
+    W4A16Scheme(32, True): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
+    MXFP8Scheme(): ("vllm-marlin-mxfp8",) * 3 + ("cublade-mxfp8-gemm",),
+}
+# the same with vLLM's Marlin kernels disabled (CUBLADE_DISABLED_KERNELS): cublade's sm_80 kernels on sm_80-89
+MARLIN = "vllm-marlin,vllm-marlin-fp8,vllm-marlin-mxfp8"
+EXPECTED_WITHOUT_MARLIN = {
     Fp8Scheme("channel", "dynamic-token"): ("cublade-fp8-w8a16",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
-    Fp8Scheme("tensor", "static-tensor"): ("cublade-fp8-w8a16",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
     W4A16Scheme(128, True): ("cublade-w4a16-gemm-sm80",) * 3 + ("cublade-w4a16-gemm",),
     W4A16Scheme(64, False): ("cublade-w4a16-gemm-sm80",) * 3 + ("cublade-w4a16-gemm",),
-    W4A16Scheme(-1, True): ("cublade-w4a16-gemm-sm80",) * 3 + ("cublade-w4a16-gemm",),
-    W4A16Scheme(32, True): ("cublade-w4a16-gemm-sm80",) * 3 + ("cublade-w4a16-gemm",),
     MXFP8Scheme(): ("cublade-mxfp8-gemm-sm80",) * 3 + ("cublade-mxfp8-gemm",),
 }
 # the same without cublade's extensions: vLLM's kernels, named fallbacks
@@ -64,6 +72,16 @@ def test_kernel_per_gpu(vllm_ctx, monkeypatch, scheme):
         assert got == want, (cap, got, reason)
 
 
+@pytest.mark.parametrize("scheme", list(EXPECTED_WITHOUT_MARLIN), ids=[s.describe() for s in EXPECTED_WITHOUT_MARLIN])
+def test_kernel_per_gpu_with_marlin_disabled(vllm_ctx, monkeypatch, scheme):
+    monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", MARLIN)
+    layer = loaded_layer(scheme, KINDS["qkv"], monkeypatch)
+    for cap, want in zip(CAPS, EXPECTED_WITHOUT_MARLIN[scheme]):
+        with mocked_gpu(monkeypatch, cap):
+            got, reason, _ = choice(layer)
+        assert got == want, (cap, got, reason)
+
+
 @pytest.mark.parametrize("scheme", list(EXPECTED_WITHOUT_EXTENSION),
                          ids=[s.describe() for s in EXPECTED_WITHOUT_EXTENSION])
 def test_kernel_per_gpu_without_cublade_extensions(vllm_ctx, monkeypatch, scheme):
@@ -75,25 +93,27 @@ def test_kernel_per_gpu_without_cublade_extensions(vllm_ctx, monkeypatch, scheme
 
 
 def test_fp8_w8a16_reasons(vllm_ctx, monkeypatch):
+    monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "vllm-marlin-fp8")
     layer = loaded_layer(Fp8Scheme(), KINDS["down"], monkeypatch)
     with mocked_gpu(monkeypatch, 86):
         got, reason, skipped = choice(layer)
     assert got == "cublade-fp8-w8a16"
     assert reason == ("W8A16 on sm_86: cublade's CUDA op mxfp8_gemm_sm80 over the e4m3 codes, activations not "
                       "quantized (from 64 tokens dequantize + cuBLAS)")
-    assert skipped == ["vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86"]
+    assert skipped == ["vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86",
+                       "vllm-marlin-fp8: disabled by CUBLADE_DISABLED_KERNELS"]
+    monkeypatch.delenv("CUBLADE_DISABLED_KERNELS")
     with mocked_gpu(monkeypatch, 86, extension=False):
         got, reason, skipped = choice(layer)
     assert got == "vllm-marlin-fp8"
     assert reason == "W8A16 on sm_86: e4m3 weights decoded to torch.bfloat16 in the kernel, activations not quantized"
-    assert skipped == ["vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86",
-                       "cublade-fp8-w8a16: cublade._C_sm80 is not installed (setup.py builds it where nvcc is)"]
+    assert skipped == ["vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86"]
 
 
 @pytest.mark.parametrize("cap", CAPS)
 def test_fp8_shapes_cutlass_refuses_run_w8a16(vllm_ctx, monkeypatch, cap):
-    """A per-rank shape off CUTLASS's 16-alignment (N = 200 here) runs W8A16: cublade's sm_80 kernel (any N, K % 32),
-    or without it Marlin, which pads its tiles."""
+    """A per-rank shape off CUTLASS's 16-alignment (N = 200 here) runs W8A16: Marlin, which pads its tiles, or with
+    Marlin disabled cublade's sm_80 kernel (any N, K % 32)."""
     from vllm.model_executor.layers.linear import ColumnParallelLinear
 
     torch.set_default_dtype(torch.bfloat16)
@@ -101,11 +121,11 @@ def test_fp8_shapes_cutlass_refuses_run_w8a16(vllm_ctx, monkeypatch, cap):
                                  prefix="model.layers.0.mlp.odd_proj")
     with mocked_gpu(monkeypatch, cap):
         got, _, skipped = choice(layer)
-    assert got == "cublade-fp8-w8a16"
+    assert got == "vllm-marlin-fp8"
     if cap >= 89:
         assert skipped == ["vllm-cutlass-scaled-mm: N=200, K=128 are not multiples of 16"]
-    with mocked_gpu(monkeypatch, cap, extension=False):
-        assert choice(layer)[0] == "vllm-marlin-fp8"
+    monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "vllm-marlin-fp8")
+    assert choice(layer)[0] == "cublade-fp8-w8a16"
 
 
 def test_w4a16_without_cublade_on_hopper_runs_machete(vllm_ctx, monkeypatch):
@@ -122,8 +142,7 @@ def test_mxfp8_fp16_activations_on_hopper_run_marlin(vllm_ctx, monkeypatch):
     with mocked_gpu(monkeypatch, 90):
         got, _, skipped = choice(layer)
     assert got == "vllm-marlin-mxfp8"
-    assert skipped == ["cublade-mxfp8-gemm: takes bf16 activations, the model runs in torch.float16",
-                       "cublade-mxfp8-gemm-sm80: takes bf16 activations, the model runs in torch.float16"]
+    assert skipped == ["cublade-mxfp8-gemm: takes bf16 activations, the model runs in torch.float16"]
 
 
 @pytest.mark.parametrize("cap", CAPS)
@@ -189,7 +208,8 @@ def test_asymmetric_w4a16_rows_off_the_zero_point_packing(vllm_ctx, monkeypatch)
     with mocked_gpu(monkeypatch, 86, extension=False):
         with pytest.raises(NotImplementedError, match=r"^model\.layers\.0\.self_attn\.k_proj: no kernel can run .* "
                                                       r"\[N=12, K=128, torch\.bfloat16\]: .*vllm-marlin: zero points "
-                                                      r"pack 8 per int32 along N; N=12; reference: fp32 reference"):
+                                                      r"pack 8 per int32 along N; N=12; cublade-w4a16-gemm-sm80: cublade\._C_sm80 is "
+                                                      r"not installed .*; reference: fp32 reference"):
             kernels.select_kernel(layer, "model.layers.0.self_attn.k_proj")
 
 

@@ -198,8 +198,8 @@ def test_kernel_choice_is_logged_once_per_distinct_choice(vllm_ctx, caplog):
     lines = [r.getMessage() for r in caplog.records if "run on" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "mxfp8(scale_rule=rceil)" in lines[0] and "run on reference" in lines[0]
-    assert ("passed over cublade-mxfp8-gemm: needs a CUDA device; cublade-mxfp8-gemm-sm80: needs a CUDA device; "
-            "vllm-marlin-mxfp8: needs a CUDA device; cublade-mxfp8-dequant-matmul: needs a CUDA device" in lines[0])
+    assert ("passed over cublade-mxfp8-gemm: needs a CUDA device; vllm-marlin-mxfp8: needs a CUDA device; "
+            "cublade-mxfp8-gemm-sm80: needs a CUDA device; cublade-mxfp8-dequant-matmul: needs a CUDA device" in lines[0])
 
 
 def test_kernel_choice_enters_the_compile_cache_key(vllm_ctx):
@@ -229,8 +229,8 @@ def test_disabled_kernels_env_and_no_kernel_error(vllm_ctx, monkeypatch):
     load(layer, kind, quantized(scheme, random_weights(kind), None))
     with pytest.raises(NotImplementedError, match=r"down_proj: no kernel can run scheme fp8.*"
                                                   r"vllm-cutlass-scaled-mm: needs a CUDA device; "
-                                                  r"cublade-fp8-w8a16: needs a CUDA device; "
                                                   r"vllm-marlin-fp8: needs a CUDA device; "
+                                                  r"cublade-fp8-w8a16: needs a CUDA device; "
                                                   r"reference: disabled by CUBLADE_DISABLED_KERNELS"):
         layer.quant_method.process_weights_after_loading(layer)
 

@@ -16,6 +16,7 @@
 // bulk-copy engine, no mbarrier transaction counts), cp.async.wait_group + one barrier per stage; the x rows of the
 // pass travel in the same stages (zero-filled past K).
 #define CUBLADE_KERNELS_ONLY  // framework-free; the torch wrapper is lowbit_gemm_sm80_torch.cpp
+#define CUBLADE_MXFP8_SCALED_DEQUANT  // mxfp8_codes.cuh's dequant with a row scale (the fp8 W8A16 prefill)
 #include "int4_codes.cuh"
 #include "mxfp8_codes.cuh"
 #include "sm80/lowbit_gemm_sm80.h"
@@ -253,17 +254,22 @@ cudaError_t launch_w4a16_gemm_sm80(const W4a16GemmSm80Args& a, cudaStream_t stre
   }
 }
 
-cudaError_t launch_mxfp8_dequant_packed_sm80(const void* packed, int64_t N, int64_t K, void* out,
-                                             cudaStream_t stream) {
+cudaError_t launch_mxfp8_dequant_packed_sm80(const void* packed, int64_t N, int64_t K, void* out, cudaStream_t stream,
+                                             const float* row_scale) {
   if (N == 0 || K == 0) return cudaSuccess;
   if (N < 0 || K < 0 || K % 32 != 0 || N > INT32_MAX || K > INT32_MAX - kLowbitChunkK || !is_aligned(packed, 16) ||
       ceil_div(N, kLowbitGroupRows) * ceil_div(K, kLowbitChunkK) > INT32_MAX)
     return cudaErrorInvalidValue;
   const int chunks = static_cast<int>(ceil_div(K, kLowbitChunkK));
   const int64_t blocks = ceil_div(N, kLowbitGroupRows) * chunks;
-  mxfp8::dequant_packed_kernel<<<static_cast<unsigned>(blocks), mxfp8::kDequantThreads, 0, stream>>>(
-      static_cast<const unsigned char*>(packed), chunks, static_cast<int>(N), static_cast<int>(K),
-      static_cast<__nv_bfloat16*>(out));
+  const auto* w = static_cast<const unsigned char*>(packed);
+  auto* o = static_cast<__nv_bfloat16*>(out);
+  if (row_scale)
+    mxfp8::dequant_packed_scaled_kernel<<<static_cast<unsigned>(blocks), mxfp8::kDequantThreads, 0, stream>>>(
+        w, chunks, static_cast<int>(N), static_cast<int>(K), o, row_scale);
+  else
+    mxfp8::dequant_packed_kernel<<<static_cast<unsigned>(blocks), mxfp8::kDequantThreads, 0, stream>>>(
+        w, chunks, static_cast<int>(N), static_cast<int>(K), o);
   return cudaGetLastError();
 }
 

@@ -39,7 +39,8 @@ struct W4a16GemmSm80Args {
 cudaError_t launch_w4a16_gemm_sm80(const W4a16GemmSm80Args& a, cudaStream_t stream);
 
 // The dense bf16 weight [N, K] (contiguous) from the MXFP8 blob, bit for bit the weights the GEMM multiplies.
-cudaError_t launch_mxfp8_dequant_packed_sm80(const void* packed, int64_t N, int64_t K, void* out, cudaStream_t stream);
+cudaError_t launch_mxfp8_dequant_packed_sm80(const void* packed, int64_t N, int64_t K, void* out, cudaStream_t stream,
+                                             const float* row_scale = nullptr);
 
 // Rows from which the torch ops dequantize the weight once and run one cuBLAS GEMM instead of the kernel's passes
 // (each re-reads the weights). Not yet measured on an sm_80-89 GPU: 64 keeps decode batches on the kernel.

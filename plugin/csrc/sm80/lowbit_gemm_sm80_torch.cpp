@@ -26,8 +26,9 @@ void check_aligned(const char* op, const at::Tensor& packed) {
   CUBLADE_CHECK_VALUE(aligned16(packed.data_ptr()), op, "packed must be 16-byte aligned (a view at an offset?)");
 }
 
-at::Tensor mxfp8_dequant_packed_sm80(const at::Tensor& packed, int64_t size_n, int64_t size_k) {
-  constexpr const char* op = "mxfp8_dequant_packed_sm80";
+// The dense bf16 weight; each row times row_scale[row] when given (rounded once from fp32: the W8A16 prefill weight).
+at::Tensor dequant_packed(const char* op, const at::Tensor& packed, int64_t size_n, int64_t size_k,
+                          const float* row_scale) {
   CUBLADE_CHECK_VALUE(packed.is_cuda(), op, "packed must be a CUDA tensor, got ", dev(packed.device()));
   check_sm80(op, packed);
   CUBLADE_CHECK_VALUE(size_n > 0 && size_n <= INT32_MAX, op, "size_n must be in [1, 2^31), got ", num(size_n));
@@ -38,8 +39,12 @@ at::Tensor mxfp8_dequant_packed_sm80(const at::Tensor& packed, int64_t size_n, i
   const c10::cuda::CUDAGuard guard(packed.device());
   at::Tensor out = at::empty({size_n, size_k}, packed.options().dtype(at::kBFloat16));
   check_launch(op, sm80::launch_mxfp8_dequant_packed_sm80(packed.data_ptr(), size_n, size_k, out.data_ptr(),
-                                                          current_stream()));
+                                                          current_stream(), row_scale));
   return out;
+}
+
+at::Tensor mxfp8_dequant_packed_sm80(const at::Tensor& packed, int64_t size_n, int64_t size_k) {
+  return dequant_packed("mxfp8_dequant_packed_sm80", packed, size_n, size_k, nullptr);
 }
 
 at::Tensor mxfp8_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
@@ -57,10 +62,7 @@ at::Tensor mxfp8_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, con
   const float* rs = row_scale.has_value() ? row_scale->data_ptr<float>() : nullptr;
   return lowbit_gemm(
       op, x_in, size_n, !kernel_only, sm80::kSm80PrefillRows,
-      [&] {
-        at::Tensor w = mxfp8_dequant_packed_sm80(packed, size_n, K);
-        return row_scale.has_value() ? (w.to(at::kFloat) * row_scale->unsqueeze(1)).to(at::kBFloat16) : w;
-      },
+      [&] { return dequant_packed(op, packed, size_n, K, rs); },
       [](int64_t) { return size_t{0}; },
       [&](const at::Tensor& x, int64_t M, at::Tensor& out, void*) {
         sm80::Mxfp8GemmSm80Args a;

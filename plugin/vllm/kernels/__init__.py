@@ -42,17 +42,19 @@ logger = logging.getLogger("vllm.cublade")
 # The candidates per scheme, first that can run the layer wins.
 CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel] | type[MoEKernel], ...]] = {
     # vLLM's CUTLASS (W8A8 on FP8 tensor cores, sm_89+), activations quantized by cublade's per-token / per-tensor
-    # op; without FP8 tensor cores (sm_80 / sm_86) W8A16 on the 1-byte codes: cublade's sm_80 kernel, then vLLM's
-    # FP8 Marlin (also for shapes the others refuse).
-    Fp8Scheme: (VllmCutlassScaledMM, CubladeFp8W8A16, VllmMarlinFp8, ReferenceKernel),
+    # op; without FP8 tensor cores (sm_80 / sm_86) W8A16 on the 1-byte codes: vLLM's FP8 Marlin, then cublade's
+    # sm_80 kernel. On sm_80-89 vLLM's Marlin kernels come before cublade's sm_80 kernels for every scheme: measured
+    # through the PTX on an H200 (docs/decisions.md, "sm_80 kernels after Marlin"), the sm_80 kernels match Marlin
+    # at 1-8 tokens and fall to 0.2-0.6x from 16.
+    Fp8Scheme: (VllmCutlassScaledMM, VllmMarlinFp8, CubladeFp8W8A16, ReferenceKernel),
     # The FP8 tensor-core path first, but only when asked for (CUBLADE_W4A16_PREFILL=fp8): it rounds activations.
-    # Then the Hopper kernels, else (sm_80 / 86 / 89) the sm_80 kernel; then vLLM's Machete (Hopper) and Marlin.
-    W4A16Scheme: (CubladeW4A16Fp8Prefill, CubladeW4A16Gemm, CubladeW4A16GemmSm80, VllmMachete, VllmMarlin,
+    # Then the Hopper kernels, vLLM's Machete (Hopper) and Marlin; the sm_80 kernel for what Marlin refuses.
+    W4A16Scheme: (CubladeW4A16Fp8Prefill, CubladeW4A16Gemm, VllmMachete, VllmMarlin, CubladeW4A16GemmSm80,
                   ReferenceKernel),
-    # W8A16 on the 1-byte weights (bf16 activations): the Hopper kernels, else (sm_80 / 86 / 89) the sm_80 kernel;
-    # then Marlin (fp16 activations, block scales above 2^7); then dequantize to the activation dtype with cublade's
-    # op and a dense GEMM (no MX tensor cores before sm_100).
-    MXFP8Scheme: (CubladeMxfp8Gemm, CubladeMxfp8GemmSm80, VllmMarlinMxfp8, CubladeMxfp8DequantMatmul, ReferenceKernel),
+    # W8A16 on the 1-byte weights (bf16 activations): the Hopper kernels; then Marlin (fp16 activations, block
+    # scales above 2^7); the sm_80 kernel; then dequantize to the activation dtype with cublade's op and a dense GEMM
+    # (no MX tensor cores before sm_100).
+    MXFP8Scheme: (CubladeMxfp8Gemm, VllmMarlinMxfp8, CubladeMxfp8GemmSm80, CubladeMxfp8DequantMatmul, ReferenceKernel),
     # MoE experts only (the linear method refuses fp4): kernels of a FusedMoE layer.
     FP4Scheme: (CubladeFp4MoE, VllmMarlinMoE, ReferenceMoE),
 }

@@ -14,9 +14,10 @@ class CubladeFp8W8A16(LinearKernel):
     (or repeated per-tensor) weight scale, rounded once (cublade.ops.mxfp8_gemm_sm80). W8A16, like vLLM's FP8
     Marlin after which it stands: the activations are not quantized (a static input scale is not used), so against
     the W8A8 reference it differs within `w8a16_vs_w8a8_bound`; unlike Marlin the weight is not rounded with its
-    scale. For sm_80 / 86 (sm_89 has FP8 tensor cores: vLLM's CUTLASS runs first); on sm_90 only when the earlier
-    kernels are disabled, through the compute_80 PTX. From 64 tokens: dequantize + cuBLAS. Needs K % 32 == 0 and bf16
-    activations. Its speed on Ampere and Ada is not measured."""
+    scale. After vLLM's FP8 Marlin (sm_89+ runs vLLM's CUTLASS first): it runs where those are disabled
+    (CUBLADE_DISABLED_KERNELS), on sm_90 through the compute_80 PTX. From 64 tokens: dequantize (times the scale) +
+    cuBLAS. Needs K % 32 == 0 and bf16 activations. Through the PTX on an H200 it runs 0.8-1.16x Marlin at 1-8
+    tokens and 0.2-0.9x at 16-48 (docs/performance.md, "sm_80 kernels"); on Ampere and Ada it is not measured."""
     name = "cublade-fp8-w8a16"
     own = True
 

@@ -7,10 +7,11 @@ from cublade.vllm.kernels.cublade_mxfp8_gemm import CubladeMxfp8Gemm
 
 class CubladeMxfp8GemmSm80(CubladeMxfp8Gemm):
     """cublade's 1-byte-weight GEMM for sm_80 / 86 / 89 (cublade._C_sm80: cp.async stages and mma.sync, the same
-    blob, repack and register dequant as the Hopper kernels), second for `mxfp8` after the Hopper kernel class: on
-    sm_90 it runs only when cublade-mxfp8-gemm is disabled (CUBLADE_DISABLED_KERNELS), through the driver's
-    compilation of its compute_80 PTX. From 64 tokens the op dequantizes the weight and runs cuBLAS. bf16 activations
-    only. Its speed on Ampere and Ada is not measured."""
+    blob, repack and register dequant as the Hopper kernels), for `mxfp8` after vLLM's MXFP8 Marlin: it runs where
+    Marlin is disabled (CUBLADE_DISABLED_KERNELS), on sm_90 through the driver's compilation of its compute_80 PTX.
+    From 64 tokens the op dequantizes the weight and runs cuBLAS. bf16 activations only. Through the PTX on an H200
+    it matches Marlin at 1-8 tokens and runs 0.25-0.6x from 16 (docs/performance.md, "sm_80 kernels"); on Ampere and
+    Ada it is not measured."""
     name = "cublade-mxfp8-gemm-sm80"
     op = "mxfp8_gemm_sm80"
     gemm = staticmethod(mxfp8_gemm_sm80)

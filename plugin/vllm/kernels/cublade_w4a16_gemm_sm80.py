@@ -7,10 +7,11 @@ from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
 
 class CubladeW4A16GemmSm80(CubladeW4A16Gemm):
     """cublade's W4A16 GEMM for sm_80 / 86 / 89 (cublade._C_sm80: cp.async stages and mma.sync over the same blob,
-    repack and register dequant as the Hopper kernels), second after the Hopper kernel class: on sm_90 it runs only
-    where cublade-w4a16-gemm is disabled (CUBLADE_DISABLED_KERNELS), through the driver's compilation of its
-    compute_80 PTX. From 64 tokens the op dequantizes the weight and runs cuBLAS. Its speed on Ampere and Ada is not
-    measured."""
+    repack and register dequant as the Hopper kernels), after vLLM's Marlin: it runs where Marlin refuses a layer
+    (zero points of N % 8 != 0) or is disabled (CUBLADE_DISABLED_KERNELS); on sm_90 only with the Hopper kernel,
+    Machete and Marlin disabled, through the driver's compilation of its compute_80 PTX. From 64 tokens the op
+    dequantizes the weight and runs cuBLAS. Through the PTX on an H200 it matches Marlin at 1-8 tokens and runs
+    0.2-0.6x from 16 (docs/performance.md, "sm_80 kernels"); on Ampere and Ada it is not measured."""
     name = "cublade-w4a16-gemm-sm80"
     op = "w4a16_gemm_sm80"
 
