@@ -11,10 +11,12 @@ stand-in layer holding the checkpoint's tensors, timed through `apply`):
 plus a bf16 linear of the same (dequantized) weight. bf16 activations.
 
     python benchmarks/bench_sm80.py [--shapes 4096x14336,14336x4096,8192x28672] [--m 1,4,8,16,32,48,64,256]
-                                    [--json FILE]
+                                    [--formats w4a16,fp8,mxfp8] [--tiles-sweep] [--json FILE]
 
 Times: median of triton.testing.do_bench (L2 cleared before every call: the weights come from HBM). x = Marlin's
 time / cublade's (above 1: cublade faster). From 64 tokens cublade's sm_80 ops dequantize the weight and run cuBLAS.
+--tiles-sweep also times cublade's kernel alone (kernel_only) with 1, 2 and 4 weight tiles per CTA below 64 tokens
+(4 only up to 8 tokens for the 1-byte formats), next to the launcher's own choice: the measurement its rule needs.
 A kernel that cannot run here (no vLLM, no extension) is reported with its reason and left out.
 """
 from __future__ import annotations
@@ -79,11 +81,28 @@ def kernel_fn(fmt: str, name: str, t: dict, N: int, K: int):
     return functools.partial(impl.apply, layer, bias=None), None
 
 
+def kernel_tiles_fn(fmt: str, t: dict, N: int):
+    """fn(x, tiles) running cublade's sm_80 kernel alone on the checkpoint tensors with `tiles` tiles per CTA."""
+    from cublade.ops.mxfp8_gemm import mxfp8_repack, unit_exponents
+    from cublade.ops.w4a16_gemm import w4a16_repack
+
+    if fmt == "w4a16":
+        rp = w4a16_repack(t["weight_packed"], t["weight_scale"], None, 128)
+        return lambda x, tiles: torch.ops.cublade.w4a16_gemm_sm80(x, rp.packed, 128, True, N, True, tiles)
+    w = t["weight"]
+    if fmt == "fp8":
+        packed, rs = mxfp8_repack(w, unit_exponents(w)), t["weight_scale"].float().reshape(-1).expand(N).contiguous()
+    else:
+        packed, rs = mxfp8_repack(w, t["weight_scale"]), None
+    return lambda x, tiles: torch.ops.cublade.mxfp8_gemm_sm80(x, packed, rs, N, True, tiles)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4096x14336,14336x4096,8192x28672", help="KxN list")
     ap.add_argument("--m", default="1,4,8,16,32,48,64,256", help="token counts")
     ap.add_argument("--formats", default=",".join(PAIRS), help="subset of " + ", ".join(PAIRS))
+    ap.add_argument("--tiles-sweep", action="store_true", help="also time the kernel alone per tiles per CTA")
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
 
@@ -103,6 +122,7 @@ def main() -> None:
                 else:
                     fns[role] = fn
             fns["bf16"] = lambda x: torch.nn.functional.linear(x, wbf)
+            tiles_fn = kernel_tiles_fn(fmt, t, N) if args.tiles_sweep and "cublade" in fns else None
             x16 = torch.randn(16, K, device=dev).to(torch.bfloat16)
             ref16 = x16.float() @ w32.t()
             errs = {role: rel_err(fn(x16), ref16) for role, fn in fns.items()}
@@ -110,6 +130,9 @@ def main() -> None:
                 x = torch.randn(M, K, device=dev).to(torch.bfloat16)
                 r = {"format": fmt, "K": K, "N": N, "M": M, "errors_m16": errs,
                      "us": {role: bench(functools.partial(fn, x)) for role, fn in fns.items()}}
+                if tiles_fn is not None and M < 64:
+                    r["kernel_us"] = {tiles: bench(functools.partial(tiles_fn, x, tiles))
+                                      for tiles in (0, 1, 2, 4) if tiles != 4 or fmt == "w4a16" or M <= 8}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             t = w32 = wbf = fns = None
@@ -131,6 +154,14 @@ def main() -> None:
             and r["us"]["marlin"] < 0.98 * r["us"]["cublade"]]
     print(f"\npoints where cublade is under 0.98x Marlin: {len(slow)} of {len(rows)}" + (
         ": " + ", ".join(f"{r['format']} {r['K']}x{r['N']} M={r['M']}" for r in slow) if slow else ""))
+    swept = [r for r in rows if "kernel_us" in r]
+    if swept:
+        print("\ncublade's kernel alone (kernel_only) by weight tiles per CTA, median us; 0 = the launcher's choice")
+        print(f"{'format':>6} {'K x N':>12} {'M':>4} " + " ".join(f"{f'tiles={k}':>9}" for k in (0, 1, 2, 4)))
+        for r in swept:
+            us = r["kernel_us"]
+            print(f"{r['format']:>6} {r['K']:>5}x{r['N']:<6} {r['M']:>4} " +
+                  " ".join(f"{us[k]:>9.1f}" if k in us else f"{'':>9}" for k in (0, 1, 2, 4)))
     seen = {}
     for r in rows:
         seen.setdefault((r["format"], r["K"], r["N"]), r["errors_m16"])

@@ -167,7 +167,7 @@ def mxfp8_gemm_sm80(x: torch.Tensor, packed: torch.Tensor, size_n: int, row_scal
 
 @register_fake("cublade::mxfp8_gemm_sm80", library="_C_sm80")
 def _mxfp8_gemm_sm80_fake(x: torch.Tensor, packed: torch.Tensor, row_scale: torch.Tensor | None, size_n: int,
-                          kernel_only: bool = False) -> torch.Tensor:
+                          kernel_only: bool = False, tiles: int = 0) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], size_n))
 
 

@@ -221,5 +221,5 @@ def w4a16_gemm_sm80(x: torch.Tensor, packed: torch.Tensor, group_size: int, symm
 
 @register_fake("cublade::w4a16_gemm_sm80", library="_C_sm80")
 def _w4a16_gemm_sm80_fake(x: torch.Tensor, packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int,
-                          kernel_only: bool = False) -> torch.Tensor:
+                          kernel_only: bool = False, tiles: int = 0) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], size_n))

@@ -145,6 +145,21 @@ def test_kernel_strided_nan_inf():
 
 
 @SM80
+@pytest.mark.parametrize("case", [mx_case, fp8_case], ids=["mxfp8", "fp8-codes"])
+def test_kernel_tiles_per_cta_give_the_same_bytes(case):
+    """1, 2 or 4 weight tiles per CTA (4 up to 8 rows: its stages do not fit from 9): the same bytes, the launcher's
+    own choice among them too, within one rounding of the reference; N off the 64-row tile groups."""
+    packed, w, s = case(200, 1536, seed=7)
+    op = torch.ops.cublade.mxfp8_gemm_sm80
+    for M in (1, 8, 9, 16, 17, 40):
+        x = torch.randn(M, 1536, device="cuda").to(torch.bfloat16)
+        ys = [op(x, packed, s, 200, True, tiles) for tiles in ((0, 1, 2, 4) if M <= 8 else (0, 1, 2))]
+        check(x, packed, w, s)
+        for y in ys[2:] + ys[:1]:
+            assert torch.equal(y, ys[1]), M
+
+
+@SM80
 def test_kernel_refuses_with_a_message():
     packed, _, s = fp8_case(32, 256)
     op = torch.ops.cublade.mxfp8_gemm_sm80
@@ -156,6 +171,8 @@ def test_kernel_refuses_with_a_message():
         (ValueError, r"mxfp8_gemm_sm80: packed must be a contiguous int32 \[2, 1, 4, 2112\]",
          (x, packed, None, 80)),
         (ValueError, r"mxfp8_gemm_sm80: row_scale must be a contiguous float32 \[32\]", (x, packed, s[:16], 32)),
+        (ValueError, r"mxfp8_gemm_sm80: tiles=4 does not fit a CTA's 99 KB of shared memory from 9 rows",
+         (torch.randn(9, 256, device="cuda").to(torch.bfloat16), packed, s, 32, True, 4)),
     ]
     for exc, msg, args in cases:
         with pytest.raises(exc, match=msg):

@@ -86,6 +86,21 @@ def test_kernel_nan_inf_rows():
 
 
 @SM80
+@pytest.mark.parametrize("G,sym", [(128, True), (32, False), (-1, True)])
+def test_kernel_tiles_per_cta_give_the_same_bytes(G, sym):
+    """1, 2 or 4 weight tiles per CTA: each tile's slices are still added in slice order, so every choice gives the
+    same bytes (and the launcher's own choice among them), within one rounding of the reference; N off the 64-row
+    tile groups."""
+    rp, w = gpu_case(200, 1536, G, sym, seed=7)
+    for M in (1, 8, 9, 16, 17, 40):
+        x = torch.randn(M, 1536, device="cuda").to(torch.bfloat16)
+        ys = [torch.ops.cublade.w4a16_gemm_sm80(x, rp.packed, G, sym, 200, True, tiles) for tiles in (0, 1, 2, 4)]
+        assert_one_rounding(ys[1], x.float() @ w.t(), BAR)
+        for y in ys[2:] + ys[:1]:
+            assert torch.equal(y, ys[1]), M
+
+
+@SM80
 def test_kernel_refuses_with_a_message():
     rp, _ = gpu_case(32, 256, 64, True)
     op = torch.ops.cublade.w4a16_gemm_sm80
@@ -94,6 +109,8 @@ def test_kernel_refuses_with_a_message():
         (NotImplementedError, "w4a16_gemm_sm80: x must be bfloat16 or float16", (x.float(), rp.packed, 64, True, 32)),
         (ValueError, "w4a16_gemm_sm80: group_size must be 32, 64, 128 or -1", (x, rp.packed, 16, True, 32)),
         (ValueError, r"w4a16_gemm_sm80: packed must be a contiguous int32", (x, rp.packed, 64, True, 80)),
+        (ValueError, r"w4a16_gemm_sm80: tiles must be 0 \(the launcher's rule\), 1, 2 or 4, got 3",
+         (x, rp.packed, 64, True, 32, True, 3)),
     ]
     for exc, msg, args in cases:
         with pytest.raises(exc, match=msg):

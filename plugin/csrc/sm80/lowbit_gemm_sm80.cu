@@ -8,10 +8,12 @@
 // Numerics: as the Hopper streaming kernel's for the same blob (the same policies), the 4 K slices of a tile added
 // in slice order; one rounding to x's dtype.
 //
-// Schedule: one CTA per tile of 16 weight rows (the blob's tile blocks of that tile, one per 512-K chunk), 4 warps
-// over the K slices of each chunk (warp w: packets 2w and 2w + 1; a slice of 128 K holds whole scale groups), the
-// slices added through shared memory at the end of each token pass (8 or 16 tokens). A tile per CTA gives N / 16
-// CTAs (256 on a 4096-row weight): enough for every SM without splitting K across CTAs. The chunks stream through a
+// Schedule: one CTA per 1, 2 or 4 tiles of 16 weight rows (the blob's tile blocks of those tiles, one per 512-K chunk,
+// adjacent), 4 warps over the (tile, K slice) pairs of each chunk (a slice: 2 packets, 128 K, whole scale groups),
+// each tile's slices added in slice order at the end of each token pass (8 or 16 tokens), through shared memory where
+// another warp holds them. One tile per CTA gives N / 16 CTAs (256 on a 4096-row weight): enough for every SM
+// without splitting K across CTAs; from 9 tokens wide weights take more tiles per CTA, so that each x row loaded
+// serves more weight rows (at 16 tokens a CTA's x rows are 4x its int4 weight bytes). The chunks stream through a
 // ring of shared-memory stages filled by every thread with 16-byte cp.async (Ampere's asynchronous copy; no
 // bulk-copy engine, no mbarrier transaction counts), cp.async.wait_group + one barrier per stage; the x rows of the
 // pass travel in the same stages (zero-filled past K).
@@ -50,28 +52,34 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// A tile block (one tile's 512 K of the blob: packets, then the chunk's scale records) and one stage.
+// A tile block (one tile's 512 K of the blob: packets, then the chunk's scale records) and one stage: the CTA's
+// TILES tile blocks of a chunk (adjacent in the blob: TILES divides a tile group) and the pass's x rows.
 template <class P>
 constexpr int block_bytes() {
   return kChunk * P::kPacketBytes + P::kSBytes;
 }
-template <class P>
+template <class P, int TILES>
 constexpr int stage_bytes() {
-  return block_bytes<P>() + 8 * P::NT * kXRowBytes;
+  return TILES * block_bytes<P>() + 8 * P::NT * kXRowBytes;
 }
-template <class P>
+// The slices a tile's first warp does not hold, one per (tile, slice): 3 at one tile per CTA, 4 at two, none at four.
+template <int TILES>
+constexpr int red_slots() {
+  return TILES * (kWarps - TILES);
+}
+template <class P, int TILES>
 constexpr int red_bytes() {
-  return (kWarps - 1) * P::NT * 4 * 32 * 4;
+  return red_slots<TILES>() * P::NT * 4 * 32 * 4;
 }
 // Ring depth: up to 4 stages, as many as fit sm_86 / sm_89's 99 KB of shared memory per CTA with the reduction
-// buffer (MXFP8 at 16 tokens: 3).
-template <class P>
+// buffer (one tile, MXFP8 at 16 tokens: 3; two or four tiles at 16 tokens: 2).
+template <class P, int TILES>
 constexpr int stages() {
-  return std::min(4, (99 * 1024 - red_bytes<P>()) / stage_bytes<P>());
+  return std::min(4, (99 * 1024 - red_bytes<P, TILES>()) / stage_bytes<P, TILES>());
 }
-template <class P>
+template <class P, int TILES>
 constexpr int smem_bytes() {
-  return stages<P>() * stage_bytes<P>() + red_bytes<P>();
+  return stages<P, TILES>() * stage_bytes<P, TILES>() + red_bytes<P, TILES>();
 }
 
 struct Params {
@@ -86,37 +94,45 @@ struct Params {
   int N;
 };
 
-template <class P>
+// TILES tiles of 16 weight rows per CTA (1, 2 or 4): each x row a stage holds serves TILES tiles. The 4 warps split
+// the TILES x 4 (tile, K slice) pairs: warp w takes tile w / (4 / TILES) and TILES consecutive slices, one
+// accumulator each, so every tile's sums are still added in slice order (the numerics do not depend on TILES).
+template <class P, int TILES>
 __global__ void __launch_bounds__(kThreads) gemm_kernel(const __grid_constant__ Params prm) {
   using T = typename P::T;
-  constexpr int NT = P::NT, S = stages<P>(), kBlock = block_bytes<P>(), kStage = stage_bytes<P>();
+  constexpr int NT = P::NT, S = stages<P, TILES>(), kBlock = block_bytes<P>(), kStage = stage_bytes<P, TILES>();
+  constexpr int kTilesBlock = TILES * kBlock;
+  constexpr int kWarpsPerTile = kWarps / TILES;
   constexpr int V = P::kPacketBytes / 512;  // 16-byte vectors per lane per packet
   static_assert(S >= 2, "two stages must fit");
+  static_assert(lowbit::kGroupTiles % TILES == 0 && kWarps % TILES == 0, "a CTA's tiles lie in one tile group");
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int tile = blockIdx.x;  // 16 rows: tile group tile / 4, tile tile % 4 of it
+  const int tile0 = blockIdx.x * TILES;        // the CTA's first tile: tile group tile0 / 4, tile tile0 % 4 of it
+  const int wt = warp / kWarpsPerTile;         // the warp's tile (of the CTA's)
+  const int slice0 = (warp % kWarpsPerTile) * TILES;  // and its first K slice
   const int rows_per_pass = 8 * NT;
   const int passes = (prm.M + rows_per_pass - 1) / rows_per_pass;
   const int total = passes * prm.chunks;  // (pass, chunk) steps, streamed through one ring
-  const unsigned char* w_tile =
-      prm.w + (static_cast<int64_t>(tile / lowbit::kGroupTiles) * prm.chunks * lowbit::kGroupTiles +
-               tile % lowbit::kGroupTiles) * kBlock;
+  const unsigned char* w_tiles =
+      prm.w + (static_cast<int64_t>(tile0 / lowbit::kGroupTiles) * prm.chunks * lowbit::kGroupTiles +
+               tile0 % lowbit::kGroupTiles) * kBlock;
   const T* x = static_cast<const T*>(prm.x);
   float* red = reinterpret_cast<float*>(smem + S * kStage);
 
   auto load = [&](int step) {
     unsigned char* st = smem + (step % S) * kStage;
     const int pass = step / prm.chunks, c = step % prm.chunks;
-    const unsigned char* wsrc = w_tile + static_cast<int64_t>(c) * lowbit::kGroupTiles * kBlock;
-    for (int i = tid; i < kBlock / 16; i += kThreads) cp_async16(st + 16 * i, wsrc + 16 * i, true);
+    const unsigned char* wsrc = w_tiles + static_cast<int64_t>(c) * lowbit::kGroupTiles * kBlock;
+    for (int i = tid; i < kTilesBlock / 16; i += kThreads) cp_async16(st + 16 * i, wsrc + 16 * i, true);
     const int m0 = pass * rows_per_pass, rows = min(rows_per_pass, prm.M - m0);
     const int k0 = c * kChunk * kPacketK;
     for (int i = tid; i < rows * (kChunkXBytes / 16); i += kThreads) {
       const int r = i / (kChunkXBytes / 16), v = i % (kChunkXBytes / 16), k = k0 + 8 * v;
       const bool in = k < prm.K;  // K % 8 == 0: a vector of 8 is all in or all out
-      cp_async16(st + kBlock + r * kXRowBytes + 16 * v, x + static_cast<int64_t>(m0 + r) * prm.x_stride + (in ? k : 0),
-                 in);
+      cp_async16(st + kTilesBlock + r * kXRowBytes + 16 * v,
+                 x + static_cast<int64_t>(m0 + r) * prm.x_stride + (in ? k : 0), in);
     }
   };
 
@@ -125,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const __grid_constant__ 
     if (s < total) load(s);
     cp_async_commit();
   }
-  float acc[NT][4];
+  float acc[TILES][NT][4];  // one per slice the warp holds
   typename P::State state;
   for (int step = 0; step < total; ++step) {
     cp_async_wait<S - 2>();
@@ -137,41 +153,54 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const __grid_constant__ 
     const int m0 = pass * rows_per_pass, rows = min(rows_per_pass, prm.M - m0);
     if (c == 0) {
 #pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[n][j] = 0.0f;
-    }
-    const unsigned char* st = smem + (step % S) * kStage;
-    const unsigned char* xs = st + kBlock;
-    const unsigned char* srec = P::template slice_records<kSliceK>(st + kChunk * P::kPacketBytes, warp);
-    lowbit::static_for<kPacketsPerWarp>([&](auto j_c) {
-      constexpr int j = decltype(j_c)::value;  // packet of the warp's slice
-      const int p = warp * kPacketsPerWarp + j;  // packet of the chunk
-      uint4 xv[2][NT];
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          const int row = 8 * n + g;
-          xv[h][n] = row < rows ? lowbit::lds128(xs + row * kXRowBytes + (p * kPacketK + 32 * h) * 2 + t * 16)
-                                : make_uint4(0u, 0u, 0u, 0u);
-        }
-      uint4 q[V];
-#pragma unroll
-      for (int v = 0; v < V; ++v) q[v] = lowbit::lds128(st + p * P::kPacketBytes + v * 512 + lane * 16);
-      P::template packet<j, kSliceK>(state, q, srec, xv, acc, lane);
-    });
-
-    if (c == prm.chunks - 1) {  // the pass's sums: slices 1..3 through shared memory, added in slice order
-      auto red_at = [&](int slot, int n, int j) { return red + ((slot * NT + n) * 4 + j) * 32 + lane; };
-      if (warp > 0)
+      for (int si = 0; si < TILES; ++si)
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) *red_at(warp - 1, n, j) = acc[n][j];
-      __syncthreads();
-      if (warp == 0) {
-        const int r_lo = tile * kTileN + g, r_hi = r_lo + 8;
+          for (int j = 0; j < 4; ++j) acc[si][n][j] = 0.0f;
+    }
+    const unsigned char* st = smem + (step % S) * kStage;
+    const unsigned char* xs = st + kTilesBlock;
+    const unsigned char* blk = st + wt * kBlock;  // the warp's tile block
+#pragma unroll
+    for (int si = 0; si < TILES; ++si) {
+      const int slice = slice0 + si;
+      const unsigned char* srec = P::template slice_records<kSliceK>(blk + kChunk * P::kPacketBytes, slice);
+      lowbit::static_for<kPacketsPerWarp>([&](auto j_c) {
+        constexpr int j = decltype(j_c)::value;  // packet of the slice
+        const int p = slice * kPacketsPerWarp + j;  // packet of the chunk
+        uint4 xv[2][NT];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            const int row = 8 * n + g;
+            xv[h][n] = row < rows ? lowbit::lds128(xs + row * kXRowBytes + (p * kPacketK + 32 * h) * 2 + t * 16)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+          }
+        uint4 q[V];
+#pragma unroll
+        for (int v = 0; v < V; ++v) q[v] = lowbit::lds128(blk + p * P::kPacketBytes + v * 512 + lane * 16);
+        P::template packet<j, kSliceK>(state, q, srec, xv, acc[si], lane);
+      });
+    }
+
+    if (c == prm.chunks - 1) {  // the pass's sums: each tile's slices added in slice order
+      // slices 0 .. TILES-1 of a tile are its first warp's; the others reach it through shared memory
+      auto red_at = [&](int slot, int n, int j) { return red + ((slot * NT + n) * 4 + j) * 32 + lane; };
+      auto slot_of = [&](int tile, int slice) { return tile * (kWarps - TILES) + slice - TILES; };
+      if constexpr (kWarpsPerTile > 1) {
+        if (slice0 > 0)
+#pragma unroll
+          for (int si = 0; si < TILES; ++si)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) *red_at(slot_of(wt, slice0 + si), n, j) = acc[si][n][j];
+        __syncthreads();
+      }
+      if (slice0 == 0) {
+        const int r_lo = (tile0 + wt) * kTileN + g, r_hi = r_lo + 8;
         const float f_lo = prm.row_scale && r_lo < prm.N ? prm.row_scale[r_lo] : 1.0f;
         const float f_hi = prm.row_scale && r_hi < prm.N ? prm.row_scale[r_hi] : 1.0f;
         T* out = static_cast<T*>(prm.out);
@@ -179,8 +208,10 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const __grid_constant__ 
         for (int n = 0; n < NT; ++n)
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            float v = acc[n][j];
-            for (int slot = 0; slot < kWarps - 1; ++slot) v += *red_at(slot, n, j);
+            float v = acc[0][n][j];
+#pragma unroll
+            for (int si = 1; si < TILES; ++si) v += acc[si][n][j];
+            for (int slice = TILES; slice < kWarps; ++slice) v += *red_at(slot_of(wt, slice), n, j);
             const int row = j < 2 ? r_lo : r_hi;
             const int tok = 8 * n + 2 * t + (j & 1);
             if (row < prm.N && tok < rows)
@@ -188,20 +219,49 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const __grid_constant__ 
                   lowbit::from_float<T>(v * (j < 2 ? f_lo : f_hi));
           }
       }
-      __syncthreads();  // red is read before the next pass's slices write it
+      if constexpr (kWarpsPerTile > 1) __syncthreads();  // red is read before the next pass's slices write it
     }
   }
   cp_async_wait<0>();
 }
 
-template <class P>
-cudaError_t launch(const Params& prm, int64_t N, cudaStream_t stream) {
-  constexpr auto kernel = gemm_kernel<P>;
+template <class P, int TILES>
+cudaError_t launch_tiles(const Params& prm, int64_t N, cudaStream_t stream) {
+  constexpr auto kernel = gemm_kernel<P, TILES>;
   static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<P>());
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<P, TILES>());
   if (attr != cudaSuccess) return attr;
-  kernel<<<static_cast<unsigned>(ceil_div(N, kTileN)), kThreads, smem_bytes<P>(), stream>>>(prm);
+  kernel<<<static_cast<unsigned>(ceil_div(ceil_div(N, kTileN), TILES)), kThreads, smem_bytes<P, TILES>(), stream>>>(
+      prm);
   return cudaGetLastError();
+}
+
+// Tiles per CTA: `tiles` when given (1, 2 or 4; where two stages of it fit), else one up to 8 tokens and from 9 the
+// most tiles that still leave two CTAs per SM (a CTA's x rows then serve more weight rows). The rule is not measured
+// on an sm_80-89 GPU yet.
+template <class P>
+cudaError_t launch(const Params& prm, int64_t N, int tiles, cudaStream_t stream) {
+  constexpr bool kFits2 = stages<P, 2>() >= 2, kFits4 = stages<P, 4>() >= 2;
+  if (tiles == 0) {
+    tiles = 1;
+    if (prm.M > 8) {
+      int dev = 0, sms = 1;
+      if (cudaGetDevice(&dev) != cudaSuccess ||
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        return cudaGetLastError();
+      const int64_t n_tiles = ceil_div(N, kTileN);
+      if (kFits4 && ceil_div(n_tiles, 4) >= 2 * sms) tiles = 4;
+      else if (kFits2 && ceil_div(n_tiles, 2) >= 2 * sms) tiles = 2;
+    }
+  }
+  if (tiles == 1) return launch_tiles<P, 1>(prm, N, stream);
+  if constexpr (kFits2) {
+    if (tiles == 2) return launch_tiles<P, 2>(prm, N, stream);
+  }
+  if constexpr (kFits4) {
+    if (tiles == 4) return launch_tiles<P, 4>(prm, N, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 // The checks and fields both ops share; false when the arguments cannot run.
@@ -220,15 +280,16 @@ bool make_params(const void* x, int64_t M, int64_t K, int64_t x_stride, const vo
 }
 
 template <typename T, int GS, bool ASYM>
-cudaError_t launch_int4(const Params& prm, int64_t N, cudaStream_t stream) {
-  return prm.M <= 8 ? launch<int4::Int4Policy<T, 1, GS, ASYM>>(prm, N, stream)
-                    : launch<int4::Int4Policy<T, 2, GS, ASYM>>(prm, N, stream);
+cudaError_t launch_int4(const Params& prm, int64_t N, int tiles, cudaStream_t stream) {
+  return prm.M <= 8 ? launch<int4::Int4Policy<T, 1, GS, ASYM>>(prm, N, tiles, stream)
+                    : launch<int4::Int4Policy<T, 2, GS, ASYM>>(prm, N, tiles, stream);
 }
 
 template <typename T>
-cudaError_t launch_int4_dtype(const Params& prm, int64_t N, int group_size, bool asym, cudaStream_t stream) {
+cudaError_t launch_int4_dtype(const Params& prm, int64_t N, int group_size, bool asym, int tiles,
+                              cudaStream_t stream) {
   return with_int4_group(group_size, asym, [&](auto gs, auto asym_c) {
-    return launch_int4<T, decltype(gs)::value, decltype(asym_c)::value>(prm, N, stream);
+    return launch_int4<T, decltype(gs)::value, decltype(asym_c)::value>(prm, N, tiles, stream);
   });
 }
 
@@ -239,7 +300,8 @@ cudaError_t launch_mxfp8_gemm_sm80(const Mxfp8GemmSm80Args& a, cudaStream_t stre
   Params prm;
   if (a.K % 32 != 0 || !make_params(a.x, a.M, a.K, a.x_stride, a.packed, a.row_scale, a.out, a.out_stride, a.N, prm))
     return cudaErrorInvalidValue;
-  return a.M <= 8 ? launch<mxfp8::Mxfp8Policy<1>>(prm, a.N, stream) : launch<mxfp8::Mxfp8Policy<2>>(prm, a.N, stream);
+  return a.M <= 8 ? launch<mxfp8::Mxfp8Policy<1>>(prm, a.N, a.tiles, stream)
+                  : launch<mxfp8::Mxfp8Policy<2>>(prm, a.N, a.tiles, stream);
 }
 
 cudaError_t launch_w4a16_gemm_sm80(const W4a16GemmSm80Args& a, cudaStream_t stream) {
@@ -248,8 +310,8 @@ cudaError_t launch_w4a16_gemm_sm80(const W4a16GemmSm80Args& a, cudaStream_t stre
   if (!make_params(a.x, a.M, a.K, a.x_stride, a.packed, nullptr, a.out, a.out_stride, a.N, prm))
     return cudaErrorInvalidValue;
   switch (a.dtype) {
-    case InDtype::kBF16: return launch_int4_dtype<__nv_bfloat16>(prm, a.N, a.group_size, a.asym, stream);
-    case InDtype::kF16: return launch_int4_dtype<__half>(prm, a.N, a.group_size, a.asym, stream);
+    case InDtype::kBF16: return launch_int4_dtype<__nv_bfloat16>(prm, a.N, a.group_size, a.asym, a.tiles, stream);
+    case InDtype::kF16: return launch_int4_dtype<__half>(prm, a.N, a.group_size, a.asym, a.tiles, stream);
     default: return cudaErrorInvalidValue;
   }
 }

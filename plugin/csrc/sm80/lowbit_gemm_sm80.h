@@ -21,6 +21,7 @@ struct Mxfp8GemmSm80Args {
   const float* row_scale = nullptr;
   void* out = nullptr;
   int64_t out_stride = 0, N = 0;
+  int tiles = 0;  // 16-row weight tiles per CTA: 1, 2, 4 (where they fit), 0 = the launcher's rule
 };
 cudaError_t launch_mxfp8_gemm_sm80(const Mxfp8GemmSm80Args& a, cudaStream_t stream);
 
@@ -35,6 +36,7 @@ struct W4a16GemmSm80Args {
   bool asym = false;
   void* out = nullptr;
   int64_t out_stride = 0, N = 0;
+  int tiles = 0;  // as Mxfp8GemmSm80Args::tiles
 };
 cudaError_t launch_w4a16_gemm_sm80(const W4a16GemmSm80Args& a, cudaStream_t stream);
 

@@ -47,10 +47,18 @@ at::Tensor mxfp8_dequant_packed_sm80(const at::Tensor& packed, int64_t size_n, i
   return dequant_packed("mxfp8_dequant_packed_sm80", packed, size_n, size_k, nullptr);
 }
 
+void check_tiles(const char* op, int64_t tiles) {
+  CUBLADE_CHECK_VALUE(tiles == 0 || tiles == 1 || tiles == 2 || tiles == 4, op, "tiles must be 0 (the launcher's rule), "
+                      "1, 2 or 4, got ", num(tiles));
+}
+
 at::Tensor mxfp8_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& row_scale,
-                           int64_t size_n, bool kernel_only) {
+                           int64_t size_n, bool kernel_only, int64_t tiles) {
   constexpr const char* op = "mxfp8_gemm_sm80";
   const int64_t K = check_mxfp8_gemm_args(op, x_in, packed, size_n, check_sm80);
+  check_tiles(op, tiles);
+  CUBLADE_CHECK_VALUE(tiles != 4 || x_in.numel() / K <= 8, op, "tiles=4 does not fit a CTA's 99 KB of shared memory "
+                      "from 9 rows of x (MXFP8 blocks); use 1 or 2");
   check_aligned(op, packed);
   if (row_scale.has_value()) {
     const at::Tensor& s = *row_scale;
@@ -68,7 +76,7 @@ at::Tensor mxfp8_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, con
         sm80::Mxfp8GemmSm80Args a;
         a.x = x.data_ptr(); a.M = M; a.K = K; a.x_stride = x.stride(0);
         a.packed = packed.data_ptr(); a.row_scale = rs;
-        a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n;
+        a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n; a.tiles = static_cast<int>(tiles);
         return sm80::launch_mxfp8_gemm_sm80(a, current_stream());
       });
 }
@@ -85,9 +93,10 @@ at::Tensor w4a16_dequant_sm80(const at::Tensor& packed, int64_t group_size, bool
 }
 
 at::Tensor w4a16_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, int64_t group_size, bool symmetric,
-                           int64_t size_n, bool kernel_only) {
+                           int64_t size_n, bool kernel_only, int64_t tiles) {
   constexpr const char* op = "w4a16_gemm_sm80";
   const int64_t K = check_w4a16_gemm_args(op, x_in, packed, group_size, symmetric, size_n, check_sm80);
+  check_tiles(op, tiles);
   check_aligned(op, packed);
   return lowbit_gemm(
       op, x_in, size_n, !kernel_only, sm80::kSm80PrefillRows,
@@ -97,7 +106,7 @@ at::Tensor w4a16_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, int
         sm80::W4a16GemmSm80Args a;
         a.x = x.data_ptr(); a.dtype = in_dtype_of(op, "x", x); a.M = M; a.K = K; a.x_stride = x.stride(0);
         a.packed = packed.data_ptr(); a.group_size = static_cast<int>(group_size); a.asym = !symmetric;
-        a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n;
+        a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n; a.tiles = static_cast<int>(tiles);
         return sm80::launch_w4a16_gemm_sm80(a, current_stream());
       });
 }
