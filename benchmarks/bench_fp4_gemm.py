@@ -1,5 +1,6 @@
-"""Benchmark cublade's fp4_gemm (FP4 experts, bf16 math) in the same run as vLLM's Marlin FP4 GEMM (dense, per
-expert) and a bf16 matmul of the dequantized weight.
+"""Benchmark cublade's fp4_gemm (FP4 experts, bf16 math) in the same run as vLLM's Marlin FP4 GEMM and its Humming
+FP4 linear kernel (dense, per expert; Humming needs the humming-kernels package) and a bf16 matmul of the dequantized
+weight.
 
     python benchmarks/bench_fp4_gemm.py [--fmt mxfp4,nvfp4] [--batches 1,4,16] [--json FILE]
 
@@ -9,7 +10,7 @@ Grouped rows: one call over E=8 experts for a batch of B tokens (--batches; 1, 4
 dequantize-then-matmul MoE does).
 Times: median of triton.testing.do_bench (L2 cleared before each call). TB/s: FP4 + scale bytes of the experts
 that have rows, over the time. Accuracy: mean|C-ref|/mean|ref| at M=16 against the fp32 product with the
-dequantized weights. Without vLLM the Marlin column says so and the rest still runs.
+dequantized weights. Without vLLM (or humming) the baseline columns say so and the rest still runs.
 """
 from __future__ import annotations
 
@@ -67,6 +68,40 @@ def marlin_fp4(t: dict, fmt: str, N: int, K: int):
     return fn, f"baseline: vLLM {vllm.__version__} Marlin FP4 (apply_fp4_marlin_linear, one expert)"
 
 
+def humming_fp4(t: dict, fmt: str, N: int, K: int):
+    """(fn(x), None) for vLLM's Humming MXFP4 / NVFP4 linear kernel on expert 0, prepared as vLLM does at load time
+    (the layer holding what vLLM's own fp4 schemes hand the kernel), or (None, why not)."""
+    try:
+        from vllm.utils.import_utils import has_humming
+        if fmt == "mxfp4":
+            from vllm.model_executor.kernels.linear.mxfp4.base import MxFp4LinearLayerConfig as Config
+            from vllm.model_executor.kernels.linear.mxfp4.humming import HummingMxFp4LinearKernel as Kernel
+        else:
+            from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig as Config
+            from vllm.model_executor.kernels.linear.nvfp4.humming import HummingNvFp4LinearKernel as Kernel
+    except ImportError as e:
+        return None, f"vLLM's Humming {fmt} kernel not importable ({e})"
+    if not has_humming():
+        return None, "the humming package is not installed (pip install humming-kernels)"
+    ok, why = Kernel.is_supported()
+    if not ok:
+        return None, f"vLLM's Humming {fmt}: {why}"
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(t["weight_packed"][0].clone(), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(t["weight_scale"][0].clone(), requires_grad=False)
+    if fmt == "nvfp4":  # the scale Marlin is given (the kernel inverts it back, as vLLM's scheme inverted it)
+        layer.weight_global_scale = torch.nn.Parameter(t["weight_global_scale"][:1].clone(), requires_grad=False)
+    layer.input_size = layer.input_size_per_partition = K
+    layer.output_size = layer.output_size_per_partition = N
+    layer.output_partition_sizes, layer.params_dtype, layer.has_bias = [N], torch.bfloat16, False
+    try:
+        k = Kernel(Config())
+        k.process_weights_after_loading(layer)
+    except Exception as e:  # noqa: BLE001  (any failure of the baseline's preparation: reported, not fatal)
+        return None, f"vLLM's Humming {fmt} failed to prepare the weights ({type(e).__name__}: {e})"
+    return (lambda x: k.apply_weights(layer, x)), None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fmt", default="mxfp4,nvfp4")
@@ -78,7 +113,7 @@ def main() -> None:
 
     op = require_op("bench_fp4_gemm", "fp4_gemm")
     dev = torch.device("cuda")
-    rows, note = [], None
+    rows, note, not_run = [], None, {}
     E = 8
     for fmt in args.fmt.split(","):
         for K, N in [(4096, 28672), (14336, 4096)]:
@@ -90,6 +125,9 @@ def main() -> None:
             sbytes = N * K // (32 if fmt == "mxfp4" else 16)
             ebytes = N * K // 2 + sbytes  # one expert
             marlin, note = marlin_fp4(t, fmt, N, K)
+            humming, why = humming_fp4(t, fmt, N, K)
+            if humming is None:
+                not_run[f"humming {fmt}"] = why
             one = rp._replace(packed=rp.packed[:1].contiguous(),
                               row_scale=None if rp.row_scale is None else rp.row_scale[:1].contiguous())
             x16 = torch.randn(16, K, device=dev).to(torch.bfloat16)
@@ -97,12 +135,15 @@ def main() -> None:
             errs = {"cublade": rel_err(op(x16, one.packed, one.row_scale, fmt, N), ref16)}
             if marlin is not None:
                 errs["marlin"] = rel_err(marlin(x16), ref16)
+            if humming is not None:
+                errs["humming"] = rel_err(humming(x16), ref16)
             for M in (1, 4, 16):
                 x = torch.randn(M, K, device=dev).to(torch.bfloat16)
                 r = {"kind": "dense", "fmt": fmt, "K": K, "N": N, "M": M, "bytes": ebytes}
                 r["cublade_us"] = bench(lambda: op(x, one.packed, one.row_scale, fmt, N))
                 r["bf16_us"] = bench(lambda: torch.nn.functional.linear(x, wbf[0]))
                 r["marlin_us"] = bench(lambda: marlin(x)) if marlin is not None else None
+                r["humming_us"] = bench(lambda: humming(x)) if humming is not None else None
                 r["errors_m16"] = errs
                 rows.append(r)
                 print(json.dumps(r), flush=True)
@@ -129,20 +170,23 @@ def main() -> None:
                 r["error"] = rel_err(y, ref)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-            del w32, wbf, rp, one, t
+            w32 = wbf = rp = one = t = humming = marlin = None  # free the shape's tensors before the next
             torch.cuda.empty_cache()
 
-    write_json(args.json, rows, baseline=note)
+    write_json(args.json, rows, baseline=note, not_run=not_run)
     print(note)
+    for name, why in not_run.items():
+        print(f"not run: {name}: {why}")
     print("\nfp4_gemm: median us (do_bench, L2 cleared); TB/s = FP4 + scale bytes of the experts with rows / time")
     print(f"{'kind':>7} {'fmt':>5} {'K x N':>12} {'M/T':>4} {'cublade':>8} {'TB/s':>5} {'Marlin':>8} "
-          f"{'Marlin/cublade':>14} {'bf16':>8} {'bf16/cublade':>12}")
+          f"{'Marlin/cublade':>14} {'Humming':>8} {'Humming/cublade':>15} {'bf16':>8} {'bf16/cublade':>12}")
     for r in rows:
         tbs = r["bytes"] / r["cublade_us"] / 1e6
-        m = r.get("marlin_us")
+        m, h = r.get("marlin_us"), r.get("humming_us")
         print(f"{r['kind']:>7} {r['fmt']:>5} {r['K']:>5}x{r['N']:<6} {r.get('M', r.get('T')):>4} "
               f"{r['cublade_us']:>8.1f} {tbs:>5.2f} {m or float('nan'):>8.1f} "
-              f"{(m / r['cublade_us']) if m else float('nan'):>13.2f}x {r['bf16_us']:>8.1f} "
+              f"{(m / r['cublade_us']) if m else float('nan'):>13.2f}x {h or float('nan'):>8.1f} "
+              f"{(h / r['cublade_us']) if h else float('nan'):>14.2f}x {r['bf16_us']:>8.1f} "
               f"{r['bf16_us'] / r['cublade_us']:>11.2f}x")
     print("accuracy: " + " | ".join(
         f"{r['fmt']} {r['K']}x{r['N']} " + (", ".join(f"{k} {v:.2e}" for k, v in r["errors_m16"].items())
