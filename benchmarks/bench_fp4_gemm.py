@@ -20,7 +20,7 @@ import json
 
 import torch
 
-from common import bench_us, rel_err, require_op, write_json
+from common import bench_us, humming_linear, rel_err, require_op, vllm_single_process_state, write_json
 
 bench = functools.partial(bench_us, rep_ms=100)  # median us, do_bench's 100 ms window
 
@@ -72,7 +72,7 @@ def humming_fp4(t: dict, fmt: str, N: int, K: int):
     """(fn(x), None) for vLLM's Humming MXFP4 / NVFP4 linear kernel on expert 0, prepared as vLLM does at load time
     (the layer holding what vLLM's own fp4 schemes hand the kernel), or (None, why not)."""
     try:
-        from vllm.utils.import_utils import has_humming
+        vllm_single_process_state()
         if fmt == "mxfp4":
             from vllm.model_executor.kernels.linear.mxfp4.base import MxFp4LinearLayerConfig as Config
             from vllm.model_executor.kernels.linear.mxfp4.humming import HummingMxFp4LinearKernel as Kernel
@@ -81,11 +81,6 @@ def humming_fp4(t: dict, fmt: str, N: int, K: int):
             from vllm.model_executor.kernels.linear.nvfp4.humming import HummingNvFp4LinearKernel as Kernel
     except ImportError as e:
         return None, f"vLLM's Humming {fmt} kernel not importable ({e})"
-    if not has_humming():
-        return None, "the humming package is not installed (pip install humming-kernels)"
-    ok, why = Kernel.is_supported()
-    if not ok:
-        return None, f"vLLM's Humming {fmt}: {why}"
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(t["weight_packed"][0].clone(), requires_grad=False)
     layer.weight_scale = torch.nn.Parameter(t["weight_scale"][0].clone(), requires_grad=False)
@@ -94,12 +89,7 @@ def humming_fp4(t: dict, fmt: str, N: int, K: int):
     layer.input_size = layer.input_size_per_partition = K
     layer.output_size = layer.output_size_per_partition = N
     layer.output_partition_sizes, layer.params_dtype, layer.has_bias = [N], torch.bfloat16, False
-    try:
-        k = Kernel(Config())
-        k.process_weights_after_loading(layer)
-    except Exception as e:  # noqa: BLE001  (any failure of the baseline's preparation: reported, not fatal)
-        return None, f"vLLM's Humming {fmt} failed to prepare the weights ({type(e).__name__}: {e})"
-    return (lambda x: k.apply_weights(layer, x)), None
+    return humming_linear(Kernel, Config(), layer, fmt)
 
 
 def main() -> None:

@@ -22,7 +22,8 @@ import json
 
 import torch
 
-from common import REFERENCE_COPY_TBPS, bench_us, rel_err, require_op, vllm_single_process_state, write_json
+from common import (REFERENCE_COPY_TBPS, bench_us, humming_linear, rel_err, require_op, vllm_single_process_state,
+                    write_json)
 
 bench = functools.partial(bench_us, rep_ms=100)
 KERNELS = ("cublade-mxfp8-gemm", "vllm-marlin-mxfp8", "cublade-mxfp8-dequant-matmul")
@@ -70,24 +71,13 @@ def humming_fn(q: torch.Tensor, codes: torch.Tensor):
         vllm_single_process_state()
         from vllm.model_executor.kernels.linear.mxfp8.humming import HummingMxfp8LinearKernel
         from vllm.model_executor.kernels.linear.mxfp8.Mxfp8LinearKernel import Mxfp8LinearLayerConfig
-        from vllm.utils.import_utils import has_humming
     except ImportError as e:
         return None, f"vLLM's Humming MXFP8 kernel not importable ({e})"
-    if not has_humming():
-        return None, "the humming package is not installed (pip install humming-kernels)"
-    ok, why = HummingMxfp8LinearKernel.is_supported()
-    if not ok:
-        return None, f"vLLM's Humming MXFP8: {why}"
     layer = stand_in_layer(q, codes)
     N, K = q.shape
     layer.input_size = layer.input_size_per_partition = K
     layer.output_partition_sizes, layer.has_bias = [N], False
-    try:
-        k = HummingMxfp8LinearKernel(Mxfp8LinearLayerConfig())
-        k.process_weights_after_loading(layer)
-    except Exception as e:  # noqa: BLE001  (any failure of the baseline's preparation: reported, not fatal)
-        return None, f"vLLM's Humming MXFP8 failed to prepare the weights ({type(e).__name__}: {e})"
-    return (lambda x: k.apply_weights(layer, x)), None
+    return humming_linear(HummingMxfp8LinearKernel, Mxfp8LinearLayerConfig(), layer, "MXFP8")
 
 
 def main() -> None:

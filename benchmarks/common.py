@@ -170,3 +170,21 @@ def write_json(path: str | None, rows: list, **meta) -> None:
         with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **meta, "rows": rows}, f,
                       indent=1)
+
+
+def humming_linear(kernel_cls, config, layer: torch.nn.Module, what: str):
+    """(fn(x), None) for one of vLLM's Humming linear kernel classes prepared on `layer` as vLLM does at load time, or
+    (None, why it cannot run here): the humming package missing, the GPU refused, or the preparation failing."""
+    from vllm.utils.import_utils import has_humming
+
+    if not has_humming():
+        return None, "the humming package is not installed (pip install humming-kernels)"
+    ok, why = kernel_cls.is_supported()
+    if not ok:
+        return None, f"vLLM's Humming {what}: {why}"
+    try:
+        k = kernel_cls(config)
+        k.process_weights_after_loading(layer)
+    except Exception as e:  # noqa: BLE001  (any failure of the baseline's preparation: reported, not fatal)
+        return None, f"vLLM's Humming {what} failed to prepare the weights ({type(e).__name__}: {e})"
+    return (lambda x: k.apply_weights(layer, x)), None
