@@ -40,8 +40,9 @@ kernels of different rounding part ways within a few tokens even on the same qua
 `profile` runs each configuration's engine in-process under torch.profiler (CUDA kernels only, CUDA graphs
 included) over a generate of 1 + S tokens and one of 1 token, and prints where a decode step's GPU time goes: the
 difference of the two, per kernel and per kind of kernel (cublade's GEMMs, vLLM's and cuBLAS's GEMMs, activation
-quantization, attention, Inductor's fused elementwise kernels, ...), each divided by S, next to the measured step
-time; what the kernels do not cover is time the GPU waits (launch gaps, host work).
+quantization, attention, Inductor's fused elementwise kernels, ...), each divided by S, next to the step time
+measured by the same pairs without the profiler (--reps of them, in the same in-process engine); what the kernels do
+not cover is time the GPU waits (launch gaps, host work).
 
 --shape 70b makes a Llama-3-70B-shaped model instead (hidden 8192, MLP 28672, 64 heads / 8 KV heads, vocab 128256;
 80 layers in the real one: --layers picks how many, e.g. 8 where memory or time asks). --presets limits the
@@ -253,7 +254,7 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
 
         first_tokens = timed(steps + 1)[1][:16]  # warm-up
         if profile:
-            rows.append({"batch": b, **kernel_profile(timed, steps)})
+            rows.append({"batch": b, **kernel_profile(timed, steps, reps)})
             continue
         steps_ms, short_ms = [], []
         for _ in range(reps):
@@ -281,10 +282,10 @@ KERNEL_KINDS = (
 )
 
 
-def kernel_profile(timed, steps: int) -> dict:
+def kernel_profile(timed, steps: int, reps: int) -> dict:
     """GPU time per decode step by kernel: torch.profiler over a generate of 1 + steps tokens minus one of 1 token,
-    divided by steps. Returns the step time measured in the same two calls, the kernels' sum, the time per kind
-    of kernel and the kernels that take the most."""
+    divided by steps. Returns the step time (the median of `reps` such pairs run without the profiler, which
+    slows the host), the kernels' sum, the time per kind of kernel and the kernels that take the most."""
     from torch.profiler import ProfilerActivity, profile
 
     def kernels(n: int) -> tuple[float, dict[str, list[float]]]:
@@ -298,8 +299,9 @@ def kernel_profile(timed, steps: int) -> dict:
                 t[1] += 1
         return dt, per
 
-    long_s, long_k = kernels(steps + 1)
-    short_s, short_k = kernels(1)
+    step_s = statistics.median((timed(steps + 1)[0] - timed(1)[0]) / steps for _ in range(reps))
+    _, long_k = kernels(steps + 1)
+    _, short_k = kernels(1)
     per_step = {}
     for name, (us, calls) in long_k.items():
         s_us, s_calls = short_k.get(name, (0.0, 0.0))
@@ -310,7 +312,7 @@ def kernel_profile(timed, steps: int) -> dict:
         kind = next(k for k, rx in KERNEL_KINDS if re.search(rx, name, re.IGNORECASE))
         kinds[kind] = kinds.get(kind, 0.0) + us
     top = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:30]
-    return {"step_ms": (long_s - short_s) / steps * 1e3, "kernels_ms": sum(v[0] for v in per_step.values()) / 1e3,
+    return {"step_ms": step_s * 1e3, "kernels_ms": sum(v[0] for v in per_step.values()) / 1e3,
             "kinds_us": kinds, "top": [(n[:160], us, calls) for n, (us, calls) in top]}
 
 
