@@ -46,7 +46,11 @@ not cover is time the GPU waits (launch gaps, host work).
 
 --shape 70b makes a Llama-3-70B-shaped model instead (hidden 8192, MLP 28672, 64 heads / 8 KV heads, vocab 128256;
 80 layers in the real one: --layers picks how many, e.g. 8 where memory or time asks). --presets limits the
-conversions (and the configurations that need them) to those listed.
+conversions (and the configurations that need them) to those listed. --shape mixtral makes a Mixtral-8x7B-shaped
+MoE model (hidden 4096, 8 experts of intermediate 14336, top-2, 32 / 8 heads, vocab 32000) and its
+`fp4-experts-fp8-dense` conversion, for the configurations cublade-fp4-moe (FP4 experts on cublade's kernel) and
+vllm-marlin-moe (the same checkpoint on vLLM's fused Marlin MoE); `run --enable-expert-parallel` splits the experts
+over the GPUs of `--tensor-parallel-size`.
 """
 from __future__ import annotations
 
@@ -87,10 +91,19 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-fp8-kv-vllm": ("cublade-fp8-kv-nearest", None, {}, None),
     "cublade-fp8-kv": ("cublade-fp8-kv-nearest", None, {}, "CUSTOM"),
     "cublade-fp8-kv-qa": ("cublade-fp8-kv-query-aware", None, {}, "CUSTOM"),
+    # the Mixtral-shaped model (make --shape mixtral): FP4 experts on cublade's kernel, or the same checkpoint's
+    # experts on vLLM's fused Marlin MoE (cublade's method, its kernel disabled)
+    "cublade-fp4-moe": ("cublade-fp4-experts-fp8-dense", None, {}, None),
+    "vllm-marlin-moe": ("cublade-fp4-experts-fp8-dense", None, {"CUBLADE_DISABLED_KERNELS": "cublade-fp4-moe"}, None),
 }
 LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_attention_heads=64)
-SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
-PRESETS = ("fp8-dynamic", "mxfp8", "w4a16")
+MIXTRAL_8X7B = dict(LLAMA3_8B, architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000,
+                    num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=32768,
+                    bos_token_id=1, eos_token_id=2)
+SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B, "mixtral": MIXTRAL_8X7B}
+PRESETS = ("fp8-dynamic", "mxfp8", "w4a16", "fp4-experts-fp8-dense")
+DEFAULT_PRESETS = {"8b": ("fp8-dynamic", "mxfp8", "w4a16"), "70b": ("fp8-dynamic", "mxfp8", "w4a16"),
+                   "mixtral": ("fp4-experts-fp8-dense",)}
 KV_SCALE = 0.02  # K and V of these random weights are about N(0, 1.3): abs-max about 9 = 448 * 0.02
 
 
@@ -100,10 +113,20 @@ def layer_shapes(cfg: dict, i: int) -> dict[str, tuple[int, ...]]:
     h, m, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     p = f"model.layers.{i}."
-    return {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (m, h), p + "mlp.up_proj.weight": (m, h), p + "mlp.down_proj.weight": (h, m)}
+    shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+              p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+              p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
+    experts = cfg.get("num_local_experts")
+    if experts is None:
+        shapes.update({p + "mlp.gate_proj.weight": (m, h), p + "mlp.up_proj.weight": (m, h),
+                       p + "mlp.down_proj.weight": (h, m)})
+        return shapes
+    moe = p + "block_sparse_moe."  # Mixtral's names: the router, then w1 (gate), w2 (down), w3 (up) per expert
+    shapes[moe + "gate.weight"] = (experts, h)
+    for e in range(experts):
+        shapes.update({f"{moe}experts.{e}.w1.weight": (m, h), f"{moe}experts.{e}.w2.weight": (h, m),
+                       f"{moe}experts.{e}.w3.weight": (m, h)})
+    return shapes
 
 
 def make_source(out: Path, layers: int, seed: int = 0, shape: str = "8b") -> None:
@@ -200,7 +223,7 @@ def cmd_make(args) -> None:
         t0 = time.perf_counter()
         make_source(src, args.layers, shape=args.shape)
         print(f"source: {src} ({args.shape}, {args.layers} layers) in {time.perf_counter() - t0:.0f} s", flush=True)
-    presets = args.presets or PRESETS
+    presets = args.presets or DEFAULT_PRESETS[args.shape]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         raise SystemExit(f"--presets: unknown {unknown}; known: {', '.join(PRESETS)}")
@@ -222,7 +245,8 @@ def cmd_make(args) -> None:
 # ---- run: decode step time per configuration ------------------------------------------------------------------
 
 def measure(model: str, quantization: str | None, batches: list[int], prompt: int, steps: int, reps: int,
-            attention_backend: str | None = None, tensor_parallel_size: int = 1, profile: bool = False) -> dict:
+            attention_backend: str | None = None, tensor_parallel_size: int = 1, profile: bool = False,
+            expert_parallel: bool = False) -> dict:
     """Runs in the configuration's own process: one engine, every batch size. profile: the engine in this process,
     and each batch size's kernel times per step (kernel_profile) instead of timed pairs."""
     if profile:
@@ -233,7 +257,7 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
     t0 = time.perf_counter()
     llm = LLM(model=model, quantization=quantization, skip_tokenizer_init=True, max_model_len=prompt + steps + 8,
               max_num_seqs=max(batches), gpu_memory_utilization=0.5, enable_prefix_caching=False, seed=0,
-              tensor_parallel_size=tensor_parallel_size,
+              tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=expert_parallel,
               compilation_config={"cudagraph_capture_sizes": sorted(set(batches))},
               **({"attention_backend": attention_backend} if attention_backend else {}))
     startup = time.perf_counter() - t0
@@ -331,7 +355,7 @@ def print_profile(name: str, rows: list[dict]) -> None:
 
 def cmd_measure(args) -> None:
     res = measure(args.model, args.quantization, args.batches, args.prompt, args.steps, args.reps,
-                  args.attention_backend, args.tensor_parallel_size, args.profile)
+                  args.attention_backend, args.tensor_parallel_size, args.profile, args.enable_expert_parallel)
     Path(args.result).write_text(json.dumps(res))
 
 
@@ -354,6 +378,7 @@ def cmd_run(args) -> None:
                "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt),
                "--steps", str(args.steps), "--reps", str(args.reps),
                "--tensor-parallel-size", str(args.tensor_parallel_size)] \
+            + (["--enable-expert-parallel"] if args.enable_expert_parallel else []) \
             + (["--quantization", quant] if quant else []) + (["--attention-backend", backend] if backend else []) \
             + (["--profile"] if args.cmd == "profile" else [])
         log = work / f"log-{name}.txt"
@@ -392,7 +417,7 @@ def report(results: dict, batches: list[int]) -> None:
         cells = [f"{r['step_ms']:.3f} ({r['tok_s']:.0f})" for r in res["rows"]] + [
             f"{r['prefill_ms']:.1f}" for r in res["rows"]]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    pairs = [("cublade-fp8", "vllm-fp8"), ("cublade-fp8-fuse", "vllm-fp8"), ("cublade-fp8-fuse", "cublade-fp8"),
+    pairs = [("cublade-fp4-moe", "vllm-marlin-moe"), ("cublade-fp8", "vllm-fp8"), ("cublade-fp8-fuse", "vllm-fp8"), ("cublade-fp8-fuse", "cublade-fp8"),
              ("cublade-w4a16-fp8", "cublade-w4a16"), ("cublade-w4a16", "vllm-w4a16-humming"),
              ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),
              ("cublade-w4a16", "vllm-w4a16-marlin"), ("cublade-fp8-kv", "cublade-fp8-kv-vllm"),
@@ -412,9 +437,11 @@ def main() -> None:
     m = sub.add_parser("make", help="write the synthetic source checkpoint and its conversions into WORKDIR")
     m.add_argument("workdir")
     m.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-3-8B has 32, -70B 80)")
-    m.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="Llama-3-8B (default) or -70B shapes")
+    m.add_argument("--shape", choices=sorted(SHAPES), default="8b",
+                   help="Llama-3-8B (default) or -70B shapes, or Mixtral-8x7B's (8 experts, top-2)")
     m.add_argument("--presets", type=lambda v: [x for x in v.split(",") if x], default=None,
-                   help=f"conversions to make (default all: {','.join(PRESETS)})")
+                   help=f"conversions to make (of {','.join(PRESETS)}; default: the shape's, fp4-experts-fp8-dense "
+                        f"for mixtral, the others for the Llama shapes)")
     r = sub.add_parser("run", help="time decode steps for each configuration (default: all)")
     pr = sub.add_parser("profile", help="GPU time of a decode step by kernel, for each configuration")
     for q in (r, pr):
@@ -429,6 +456,8 @@ def main() -> None:
         q.add_argument("--steps", type=int, default=steps, help=f"decode steps timed (default {steps})")
         q.add_argument("--reps", type=int, default=3, help="timed pairs per batch size; the median is kept")
         q.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (vLLM's TP size)")
+        q.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE experts split over the GPUs instead of sharded (vLLM's expert parallelism)")
     me.add_argument("model")
     me.add_argument("--quantization")
     me.add_argument("--attention-backend")

@@ -91,3 +91,31 @@ def test_make_refuses_unknown_presets(bench_e2e, tmp_path):
     (tmp_path / "src").mkdir()  # no source made: the preset check comes first
     with pytest.raises(SystemExit, match=r"--presets: unknown \['w8a8'\]"):
         bench_e2e.cmd_make(argparse.Namespace(workdir=str(tmp_path), layers=1, shape="8b", presets=["w8a8"]))
+
+
+def test_make_mixtral_shape_writes_the_moe_source_and_its_fp4_conversion(bench_e2e, tmp_path, monkeypatch):
+    """make --shape mixtral (shrunk here to hidden 128, experts of 256): Mixtral's tensor names for 8 experts and the
+    router, a MixtralForCausalLM config, and the fp4-experts-fp8-dense conversion its two configurations serve."""
+    import argparse
+
+    from safetensors import safe_open
+
+    small = dict(bench_e2e.MIXTRAL_8X7B, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=512)
+    monkeypatch.setitem(bench_e2e.SHAPES, "mixtral", small)
+    shapes = bench_e2e.layer_shapes(small, 0)
+    moe = "model.layers.0.block_sparse_moe."
+    assert shapes[moe + "gate.weight"] == (8, 128)
+    assert shapes[moe + "experts.7.w1.weight"] == (256, 128) and shapes[moe + "experts.7.w2.weight"] == (128, 256)
+    assert not any(".mlp." in n for n in shapes)
+    bench_e2e.cmd_make(argparse.Namespace(workdir=str(tmp_path), layers=1, shape="mixtral", presets=None))
+    cfg = json.loads((tmp_path / "src" / "config.json").read_text())
+    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["num_local_experts"] == 8
+    out = tmp_path / "cublade-fp4-experts-fp8-dense"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cublade-fp4-experts-fp8-dense", "src"]
+    for config in ("cublade-fp4-moe", "vllm-marlin-moe"):
+        assert bench_e2e.CONFIGS[config][0] == out.name
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(out / index[moe + "experts.0.w1.weight_packed"]), "pt") as f:
+        assert f.get_slice(moe + "experts.0.w1.weight_packed").get_shape() == [256, 64]  # 2 FP4 codes a byte
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "cublade"
