@@ -7,6 +7,7 @@
 #   scripts/compile_kernels.sh [-v] [FILE.cu|FILE.cpp ...]      (default: every kernel and wrapper)
 # Without nvcc it says so and exits 0 (the tests need no CUDA toolkit), unless CUBLADE_NVCC_REQUIRED=1.
 # Env: NVCC (default nvcc), CUBLADE_CUDA_ARCH / CUBLADE_CUDA_ARCH_SM80 (default: setup.py's HOPPER_ARCH / SM80_ARCH).
+# CUBLADE_COMPILE_JOBS: files compiled at once (default: the CPU count).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 verbose=0
@@ -31,21 +32,42 @@ if [ ! -e "${files[0]}" ]; then echo "compile_kernels: no .cu files in plugin/cs
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 fail=0
-for f in "${files[@]}"; do
-  case "$f" in *.cpp) continue;; esac  # torch wrappers: check_wrappers below
-  arch=$ARCH
+jobs_max=${CUBLADE_COMPILE_JOBS:-$(nproc 2>/dev/null || echo 2)}
+
+# run_jobs CMD FILE...: `CMD FILE` for each file, up to jobs_max at a time, each writing $out/<n>.log and
+# $out/<n>.rc; then the results in the files' order (the logs of failures, or with -v what ptxas said).
+run_jobs() {
+  local cmd=$1 i=0 f; shift
+  for f in "$@"; do
+    ( "$cmd" "$f" > "$out/$i.log" 2>&1; echo $? > "$out/$i.rc" ) &
+    i=$((i + 1))
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
+  done
+  wait
+  i=0
+  for f in "$@"; do
+    if [ "$(cat "$out/$i.rc")" = 0 ]; then
+      echo "ok      $f"
+      if [ $verbose -eq 1 ]; then grep -E "Compiling entry|registers|spill" "$out/$i.log" | sed 's/^/        /'; fi
+    else
+      echo "FAILED  $f"
+      grep -E "error" "$out/$i.log" | head -20 | sed 's/^/        /'
+      fail=1
+    fi
+    i=$((i + 1))
+  done
+}
+
+compile_cu() {
+  local f=$1 arch=$ARCH
   case "$f" in */sm80/*) arch=$ARCH_SM80;; esac
-  flags=(-std=c++17 -O3 --expt-relaxed-constexpr $arch -Iplugin/csrc -c "$f" -o "$out/$(basename "$f").o")
+  local flags=(-std=c++17 -O3 --expt-relaxed-constexpr $arch -Iplugin/csrc -c "$f" -o "$out/$(basename "$f").o")
   [ $verbose -eq 1 ] && flags+=(-Xptxas -v)
-  if log=$("$NVCC" "${flags[@]}" 2>&1); then
-    echo "ok      $f"
-    if [ $verbose -eq 1 ]; then echo "$log" | grep -E "Compiling entry|registers|spill" | sed 's/^/        /'; fi
-  else
-    echo "FAILED  $f"
-    echo "$log" | sed 's/^/        /'
-    fail=1
-  fi
-done
+  "$NVCC" "${flags[@]}"
+}
+kernels=()
+for f in "${files[@]}"; do case "$f" in *.cu) kernels+=("$f");; esac; done  # *.cpp: check_wrappers below
+[ ${#kernels[@]} -gt 0 ] && run_jobs compile_cu "${kernels[@]}"
 
 # The torch wrappers (*_torch.cpp, bindings*.cpp) need torch's headers: a syntax check with the host compiler against
 # the installed torch's (a CPU build ships them), CUDA's runtime headers from nvcc's toolkit, and empty stand-ins for
@@ -78,15 +100,8 @@ typedef struct cusolverDnContext* cusolverDnHandle_t;"
   printf '#include <ATen/ATen.h>\n#include <ATen/cuda/CUDAContext.h>\n#include <c10/cuda/CUDAGuard.h>\n#include <torch/library.h>\n' \
     > "$out/torch_headers.h"
   "$cxx" "${flags[@]}" -x c++-header "$out/torch_headers.h" -o "$out/torch_headers.h.gch" 2>/dev/null || true
-  for f in "$@"; do
-    if log=$("$cxx" "${flags[@]}" -fsyntax-only -include "$out/torch_headers.h" "$f" 2>&1); then
-      echo "ok      $f"
-    else
-      echo "FAILED  $f"
-      echo "$log" | grep -E "error" | head -20 | sed 's/^/        /'
-      fail=1
-    fi
-  done
+  check_one() { "$cxx" "${flags[@]}" -fsyntax-only -include "$out/torch_headers.h" "$1"; }
+  run_jobs check_one "$@"
 }
 wrappers=()
 for f in "$@"; do case "$f" in *.cpp) wrappers+=("$f");; esac; done
