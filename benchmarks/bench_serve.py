@@ -9,7 +9,8 @@ prompts at each concurrency; output tokens/s, median TTFT and median TPOT per co
 Each server is compiled with CUDA graphs (vLLM's defaults), holds up to the largest concurrency, and is stopped before
 the next starts. The random dataset draws token ids from the bundled stories tokenizer (512 ids, all inside the
 model's 128256), which the server uses too (`--tokenizer`); every request generates exactly --output-len tokens
-(`--ignore-eos`). Prompts per concurrency: 4x the concurrency, at least 32. A configuration whose server does not
+(`--ignore-eos`; ids the tokenizer lacks decode to no text, without an error). Prompts per concurrency: 4x the
+concurrency, at least 32. A configuration whose server does not
 start, or a client run that fails, is reported with the log's last lines and the rest goes on. Runs one
 configuration at a time: split a long list over several commands with the same --json, then `report` it.
 """
@@ -102,8 +103,9 @@ def run_config(work: Path, name: str, args) -> dict:
     """{concurrency: metrics} for one configuration (empty when its server did not start)."""
     sub, quant, extra_env, backend = CONFIGS[name]
     port = free_port()
+    # the random dataset's text may re-tokenize to a few more tokens than asked: room for them
     cmd = server_command(work / sub, port, quant, backend, max(args.concurrency), args.input_len +
-                         args.output_len + 64, args.tensor_parallel_size)
+                         args.output_len + 256, args.tensor_parallel_size)
     log = work / f"serve-{name}.log"
     print(f"{name}: {work / sub}" + (f" --quantization {quant}" if quant else "") +
           "".join(f" {k}={v}" for k, v in extra_env.items()) + f" (log {log})", flush=True)
