@@ -1,7 +1,7 @@
 """W4A16 on cublade's kernel for GPUs without Hopper's copy engine (cublade.ops.w4a16_gemm_sm80)."""
 from __future__ import annotations
 
-from cublade.vllm.kernels.base import HALF_DTYPES, gpu_half, why_no_kernel
+from cublade.vllm.kernels.base import gpu_half, why_no_kernel
 from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
 
 
@@ -18,11 +18,9 @@ class CubladeW4A16GemmSm80(CubladeW4A16Gemm):
     @classmethod
     def can_implement(cls, layer):
         device = layer.weight_packed.device
-        cap, why = gpu_half(layer, device)
+        cap, why = gpu_half(layer, device)  # a GPU, and bf16 / fp16 activations
         if cap is None:
             return False, why
-        if layer.params_dtype not in HALF_DTYPES:
-            return False, f"takes bf16/fp16 activations, the model runs in {layer.params_dtype}"
         why = why_no_kernel(cls.op, device)
         if why is not None:
             return False, why

@@ -17,7 +17,7 @@ from cublade.numerics.fp8 import Fp8Activations
 from cublade.ops.fp8_quant_per_tensor import fp8_quant_per_tensor_ref
 from cublade.ops.fp8_quant_per_token import fp8_quant_per_token_ref
 from cublade.vllm.kernels import base
-from cublade.vllm.kernels.base import LinearKernel, cublade_op, gpu_half, why_no_kernel
+from cublade.vllm.kernels.base import LinearKernel, gpu_half, why_no_kernel
 
 FUSE_ENV = "CUBLADE_FP8_FUSE"
 
@@ -95,11 +95,12 @@ class VllmCutlassScaledMM(LinearKernel):
 
     def __init__(self, layer):
         super().__init__(layer)
-        device = layer.weight.device
-        if input_quant_choice(self.scheme, device)[0] == "vllm":
+        who, _ = input_quant_choice(self.scheme, layer.weight.device)
+        if who == "vllm":
             self.quant_input = _vllm_input_quant(self.scheme)
-        else:
-            self.quant_input = _fp8_input_quant(self.scheme, lambda name, ref: cublade_op(name, device, ref)[0])
+        else:  # cublade's op where it runs, else (CPU) its reference
+            self.quant_input = _fp8_input_quant(
+                self.scheme, lambda name, ref: getattr(torch.ops.cublade, name) if who == "cublade" else ref)
         self.quant_traced = _fp8_input_quant(self.scheme, lambda name, ref: ref) if fuse_under_compile() else None
         if self.quant_traced is not None:
             from cublade.vllm.kernels import add_to_compile_key
