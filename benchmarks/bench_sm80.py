@@ -64,7 +64,8 @@ def stand_in_layer(fmt: str, t: dict, N: int, K: int) -> torch.nn.Module:
 
 
 def kernel_fn(fmt: str, name: str, t: dict, N: int, K: int):
-    """(fn(x), None) for kernel class `name` on the tensors, or (None, why it cannot run here)."""
+    """(fn(x), None, the layer as the class left it) for kernel class `name` on the tensors, or (None, why it cannot
+    run here, None)."""
     from cublade.vllm import kernels
 
     cls = next(k for k in kernels.CANDIDATES[type(scheme_of(fmt))] if k.name == name)
@@ -72,29 +73,22 @@ def kernel_fn(fmt: str, name: str, t: dict, N: int, K: int):
         try:
             vllm_single_process_state()
         except ImportError as e:
-            return None, f"vLLM not importable ({e})"
+            return None, f"vLLM not importable ({e})", None
     layer = stand_in_layer(fmt, t, N, K)
     ok, why = cls.can_implement(layer)
     if not ok:
-        return None, why
+        return None, why, None
     impl = cls(layer)
-    return functools.partial(impl.apply, layer, bias=None), None
+    return functools.partial(impl.apply, layer, bias=None), None, layer
 
 
-def kernel_tiles_fn(fmt: str, t: dict, N: int):
-    """fn(x, tiles) running cublade's sm_80 kernel alone on the checkpoint tensors with `tiles` tiles per CTA."""
-    from cublade.ops.mxfp8_gemm import mxfp8_repack, unit_exponents
-    from cublade.ops.w4a16_gemm import w4a16_repack
-
+def kernel_tiles_fn(fmt: str, layer: torch.nn.Module, N: int):
+    """fn(x, tiles) running cublade's sm_80 kernel alone with `tiles` tiles per CTA, on the blob (and fp8's row
+    scale) its kernel class made of the layer."""
     if fmt == "w4a16":
-        rp = w4a16_repack(t["weight_packed"], t["weight_scale"], None, 128)
-        return lambda x, tiles: torch.ops.cublade.w4a16_gemm_sm80(x, rp.packed, 128, True, N, True, tiles)
-    w = t["weight"]
-    if fmt == "fp8":
-        packed, rs = mxfp8_repack(w, unit_exponents(w)), t["weight_scale"].float().reshape(-1).expand(N).contiguous()
-    else:
-        packed, rs = mxfp8_repack(w, t["weight_scale"]), None
-    return lambda x, tiles: torch.ops.cublade.mxfp8_gemm_sm80(x, packed, rs, N, True, tiles)
+        return lambda x, tiles: torch.ops.cublade.w4a16_gemm_sm80(x, layer.weight_packed, 128, True, N, True, tiles)
+    rs = layer.weight_scale if fmt == "fp8" else None  # mxfp8: the scales are in the blob's records
+    return lambda x, tiles: torch.ops.cublade.mxfp8_gemm_sm80(x, layer.weight, rs, N, True, tiles)
 
 
 def main() -> None:
@@ -114,15 +108,16 @@ def main() -> None:
             K, N = (int(v) for v in shape.split("x"))
             t, w32 = checkpoint(fmt, N, K)
             wbf = w32.to(torch.bfloat16)
-            fns = {}
+            fns, ours_layer = {}, None
             for role, name in (("cublade", ours), ("marlin", marlin)):
-                fn, why = kernel_fn(fmt, name, t, N, K)
+                fn, why, layer = kernel_fn(fmt, name, t, N, K)
                 if fn is None:
                     why_not[f"{fmt} {name}"] = why
                 else:
                     fns[role] = fn
+                    ours_layer = layer if role == "cublade" else ours_layer
             fns["bf16"] = lambda x: torch.nn.functional.linear(x, wbf)
-            tiles_fn = kernel_tiles_fn(fmt, t, N) if args.tiles_sweep and "cublade" in fns else None
+            tiles_fn = kernel_tiles_fn(fmt, ours_layer, N) if args.tiles_sweep and ours_layer is not None else None
             x16 = torch.randn(16, K, device=dev).to(torch.bfloat16)
             ref16 = x16.float() @ w32.t()
             errs = {role: rel_err(fn(x16), ref16) for role, fn in fns.items()}
@@ -135,7 +130,7 @@ def main() -> None:
                                       for tiles in (0, 1, 2, 4) if tiles != 4 or fmt == "w4a16" or M <= 8}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-            t = w32 = wbf = fns = None
+            t = w32 = wbf = fns = ours_layer = tiles_fn = None
             torch.cuda.empty_cache()
 
     write_json(args.json, rows, not_run=why_not)
