@@ -165,6 +165,19 @@ __device__ __forceinline__ float ld_dsmem(const float* local, uint32_t rank) {
   return v;
 }
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+// One packet's x fragments for NT 8-token n-tiles from a stage's x rows (kXRowBytes apart): lane (g, t) reads token
+// 8 n + g, K halves h = 0, 1 at x + row * kXRowBytes + 64 h, where x is the packet's first K of row 0 plus the lane's
+// t * 16 bytes. Rows from `rows` on, and halves in_k(h) rejects, read as zeros.
+template <int NT, class InK>
+__device__ __forceinline__ void load_x_packet(uint4 (&xv)[2][NT], const unsigned char* x, int rows, int g, InK in_k) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int row = 8 * n + g;
+      xv[h][n] = row < rows && in_k(h) ? lds128(x + row * kXRowBytes + 64 * h) : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
 // Programmatic dependent launch: a kernel launched with launch_split_k(..., pdl = true) may start while the
 // stream's previous kernel runs; pdl_wait() returns once that kernel has finished and its writes are visible
 // (at once without PDL). The previous kernel's pdl_launch_dependents() lets the dependent launch start early.
@@ -384,15 +397,8 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
           static_for<PPW>([&](auto j_c) {
             constexpr int j = decltype(j_c)::value;
             uint4 xv[2][NT];
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-              for (int n = 0; n < NT; ++n) {
-                const int row = 8 * n + g;
-                const bool ok = row < rows && (!kChecked || kb + j * kPacketK + 32 * h + 8 * t < prm.K);
-                xv[h][n] = ok ? lds128(xsm + row * kXRowBytes + (j * kPacketK + 32 * h) * 2)
-                              : make_uint4(0u, 0u, 0u, 0u);
-              }
+            load_x_packet(xv, xsm + j * kPacketK * 2, rows, g,
+                          [&](int h) { return !kChecked || kb + j * kPacketK + 32 * h + 8 * t < prm.K; });
 #pragma unroll
             for (int u = 0; u < TPW; ++u) {
               uint4 q[V];

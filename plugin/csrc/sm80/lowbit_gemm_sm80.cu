@@ -170,14 +170,7 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const __grid_constant__ 
         constexpr int j = decltype(j_c)::value;  // packet of the slice
         const int p = slice * kPacketsPerWarp + j;  // packet of the chunk
         uint4 xv[2][NT];
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            const int row = 8 * n + g;
-            xv[h][n] = row < rows ? lowbit::lds128(xs + row * kXRowBytes + (p * kPacketK + 32 * h) * 2 + t * 16)
-                                  : make_uint4(0u, 0u, 0u, 0u);
-          }
+        lowbit::load_x_packet(xv, xs + p * kPacketK * 2 + t * 16, rows, g, [](int) { return true; });
         uint4 q[V];
 #pragma unroll
         for (int v = 0; v < V; ++v) q[v] = lowbit::lds128(blk + p * P::kPacketBytes + v * 512 + lane * 16);
