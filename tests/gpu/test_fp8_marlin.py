@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stand_in import stand_in_layer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 
@@ -19,12 +20,7 @@ def fp8_layer(scheme, N: int, K: int, dtype, amax: float = 0.3, seed: int = 0) -
     t = scheme.quantize(w * (amax / w.abs().max()))
     if scheme.static:
         t["input_scale"] = torch.tensor([0.004])
-    layer = torch.nn.Module()
-    for name, v in t.items():
-        layer.register_parameter(name, torch.nn.Parameter(v.cuda(), requires_grad=False))
-    layer.output_size_per_partition, layer.input_size_per_partition = N, K
-    layer.params_dtype, layer.cublade_scheme = dtype, scheme
-    return layer, {k: v.cuda() for k, v in t.items()}
+    return stand_in_layer(scheme, t, N, K, dtype), {k: v.cuda() for k, v in t.items()}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stand_in import stand_in_layer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 
@@ -18,12 +19,7 @@ def mxfp8_layer(N: int, K: int, seed: int = 0) -> torch.nn.Module:
     scheme = MXFP8Scheme()
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=g) * 0.05 * torch.linspace(0.2, 2.0, N).unsqueeze(1)
-    layer = torch.nn.Module()
-    for name, t in scheme.quantize(w).items():
-        layer.register_parameter(name, torch.nn.Parameter(t.cuda(), requires_grad=False))
-    layer.output_size_per_partition, layer.input_size_per_partition = N, K
-    layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, scheme, None
-    return layer
+    return stand_in_layer(scheme, scheme.quantize(w), N, K)
 
 
 @pytest.mark.parametrize("kernel", ["cublade-mxfp8-gemm", "cublade-mxfp8-gemm-sm80", "cublade-mxfp8-dequant-matmul",

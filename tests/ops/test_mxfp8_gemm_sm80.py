@@ -189,17 +189,14 @@ def test_fp8_w8a16_kernel_class(strategy, activations, N, K, M):
     from cublade.numerics.fp8 import quantize_per_tensor, quantize_per_token
     from cublade.numerics.linear import w8a16_vs_w8a8_bound
     from cublade.vllm.kernels import CubladeFp8W8A16
+    from stand_in import stand_in_layer
 
     scheme = Fp8Scheme(strategy, activations)
     g = torch.Generator().manual_seed(N + M)
     t = scheme.quantize(torch.randn(N, K, generator=g) * torch.linspace(0.05, 1.0, N).unsqueeze(1) * 0.1)
     if scheme.static:
         t["input_scale"] = torch.tensor([0.004])
-    layer = torch.nn.Module()
-    for name, v in t.items():
-        layer.register_parameter(name, torch.nn.Parameter(v.cuda(), requires_grad=False))
-    layer.output_size_per_partition, layer.input_size_per_partition = N, K
-    layer.params_dtype, layer.cublade_scheme = torch.bfloat16, scheme
+    layer = stand_in_layer(scheme, t, N, K)
     ok, why = CubladeFp8W8A16.can_implement(layer)
     assert ok, why
     impl = CubladeFp8W8A16(layer)
