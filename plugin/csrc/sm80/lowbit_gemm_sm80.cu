@@ -229,12 +229,18 @@ cudaError_t launch_tiles(const Params& prm, int64_t N, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The most tiles per CTA whose two stages fit (the ring needs two).
+template <class P>
+constexpr int max_tiles() {
+  return stages<P, 4>() >= 2 ? 4 : stages<P, 2>() >= 2 ? 2 : 1;
+}
+
 // Tiles per CTA: `tiles` when given (1, 2 or 4; where two stages of it fit), else one up to 8 tokens and from 9 the
 // most tiles that still leave two CTAs per SM (a CTA's x rows then serve more weight rows). The rule is not measured
 // on an sm_80-89 GPU yet.
 template <class P>
 cudaError_t launch(const Params& prm, int64_t N, int tiles, cudaStream_t stream) {
-  constexpr bool kFits2 = stages<P, 2>() >= 2, kFits4 = stages<P, 4>() >= 2;
+  constexpr bool kFits2 = max_tiles<P>() >= 2, kFits4 = max_tiles<P>() >= 4;
   if (tiles == 0) {
     tiles = 1;
     if (prm.M > 8) {
@@ -287,6 +293,10 @@ cudaError_t launch_int4_dtype(const Params& prm, int64_t N, int group_size, bool
 }
 
 }  // namespace
+
+int mxfp8_gemm_sm80_max_tiles(int64_t M) {
+  return M <= 8 ? max_tiles<mxfp8::Mxfp8Policy<1>>() : max_tiles<mxfp8::Mxfp8Policy<2>>();
+}
 
 cudaError_t launch_mxfp8_gemm_sm80(const Mxfp8GemmSm80Args& a, cudaStream_t stream) {
   if (a.M == 0 || a.N == 0) return cudaSuccess;

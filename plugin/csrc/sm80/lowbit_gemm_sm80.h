@@ -24,6 +24,8 @@ struct Mxfp8GemmSm80Args {
   int tiles = 0;  // 16-row weight tiles per CTA: 1, 2, 4 (where they fit), 0 = the launcher's rule
 };
 cudaError_t launch_mxfp8_gemm_sm80(const Mxfp8GemmSm80Args& a, cudaStream_t stream);
+// The most tiles per CTA the MXFP8 kernel takes at M rows (two stages of them must fit: 4, or 2 from 9 rows).
+int mxfp8_gemm_sm80_max_tiles(int64_t M);
 
 // x: bf16 / fp16 [M, K] (row stride x_stride, a multiple of 8; 16-byte aligned; K % 8 == 0); packed: the int4 blob
 // [ceil(N/64), ceil(K/512), 4, 1024 + w4a16_gemm_sbytes / 4] (16-byte aligned); out: x's dtype [M, N].

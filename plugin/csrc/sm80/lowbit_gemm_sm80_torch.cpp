@@ -57,8 +57,9 @@ at::Tensor mxfp8_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, con
   constexpr const char* op = "mxfp8_gemm_sm80";
   const int64_t K = check_mxfp8_gemm_args(op, x_in, packed, size_n, check_sm80);
   check_tiles(op, tiles);
-  CUBLADE_CHECK_VALUE(tiles != 4 || x_in.numel() / K <= 8, op, "tiles=4 does not fit a CTA's 99 KB of shared memory "
-                      "from 9 rows of x (MXFP8 blocks); use 1 or 2");
+  const int64_t rows = x_in.numel() / K, most = sm80::mxfp8_gemm_sm80_max_tiles(rows);
+  CUBLADE_CHECK_VALUE(tiles <= most, op, "tiles=", num(tiles), " does not fit a CTA's 99 KB of shared memory",
+                      rows > 8 ? " from 9 rows of x" : "", " (MXFP8 blocks); use at most ", num(most));
   check_aligned(op, packed);
   if (row_scale.has_value()) {
     const at::Tensor& s = *row_scale;
