@@ -101,9 +101,9 @@ MIXTRAL_8X7B = dict(LLAMA3_8B, architectures=["MixtralForCausalLM"], model_type=
                     num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6, max_position_embeddings=32768,
                     bos_token_id=1, eos_token_id=2)
 SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B, "mixtral": MIXTRAL_8X7B}
-PRESETS = ("fp8-dynamic", "mxfp8", "w4a16", "fp4-experts-fp8-dense")
-DEFAULT_PRESETS = {"8b": ("fp8-dynamic", "mxfp8", "w4a16"), "70b": ("fp8-dynamic", "mxfp8", "w4a16"),
-                   "mixtral": ("fp4-experts-fp8-dense",)}
+DENSE_PRESETS, MOE_PRESETS = ("fp8-dynamic", "mxfp8", "w4a16"), ("fp4-experts-fp8-dense",)
+PRESETS = DENSE_PRESETS + MOE_PRESETS
+DEFAULT_PRESETS = {"8b": DENSE_PRESETS, "70b": DENSE_PRESETS, "mixtral": MOE_PRESETS}  # per --shape
 KV_SCALE = 0.02  # K and V of these random weights are about N(0, 1.3): abs-max about 9 = 448 * 0.02
 
 
