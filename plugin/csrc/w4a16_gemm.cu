@@ -23,7 +23,6 @@ static_assert(cublade::kLowbitGroupRows == cublade::lowbit::kGroupTiles * cublad
               "w4a16_gemm.h and w4a16_gemm.cuh disagree on the blob geometry");
 
 #include <algorithm>
-#include <type_traits>
 
 namespace cublade {
 namespace {
@@ -99,65 +98,6 @@ struct Int4Batch {
   }
 };
 
-// int4 batches at group size 128 with the scales in the A fragments (Scaling::kNone): w = (u - z) * s rounded once
-// to bf16, the weights the prefill path multiplies (w4a16_dequant: the product of a 4-bit integer and a bf16 scale is
-// exact in fp32, so one HMUL2 rounds it as the fp32 dequant then the cast does), summed over all of K. It drops the
-// fold's second set of accumulators (`part`, NTOK / 2 registers a thread), which is what lets 128 tokens run on 4
-// warpgroups: 256 weight rows share each staged x, half the x bytes from L2 per weight row of 2 warpgroups. bf16
-// only (a bf16 scale is not always exact in fp16). STEPS: k-steps dequantized per issue, 8 (the batch) or 4 (one
-// packet: 16 fragment registers live under the mma's instead of 32; 128 tokens on 4 warpgroups spilled with 8).
-template <bool ASYM, int STEPS = 8>
-struct Int4PrescaledBatch {
-  static_assert(STEPS == 8 || STEPS == 4, "a batch or one packet per issue");
-  using T = __nv_bfloat16;
-  using Rec = typename Int4Policy<T, 1, 128, ASYM>::Rec;
-  static constexpr int kPacketBytes = 512;
-  static constexpr int kBlobRecBytes = Int4Policy<T, 1, 128, ASYM>::kSBytes;
-  static constexpr Scaling kScaling = Scaling::kNone;
-  static constexpr bool kRowScale = false;
-  static constexpr int kSteps = STEPS;
-  // k-steps 8b + STEPS h .. + STEPS - 1 of the stage's packets of one tile
-  __device__ static void steps(const unsigned char* packets, const unsigned char* recs, int b, int h, int lane,
-                               uint32_t (&a)[STEPS][4]) {
-    const Rec r = reinterpret_cast<const Rec*>(recs)[b * 8 + (lane >> 2)];
-    uint32_t s2, b_lo = bias_pair<T>(8.0f), b_hi = b_lo;  // symmetric: z = 8
-    if constexpr (ASYM) {
-      s2 = r.x;
-      b_lo = bias_pair<T>(bf16_lo(r.y));
-      b_hi = bias_pair<T>(bf16_hi(r.y));
-    } else {
-      s2 = r;
-    }
-    // (s[row g], s[row g]) and (s[row g + 8], s[row g + 8]): the record's halves, each repeated
-    const uint32_t s_lo = __byte_perm(s2, 0u, 0x1010), s_hi = __byte_perm(s2, 0u, 0x3232);
-#pragma unroll
-    for (int pk = 0; pk < STEPS / 4; ++pk) {
-      const uint4 q = lowbit::lds128(packets + (2 * b + STEPS / 4 * h + pk) * 512 + lane * 16);
-      dequant_int4<T>(q.x, b_lo, b_hi, a[4 * pk + 0]);
-      dequant_int4<T>(q.y, b_lo, b_hi, a[4 * pk + 1]);
-      dequant_int4<T>(q.z, b_lo, b_hi, a[4 * pk + 2]);
-      dequant_int4<T>(q.w, b_lo, b_hi, a[4 * pk + 3]);
-    }
-#pragma unroll
-    for (int k = 0; k < STEPS; ++k) {  // a[k][0], a[k][2]: row g; a[k][1], a[k][3]: row g + 8
-      a[k][0] = mul2(a[k][0], s_lo);
-      a[k][1] = mul2(a[k][1], s_hi);
-      a[k][2] = mul2(a[k][2], s_lo);
-      a[k][3] = mul2(a[k][3], s_hi);
-    }
-  }
-  __device__ static void batch(const unsigned char* packets, const unsigned char* recs, int b, int lane,
-                               uint32_t (&a)[8][4], float&, float&) {
-    static_assert(STEPS == 8, "one packet per issue: steps()");
-    steps(packets, recs, b, 0, lane, a);
-  }
-  __device__ static uint32_t mul2(uint32_t u, uint32_t s) {
-    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&u),
-                                     *reinterpret_cast<const __nv_bfloat162*>(&s));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
-};
-
 // The int4 configuration for NTOK tokens per pass; run(PassConfig<...>{}) launches it. 96 and 128 tokens at 2
 // warpgroups with half-chunk stages (3 stages of 66 KB / 2 of 82 KB). Measured (int4, w4a16_wide.cu, us with PDL):
 // M = 128 on 8192x28672 / 4096x14336 / 28672x8192 / 8192x10240 125.8 / 38.4 / 114.9 / 65.3 in one pass of 128,
@@ -177,56 +117,25 @@ cudaError_t with_config(int ntok_, bool four, Run&& run) {
   }
 }
 
-// One pass of at most NTOK rows of a dense int4 weight (S splits, 0: pick; stages = 0: as deep as fits);
-// PRESCALED: Int4PrescaledBatch (bf16, group size 128) instead of Int4Batch.
-template <typename T, int NTOK, int GS, bool ASYM, int WG, int KS, bool PRESCALED = false>
+// One pass of at most NTOK rows of a dense int4 weight (S splits, 0: pick; stages = 0: as deep as fits).
+template <typename T, int NTOK, int GS, bool ASYM, int WG, int KS>
 cudaError_t launch(const void* x, int64_t x_stride, int M, int K, const unsigned char* w, void* out,
                    int64_t out_stride, int N, int S, int stages, bool pdl, void* workspace, int sms,
                    cudaStream_t stream) {
-  static_assert(!PRESCALED || (GS == 128 && std::is_same<T, __nv_bfloat16>::value),
-                "prescaled batches: bf16, group size 128");
-  // one packet per issue where a batch's fragments do not fit beside the accumulators (128 tokens, 4 warpgroups)
-  using P = std::conditional_t<PRESCALED, Int4PrescaledBatch<ASYM, NTOK * WG >= 512 ? 4 : 8>, Int4Batch<T, GS, ASYM>>;
   Params prm = {};  // launch_kernel refuses M > NTOK (one pass, no token windows)
   prm.w = w;
   prm.M = M; prm.N = N;
   prm.out = out; prm.out_stride = out_stride;
-  return launch_kernel<P, NTOK, WG, KS, false>(prm, x, x_stride, K, S, stages, pdl, workspace, sms, stream);
-}
-
-// The prescaled configuration (Int4PrescaledBatch) for NTOK tokens per pass, 64 to 128: 128 tokens on 4 warpgroups
-// when every CTA gets 4 tile groups, always stream-K (its split-K form spills 128 bytes: ptxas -v), else on 2; 96 and
-// 64 as the fold's. Unmeasured rule (the first configuration tried; benchmarks/tuning/w4a16_wide.cu times the
-// others).
-template <typename Run>
-cudaError_t with_prescaled_config(int ntok_, int64_t groups, Run&& run) {
-  switch (ntok_) {
-    case 128: return groups % 4 == 0 ? run(PassConfig<128, 4, 256>{}) : run(PassConfig<128, 2, 256>{});
-    case 96: return run(PassConfig<96, 2, 256>{});
-    case 64: return run(PassConfig<64, 2, 512>{});
-    default: return cudaErrorInvalidValue;
-  }
+  return launch_kernel<Int4Batch<T, GS, ASYM>, NTOK, WG, KS, false>(prm, x, x_stride, K, S, stages, pdl, workspace, sms,
+                                                              stream);
 }
 
 // One pass of at most 128 rows (group size 128 or -1), ntok(M) tokens; the kernel is a programmatic dependent launch
-// of its x prep. prescaled: Int4PrescaledBatch where it applies (bf16, group size 128, 64 to 128 tokens).
+// of its x prep.
 template <typename T>
-cudaError_t launch_pass(int group_size, bool asym, bool prescaled, const void* x, int64_t x_stride, int M, int K,
+cudaError_t launch_pass(int group_size, bool asym, const void* x, int64_t x_stride, int M, int K,
                         const unsigned char* w, void* out, int64_t out_stride, int N, void* workspace, int sms,
                         cudaStream_t stream) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    if (prescaled && group_size == 128 && ntok(M) >= 64) {
-      auto go = [&](auto asym_c) {
-        return with_prescaled_config(ntok(M), ceil_div(N, 64), [&](auto cfg) {
-          using C = decltype(cfg);
-          const int S = C::kWarpgroups == 4 ? kStreamKSplit : 0;
-          return launch<T, C::kTokens, 128, decltype(asym_c)::value, C::kWarpgroups, C::kStageK, true>(
-              x, x_stride, M, K, w, out, out_stride, N, S, 0, true, workspace, sms, stream);
-        });
-      };
-      return asym ? go(std::true_type{}) : go(std::false_type{});
-    }
-  }
   auto go = [&](auto gs_c, auto asym_c) {
     constexpr int GS = decltype(gs_c)::value;
     constexpr bool A = decltype(asym_c)::value;
@@ -339,17 +248,16 @@ cudaError_t launch_w4a16_gemm(const W4a16GemmArgs& a, cudaStream_t stream) {
     int64_t m0 = 0;  // rows done
     while (const int64_t pass = wide::pass_rows(M - m0, N, K)) {
       const int rows = static_cast<int>(pass);
-      const bool prescaled = rows >= a.prescaled_rows;
       const auto* xr = static_cast<const unsigned char*>(x) + m0 * x_stride * esize;
       auto* outr = static_cast<unsigned char*>(out) + m0 * out_stride * esize;
       const auto* w = static_cast<const unsigned char*>(packed);
       const int k = static_cast<int>(K), n = static_cast<int>(N);
       const cudaError_t e =
           dtype == InDtype::kBF16
-              ? wide::launch_pass<__nv_bfloat16>(group_size, asym, prescaled, xr, x_stride, rows, k, w, outr,
-                                                 out_stride, n, workspace, sms, stream)
-              : wide::launch_pass<__half>(group_size, asym, false, xr, x_stride, rows, k, w, outr, out_stride, n,
-                                          workspace, sms, stream);
+              ? wide::launch_pass<__nv_bfloat16>(group_size, asym, xr, x_stride, rows, k, w, outr, out_stride, n,
+                                                 workspace, sms, stream)
+              : wide::launch_pass<__half>(group_size, asym, xr, x_stride, rows, k, w, outr, out_stride, n, workspace,
+                                          sms, stream);
       if (e != cudaSuccess) return e;
       m0 += rows;
     }

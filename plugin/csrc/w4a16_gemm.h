@@ -63,16 +63,10 @@ constexpr int64_t w4a16_gemm_prefill_rows(int64_t group_size, int64_t N, int64_t
 }
 constexpr int64_t mxfp8_gemm_prefill_rows(int64_t N, int64_t K) { return N * K >= kLargeWeightElements ? 512 : 384; }
 
-// Wide-kernel passes of this many rows or more (bf16 x, group size 128; at most 128 rows a pass, passes of 49 rows
-// or more) apply the scales to the weights before the mma's (w4a16_gemm.cu, Int4PrescaledBatch: the weights rounded
-// once to bf16, as the prefill path's), 128-token passes on 4 warpgroups; smaller passes keep the fold (the weights
-// never rounded). W4a16GemmArgs::prescaled_rows overrides it (tuning: benchmarks/tuning/w4a16_wide.cu).
-constexpr int64_t kW4a16PrescaledRows = 128;
-
 // Device workspace bytes launch_w4a16_gemm needs for these arguments (0: none). From 17 rows (9 on weights of
 // 2^27 elements or more), at group size 128 or per channel, the automatic choice (split_k = 0) runs the wide
 // (wgmma) kernel, which reads x re-laid out, and whose stream-K schedule keeps a flag and a slot of partial sums per
-// SM (128 KB each: 17 MB on 132 SMs). sms: the device's multiprocessor count.
+// SM (64 KB each: 8.5 MB on 132 SMs). sms: the device's multiprocessor count.
 size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k, int sms);
 
 // x: [M, K] (row stride x_stride elements, unit column stride, 16-byte aligned rows, K % 8 == 0); packed: the
@@ -92,7 +86,6 @@ struct W4a16GemmArgs {
   int split_k = 0;
   void* workspace = nullptr;
   int sms = 0;
-  int64_t prescaled_rows = kW4a16PrescaledRows;
 };
 cudaError_t launch_w4a16_gemm(const W4a16GemmArgs& a, cudaStream_t stream);
 

@@ -13,9 +13,8 @@
 //                  (int4, group size 128: the weights are never rounded);
 //   kPerChannel    the mma's accumulate into acc; the outputs are multiplied by the batch's (every batch's) scales
 //                  (int4, one scale per output channel);
-//   kNone          the A fragments are the weights as the mma's take them (FP4: e2m1 times its block scale, exact in
-//                  bf16; int4 prescaled: (u - z) * s rounded once to bf16); the mma's accumulate into acc over all
-//                  of K.
+//   kNone          the A fragments are the exact weights (FP4: e2m1 times its block scale is exact in bf16); the mma's
+//                  accumulate into acc over all of K.
 // Every policy's outputs are then multiplied by Params::row_scale when set (FP4's per-row factor).
 //
 // Experts (FP4 MoE): with Params::offsets the rows of x are sorted by expert, expert e's rows [offsets[e],
@@ -38,16 +37,15 @@
 #include "wgmma.cuh"
 
 #include <algorithm>
-#include <type_traits>
 
 namespace cublade {
 namespace wide {
 
 constexpr int kBlobChunkK = lowbit::kChunk * lowbit::kPacketK;  // 512: K per chunk of the blob
 constexpr int kMaxPassRows = 128;                                // tokens per pass at most (wgmma N)
-// Stream-K: a CTA's slot of fp32 partial sums (NTOK / 2 per consumer thread; NTOK x WG <= 512 in every
-// configuration: 128 tokens on 4 warpgroups).
-constexpr int kSlotFloats = 64 * 512;
+// Stream-K: a CTA's slot of fp32 partial sums (NTOK / 2 per consumer thread; NTOK x WG <= 256 in every
+// configuration the ops run).
+constexpr int kSlotFloats = 64 * 256;
 
 // Tokens per pass (wgmma N) for a pass of `rows` rows. A pass costs about its token count whatever the rows (padded
 // tokens are computed), hence the steps of 16 and 32: int4 8192x28672 at 32 / 64 / 128 tokens 52.7 / 77.9 / 125.8
@@ -202,12 +200,6 @@ __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0
 template <int WG>
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 3, %0;" ::"n"(WG * 128) : "memory"); }
 
-// k-steps per issue: P::kSteps where the policy sets it, else a batch of 8.
-template <class P, class = void>
-struct IssueSteps { static constexpr int value = 8; };
-template <class P>
-struct IssueSteps<P, std::void_t<decltype(P::kSteps)>> { static constexpr int value = P::kSteps; };
-
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
 template <int N>
@@ -218,9 +210,7 @@ __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.
 //   __device__ static void batch(const unsigned char* packets, const unsigned char* recs, int b, int lane,
 //                                uint32_t (&a)[8][4], float& s_lo, float& s_hi)
 // the A fragments of k-steps 8b .. 8b+7 of the stage's packets of one tile (recs: that tile's records in the
-// stage) and the batch's scales of rows g and g+8 (kFoldPerBatch, kPerChannel). A kNone policy may instead set
-// kSteps = 4 and provide steps(packets, recs, b, h, lane, uint32_t (&a)[4][4]) (k-steps 8b + 4h .. 8b + 4h + 3):
-// the kernel then issues 4 mma's at a time, with half the fragment registers live under them.
+// stage) and the batch's scales of rows g and g+8 (kFoldPerBatch, kPerChannel).
 // kWindows: experts (Params::offsets) or more rows than NTOK, in passes over token windows; without it the kernel
 // makes one pass over rows [0, M), M <= NTOK, and keeps no pass state in registers (the int4 op's 48-64 token
 // configurations are at their register limit).
@@ -366,22 +356,17 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
                        float& s_lo, float& s_hi) {
     const unsigned char* tb = stage(s) + wg * Lay::kGroupBytes + wq * Lay::kTileBytes;
     const uint32_t xs = lowbit::smem_u32(stage(s) + WG * Lay::kGroupBytes);
-    constexpr int kSteps = IssueSteps<P>::value, kIssues = KS / 128 * 8 / kSteps;
-    static_assert(kSteps == 8 || P::kScaling == Scaling::kNone, "the fold needs the batch's mma's at once");
 #pragma unroll
-    for (int i = 0; i < kIssues; ++i) {
-      const int b = i * kSteps / 8, h = i % (8 / kSteps);  // batch, and the part of it
-      uint32_t a[kSteps][4];  // the issue's k-steps
-      if constexpr (kSteps == 8) P::batch(tb, tb + Lay::kPacketBytes, b, lane, a, s_lo, s_hi);
-      else P::steps(tb, tb + Lay::kPacketBytes, b, h, lane, a);
-      const bool first = first_stage && i == 0, last = last_stage && i == kIssues - 1;
+    for (int b = 0; b < KS / 128; ++b) {
+      uint32_t a[8][4];  // the batch's 8 k-steps
+      P::batch(tb, tb + Lay::kPacketBytes, b, lane, a, s_lo, s_hi);
+      const bool first = first_stage && b == 0, last = last_stage && b == KS / 128 - 1;
       if (ordered && !(first && wg == 0)) bar_sync(1 + wg);
       wgmma::fence();
 #pragma unroll
-      for (int k = 0; k < kSteps; ++k) {
-        // k-step 8b + kSteps h + k: its two core matrices of every 8 tokens (128 B apart), token groups KS * 16 B
-        // apart
-        const uint64_t desc = wgmma::desc(xs + (8 * b + kSteps * h + k) * 256, 128, KS * 16);
+      for (int k = 0; k < 8; ++k) {
+        // k-step 8b + k: its two core matrices of every 8 tokens (128 B apart), token groups KS * 16 B apart
+        const uint64_t desc = wgmma::desc(xs + (8 * b + k) * 256, 128, KS * 16);
         if constexpr (P::kScaling == Scaling::kFoldPerBatch) wgmma::MmaRS<T, NTOK>::run(part, a[k], desc, k);
         else wgmma::MmaRS<T, NTOK>::run(acc, a[k], desc, 1);
       }
