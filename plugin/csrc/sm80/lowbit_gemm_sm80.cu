@@ -12,8 +12,8 @@
 // adjacent), 4 warps over the (tile, K slice) pairs of each chunk (a slice: 2 packets, 128 K, whole scale groups),
 // each tile's slices added in slice order at the end of each token pass (8 or 16 tokens), through shared memory where
 // another warp holds them. One tile per CTA gives N / 16 CTAs (256 on a 4096-row weight): enough for every SM
-// without splitting K across CTAs; from 9 tokens wide weights take more tiles per CTA, so that each x row loaded
-// serves more weight rows (at 16 tokens a CTA's x rows are 4x its int4 weight bytes). The chunks stream through a
+// without splitting K across CTAs; wide weights take more tiles per CTA, so that each x row loaded serves more weight
+// rows (at 16 tokens a CTA's x rows are 4x its int4 weight bytes). The chunks stream through a
 // ring of shared-memory stages filled by every thread with 16-byte cp.async (Ampere's asynchronous copy; no
 // bulk-copy engine, no mbarrier transaction counts), cp.async.wait_group + one barrier per stage; the x rows of the
 // pass travel in the same stages (zero-filled past K).
@@ -235,23 +235,25 @@ constexpr int max_tiles() {
   return stages<P, 4>() >= 2 ? 4 : stages<P, 2>() >= 2 ? 2 : 1;
 }
 
-// Tiles per CTA: `tiles` when given (1, 2 or 4; where two stages of it fit), else one up to 8 tokens and from 9 the
-// most tiles that still leave two CTAs per SM (a CTA's x rows then serve more weight rows). The rule is not measured
-// on an sm_80-89 GPU yet.
+// Tiles per CTA: `tiles` when given (1, 2 or 4; where two stages of it fit), else the most tiles that still leave
+// 1.5 CTAs per SM (a CTA's x rows then serve more weight rows, and its chunks are longer copies), at every M.
+// Measured through the compute_80 PTX on an H200 (132 SMs; benchmarks/bench_sm80.py --tiles-sweep, us, tiles 1 / 2 /
+// 4): int4 4096x14336 (896 tiles) M = 1 21.4 / 22.9 / 19.1, M = 8 24.2 / 23.6 / 20.0, M = 32 82.1 / 50.1 / 43.3;
+// 8192x28672 M = 8 75.8 / 62.1 / 60.4, M = 16 137.7 / 87.9 / 81.6; fp8 4096x14336 M = 1 31.6 / 29.4 / 27.6; on
+// 14336x4096 (256 tiles) one tile wins but for int4 from 16 rows (M = 16 38.4 / 35.3 / 60.8; fp8 39.2 / 57.7 / -),
+// and int4 8192x28672 at one row takes 2 (64.9 / 57.2 / 61.3). 8-bit weights at 16-token passes fit 2 tiles at
+// most. Not measured on an sm_80-89 GPU.
 template <class P>
 cudaError_t launch(const Params& prm, int64_t N, int tiles, cudaStream_t stream) {
   constexpr bool kFits2 = max_tiles<P>() >= 2, kFits4 = max_tiles<P>() >= 4;
   if (tiles == 0) {
-    tiles = 1;
-    if (prm.M > 8) {
-      int dev = 0, sms = 1;
-      if (cudaGetDevice(&dev) != cudaSuccess ||
-          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-        return cudaGetLastError();
-      const int64_t n_tiles = ceil_div(N, kTileN);
-      if (kFits4 && ceil_div(n_tiles, 4) >= 2 * sms) tiles = 4;
-      else if (kFits2 && ceil_div(n_tiles, 2) >= 2 * sms) tiles = 2;
-    }
+    int dev = 0, sms = 1;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return cudaGetLastError();
+    const int64_t n_tiles = ceil_div(N, kTileN);
+    auto fills = [&](int t) { return 2 * ceil_div(n_tiles, t) >= 3LL * sms; };  // >= 1.5 CTAs per SM
+    tiles = kFits4 && fills(4) ? 4 : kFits2 && fills(2) ? 2 : 1;
   }
   if (tiles == 1) return launch_tiles<P, 1>(prm, N, stream);
   if constexpr (kFits2) {
