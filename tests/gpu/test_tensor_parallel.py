@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,11 +35,17 @@ PPL_REL = 0.005
 TPS = [n for n in (2, 4) if n <= GPUS]
 
 
+def failure_summary(stderr: str) -> str:
+    """The lines that name an error, then the tail: a worker's root cause comes long before the engine's last words."""
+    errors = [line for line in stderr.splitlines() if re.search(r"\w(Error|Exception)\b", line)]
+    return "\n".join(errors[:25]) + "\n...\n" + stderr[-2000:]
+
+
 def ppl_vllm(model: Path, text: Path, tp: int, extra: list[str] = ()) -> float:
     r = subprocess.run([sys.executable, "-m", "cublade.cli", "ppl", str(model), "--text", str(text),
                         "--backend", "vllm", "--tensor-parallel-size", str(tp), *extra],
                        capture_output=True, text=True, timeout=500)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, failure_summary(r.stderr)
     return float(r.stdout.split("loss")[1].split()[0])
 
 
