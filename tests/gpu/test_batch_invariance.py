@@ -31,12 +31,15 @@ CASES = {"bf16": False, "fp8-dynamic": True, "fp8-static": True, "w4a16": False,
          "fp4-experts-fp8-dense": True}  # preset -> runs under VLLM_BATCH_INVARIANT=1
 
 SCRIPT = textwrap.dedent('''
-    import json, sys
+    import json, re, sys
     from vllm import LLM, SamplingParams
     model, text = sys.argv[1], sys.argv[2]
     quantization = sys.argv[3] if len(sys.argv) > 3 else None  # vLLM's own method on a bf16 model
-    lines = [l.strip() for l in open(text) if len(l.split()) > 8]
-    prompts = [" ".join(l.split()[: 3 + i % 7]) for i, l in enumerate(lines[:64])]
+    # 64 different prompts: the openings (3-9 words) of the text's first 64 sentences of more than 8 words (its lines
+    # are whole stories: 19 of them)
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", open(text).read()) if len(s.split()) > 8]
+    prompts = [" ".join(s.split()[: 3 + i % 7]) for i, s in enumerate(sentences[:64])]
+    assert len(prompts) == 64, len(prompts)
     llm = LLM(model=model, dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=512, seed=0,
               quantization=quantization)
     sp = SamplingParams(temperature=0, max_tokens=64)
@@ -79,4 +82,4 @@ def test_fp8_batch_dependence_is_vllms_own(padded_model_dir, converted, valid_te
     ours = differ_alone_vs_batch(converted("fp8-dynamic"), valid_text, tmp_path, False)
     theirs = differ_alone_vs_batch(padded_model_dir, valid_text, tmp_path, False, "fp8_per_channel")
     assert not ours["differ"] or theirs["differ"], (
-        f"cublade fp8-dynamic: {len(ours['differ'])} of 64 differ, vLLM's per-channel fp8: none")
+        f"cublade fp8-dynamic: {len(ours['differ'])} of {ours['n']} differ, vLLM's per-channel fp8: none")
