@@ -5,13 +5,9 @@ splits on small grids (as the int4 op asks up to 16 rows), and Llama-70B-like sh
 leaves unchanged (docs/kernels.md, w4a16_gemm)."""
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
+import host_driver
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 SMS = 132  # the H200
 # (name, K, N, few_ctas_chunks, splits chosen from the measurements; 8B down_proj: 4 won at 1-4 rows, lost at 16):
 # tile groups = N / 64, chunks = K / 512
@@ -28,19 +24,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def pick_split(tmp_path_factory):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("needs nvcc (the CUDA toolkit) to build the host driver")
-    exe = tmp_path_factory.mktemp("pick_split") / "pick_split"
-    src = REPO / "tests" / "ops" / "pick_split_main.cu"
-    subprocess.run([nvcc, "-std=c++17", "-O1", "-gencode=arch=compute_90a,code=sm_90a",
-                    f"-I{REPO / 'plugin' / 'csrc'}", str(src), "-o", str(exe)], check=True, capture_output=True)
-
-    def run(cases):
-        args = [str(v) for _, K, N, few, _ in cases for v in (N // 64, K // 512, SMS, few)]
-        return [int(s) for s in subprocess.run([str(exe), *args], check=True, capture_output=True,
-                                               text=True).stdout.split()]
-    return run
+    exe = host_driver.build(tmp_path_factory, "pick_split", ("-gencode=arch=compute_90a,code=sm_90a",))
+    return lambda cases: host_driver.run(exe, [v for _, K, N, few, _ in cases for v in (N // 64, K // 512, SMS, few)])
 
 
 def test_pick_split_on_measured_shapes(pick_split):

@@ -235,8 +235,9 @@ constexpr int max_tiles() {
   return stages<P, 4>() >= 2 ? 4 : stages<P, 2>() >= 2 ? 2 : 1;
 }
 
-// Tiles per CTA: `tiles` when given (1, 2 or 4; where two stages of it fit), else the most tiles that still leave
-// 1.5 CTAs per SM (a CTA's x rows then serve more weight rows, and its chunks are longer copies), at every M.
+// Tiles per CTA: `tiles` when given (1, 2 or 4; where two stages of it fit), else sm80_tiles_per_cta (the header):
+// the most tiles that still leave 1.5 CTAs per SM (a CTA's x rows then serve more weight rows, and its chunks are
+// longer copies), at every M.
 // Measured through the compute_80 PTX on an H200 (132 SMs; benchmarks/bench_sm80.py --tiles-sweep, us, tiles 1 / 2 /
 // 4): int4 4096x14336 (896 tiles) M = 1 21.4 / 22.9 / 19.1, M = 8 24.2 / 23.6 / 20.0, M = 32 82.1 / 50.1 / 43.3;
 // 8192x28672 M = 8 75.8 / 62.1 / 60.4, M = 16 137.7 / 87.9 / 81.6; fp8 4096x14336 M = 1 31.6 / 29.4 / 27.6; on
@@ -251,9 +252,7 @@ cudaError_t launch(const Params& prm, int64_t N, int tiles, cudaStream_t stream)
     if (cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
       return cudaGetLastError();
-    const int64_t n_tiles = ceil_div(N, kTileN);
-    auto fills = [&](int t) { return 2 * ceil_div(n_tiles, t) >= 3LL * sms; };  // >= 1.5 CTAs per SM
-    tiles = kFits4 && fills(4) ? 4 : kFits2 && fills(2) ? 2 : 1;
+    tiles = sm80_tiles_per_cta(N, max_tiles<P>(), sms);
   }
   if (tiles == 1) return launch_tiles<P, 1>(prm, N, stream);
   if constexpr (kFits2) {

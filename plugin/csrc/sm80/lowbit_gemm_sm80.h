@@ -46,6 +46,16 @@ cudaError_t launch_w4a16_gemm_sm80(const W4a16GemmSm80Args& a, cudaStream_t stre
 cudaError_t launch_mxfp8_dequant_packed_sm80(const void* packed, int64_t N, int64_t K, void* out, cudaStream_t stream,
                                              const float* row_scale = nullptr);
 
+// Weight tiles of 16 rows per CTA when the caller leaves it to the launcher (tiles = 0): the most of 4, 2, 1 (up to
+// max_tiles, what two stages fit) that still leave 1.5 CTAs per SM, whatever the rows. The measurements behind it:
+// lowbit_gemm_sm80.cu's launch and docs/decisions.md ("Tiles per CTA of the sm_80 kernel").
+constexpr int sm80_tiles_per_cta(int64_t N, int max_tiles, int sms) {
+  const int64_t n_tiles = (N + 15) / 16;
+  for (int t = 4; t > 1; t /= 2)
+    if (t <= max_tiles && 2 * ((n_tiles + t - 1) / t) >= 3LL * sms) return t;
+  return 1;
+}
+
 // Rows from which the torch ops dequantize the weight once and run one cuBLAS GEMM instead of the kernel's passes
 // (each re-reads the weights). Not yet measured on an sm_80-89 GPU: 64 keeps decode batches on the kernel.
 constexpr int64_t kSm80PrefillRows = 64;
