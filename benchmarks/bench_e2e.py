@@ -409,6 +409,9 @@ def cmd_run(args) -> None:
                                 "steps": args.steps}) + "\n")
 
 
+NOISY = 0.05  # a step time whose reps spread (max - min) over this share of their median is flagged in the report
+
+
 def report(results: dict, batches: list[int]) -> None:
     print("\n| config | " + " | ".join(f"B={b} ms/step (tok/s)" for b in batches) + " | "
           + " | ".join(f"B={b} prompts ms" for b in batches) + " |")
@@ -417,6 +420,10 @@ def report(results: dict, batches: list[int]) -> None:
         cells = [f"{r['step_ms']:.3f} ({r['tok_s']:.0f})" for r in res["rows"]] + [
             f"{r['prefill_ms']:.1f}" for r in res["rows"]]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    noisy = [f"{name} B={r['batch']} ({r['spread_ms']:.3f} ms, {r['spread_ms'] / r['step_ms']:.0%})"
+             for name, res in results.items() for r in res["rows"] if r["spread_ms"] > NOISY * r["step_ms"]]
+    if noisy:
+        print(f"\nreps spread over {NOISY:.0%} of their median (more --reps to settle): " + ", ".join(noisy))
     pairs = [("cublade-fp4-moe", "vllm-marlin-moe"), ("cublade-fp8", "vllm-fp8"), ("cublade-fp8-fuse", "vllm-fp8"), ("cublade-fp8-fuse", "cublade-fp8"),
              ("cublade-w4a16-fp8", "cublade-w4a16"), ("cublade-w4a16", "vllm-w4a16-humming"),
              ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),

@@ -119,3 +119,18 @@ def test_make_mixtral_shape_writes_the_moe_source_and_its_fp4_conversion(bench_e
     with safe_open(str(out / index[moe + "experts.0.w1.weight_packed"]), "pt") as f:
         assert f.get_slice(moe + "experts.0.w1.weight_packed").get_shape() == [256, 64]  # 2 FP4 codes a byte
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "cublade"
+
+
+def test_report_flags_step_times_whose_reps_spread(bench_e2e, capsys):
+    """The report names every step time whose reps spread over NOISY of their median, so a ratio built on one is not
+    read as settled (a TP = 2 run gave 0.26 ms of spread on a 1.85 ms step)."""
+    row = lambda b, step, spread: {"batch": b, "step_ms": step, "tok_s": b / step * 1e3, "spread_ms": spread,  # noqa: E731
+                                   "prefill_ms": 5.0}
+    results = {"cublade-w4a16": {"rows": [row(1, 1.845, 0.261), row(16, 1.711, 0.05)]},
+               "vllm-w4a16": {"rows": [row(1, 1.713, 0.067), row(16, 1.901, 0.126)]}}
+    bench_e2e.report(results, [1, 16])
+    out = capsys.readouterr().out
+    flagged = out.split("reps spread over 5% of their median")[1].splitlines()[0]
+    assert "cublade-w4a16 B=1 (0.261 ms, 14%)" in flagged and "vllm-w4a16 B=16 (0.126 ms, 7%)" in flagged
+    assert "cublade-w4a16 B=16" not in flagged and "vllm-w4a16 B=1 " not in flagged
+    assert "cublade-w4a16 vs vllm-w4a16: B=1 0.93x, B=16 1.11x" in out
