@@ -23,7 +23,12 @@ def build(tmp_path_factory, name: str, flags: tuple[str, ...] = ()) -> Path:
     return exe
 
 
+def lines(exe: Path, args: list) -> list[str]:
+    """The driver's output lines for these arguments, stripped."""
+    out = subprocess.run([str(exe), *map(str, args)], check=True, capture_output=True, text=True).stdout
+    return [line.strip() for line in out.splitlines()]
+
+
 def run(exe: Path, args: list) -> list[int]:
     """The driver's output for these arguments: one integer per line."""
-    out = subprocess.run([str(exe), *map(str, args)], check=True, capture_output=True, text=True).stdout
-    return [int(s) for s in out.split()]
+    return [int(line) for line in lines(exe, args)]

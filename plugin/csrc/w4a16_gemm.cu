@@ -13,7 +13,7 @@
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is w4a16_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
 #include "int4_codes.cuh"
-#include "wide_gemm.cuh"
+#include "w4a16_plan.cuh"
 #include "w4a16_gemm.h"
 
 static_assert(cublade::kLowbitGroupRows == cublade::lowbit::kGroupTiles * cublade::lowbit::kTileN &&
@@ -49,29 +49,6 @@ using lowbit::kTileN;
 // (C7514: it will not let acc be read while another batch's mma's run).
 namespace wide {
 
-constexpr int kMinRows = 17;       // from this many rows the wide kernel, on every shape
-constexpr int kMinSmallRows = 9;   // from this many on large weights (kSmallPassMinWeights)
-
-// Passes of 9-16 rows (16 tokens) run the wide kernel when the weight has at least this many elements (96 Mi: 48
-// MiB of int4). Measured (w4a16_wide.cu, M = 16, us, prep included, streaming kernel / wide): 8192x28672 59.4 /
-// 47.6, 28672x8192 53.6 / 50.5, but 8192x10240 26.8 / 29.5 and 4096x14336 20.2 / 21.4 (the wide kernel's fixed
-// costs, the x prep and the pipeline's fill, weigh more on a shorter call). At 1-8 rows the streaming kernel was
-// faster on all four (8192x28672 M = 8: 43.4 against 46.6 with 8 tokens per pass). The threshold sits below
-// Llama-3-8B's gate_up (4096x28672, 1.17e8 elements; 2^27 would leave it on the streaming kernel), timed as a decode
-// step runs it (benchmarks/tuning/w4a16_layers.cu, CUDA graph, us at M = 9 / 12 / 16): streaming 30.12 / 30.54 /
-// 30.93, wide 24.68 / 24.79 / 24.95; the same run kept the smaller ones on the streaming kernel (M = 16: 8192x10240,
-// 8.4e7 elements, 22.88 / 25.01; 4096x14336 16.61 / 17.05; Llama-3-8B qkv, o, down 10.77 / 14.09, 8.41 / 12.32,
-// 19.63 / 22.34). On an H100 (benchmarks/bench_w4a16_gemm.py, one launch after an L2 clear, us at M = 9 / 12 / 16)
-// gate_up's op took 34.9 / 35.2 / 35.3 against the streaming kernel's 36.4 / 35.6 / 35.6.
-constexpr int64_t kSmallPassMinWeights = int64_t(96) << 20;
-
-// Rows of the next wide pass when `left` rows remain (0: the streaming kernel takes them).
-constexpr int64_t pass_rows(int64_t left, int64_t N, int64_t K) {
-  return left >= kMinRows ? std::min<int64_t>(left, kMaxPassRows)
-         : left >= kMinSmallRows && N * K >= kSmallPassMinWeights ? left
-                                                                   : 0;
-}
-
 // int4 batches for wide_gemm_kernel: GS 128 (a batch is one scale group) or 0 (per channel).
 template <typename T_, int GS, bool ASYM>
 struct Int4Batch {
@@ -98,21 +75,17 @@ struct Int4Batch {
   }
 };
 
-// The int4 configuration for NTOK tokens per pass; run(PassConfig<...>{}) launches it. 96 and 128 tokens at 2
-// warpgroups with half-chunk stages (3 stages of 66 KB / 2 of 82 KB). Measured (int4, w4a16_wide.cu, us with PDL):
-// M = 128 on 8192x28672 / 4096x14336 / 28672x8192 / 8192x10240 125.8 / 38.4 / 114.9 / 65.3 in one pass of 128,
-// against 162.8 / 55.1 / 146.8 / 86.9 in two of 64 (no PDL). Four warpgroups (`four`) only up to 32 tokens: at 48-64
-// they won only on 8192x28672 and only against split-K (77.9 against 79.8 us); two warpgroups with stream-K run there
-// 64.4 / 69.7 us at 48 / 64 against four's 71.6 / 79.7. At 32 tokens four (split-K) still win, 53.8 against 58.3.
+// run(PassConfig<...>{}) for a pass's plan (w4a16_plan.cuh: plan_pass; tokens, warpgroups and stage K).
 template <typename Run>
-cudaError_t with_config(int ntok_, bool four, Run&& run) {
-  switch (ntok_) {
-    case 128: return run(PassConfig<128, 2, 256>{});
-    case 96: return run(PassConfig<96, 2, 256>{});
-    case 64: return run(PassConfig<64, 2, 512>{});
-    case 48: return run(PassConfig<48, 2, 512>{});
-    case 32: return four ? run(PassConfig<32, 4, 512>{}) : run(PassConfig<32, 2, 512>{});
-    case 16: return four ? run(PassConfig<16, 4, 512>{}) : run(PassConfig<16, 2, 512>{});
+cudaError_t with_config(const PassPlan& p, Run&& run) {
+  const bool four = p.warpgroups == 4;
+  switch (p.tokens) {
+    case 128: return run(PassConfig<128, 2, stage_k(128)>{});
+    case 96: return run(PassConfig<96, 2, stage_k(96)>{});
+    case 64: return run(PassConfig<64, 2, stage_k(64)>{});
+    case 48: return run(PassConfig<48, 2, stage_k(48)>{});
+    case 32: return four ? run(PassConfig<32, 4, stage_k(32)>{}) : run(PassConfig<32, 2, stage_k(32)>{});
+    case 16: return four ? run(PassConfig<16, 4, stage_k(16)>{}) : run(PassConfig<16, 2, stage_k(16)>{});
     default: return cudaErrorInvalidValue;
   }
 }
@@ -130,19 +103,21 @@ cudaError_t launch(const void* x, int64_t x_stride, int M, int K, const unsigned
                                                               stream);
 }
 
-// One pass of at most 128 rows (group size 128 or -1), ntok(M) tokens; the kernel is a programmatic dependent launch
-// of its x prep.
+// One pass of at most 128 rows (group size 128 or -1) as plan_pass plans it; the kernel is a programmatic dependent
+// launch of its x prep.
 template <typename T>
 cudaError_t launch_pass(int group_size, bool asym, const void* x, int64_t x_stride, int M, int K,
                         const unsigned char* w, void* out, int64_t out_stride, int N, void* workspace, int sms,
                         cudaStream_t stream) {
+  const PassPlan plan = plan_pass(M, K, N, sms);
   auto go = [&](auto gs_c, auto asym_c) {
     constexpr int GS = decltype(gs_c)::value;
     constexpr bool A = decltype(asym_c)::value;
-    return with_config(ntok(M), four_warpgroups(ceil_div(ceil_div(N, 64), 4), sms), [&](auto cfg) {
+    return with_config(plan, [&](auto cfg) {
       using C = decltype(cfg);
-      return launch<T, C::kTokens, GS, A, C::kWarpgroups, C::kStageK>(x, x_stride, M, K, w, out, out_stride, N, 0,
-                                                                         0, true, workspace, sms, stream);
+      return launch<T, C::kTokens, GS, A, C::kWarpgroups, C::kStageK>(x, x_stride, M, K, w, out, out_stride, N,
+                                                                         plan.schedule, 0, true, workspace, sms,
+                                                                         stream);
     });
   };
   using G128 = std::integral_constant<int, 128>;
@@ -200,12 +175,6 @@ size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_siz
   if (split_k != 0 || wide::pass_rows(M, N, K) == 0 || !w4a16_gemm_wide_takes(group_size)) return 0;
   const int64_t m = std::min<int64_t>(M, wide::kMaxPassRows);  // one pass at a time
   return static_cast<size_t>(wide::workspace_bytes(m, K, wide::ntok(m), false, sms));
-}
-
-// The streaming kernel's K splits for M rows: splits of 4 chunks on small grids, measured up to 16 rows (pick_split);
-// more rows (group sizes the wide kernel does not take) keep 8.
-inline int w4a16_stream_split(int64_t groups, int chunks, int64_t M, int sms) {
-  return lowbit::pick_split(groups, chunks, sms, M <= 16 ? 4 : 8);
 }
 
 // Small grids: when the streaming kernel's grid (tile groups x splits) has at most 2 CTAs per SM, up to 16 rows, a ring

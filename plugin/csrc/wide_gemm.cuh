@@ -508,6 +508,14 @@ inline bool pick_stream_k(int64_t ctas, int S, int chunks, int sms) {
 
 constexpr int kStreamKSplit = -1;  // S for launch_kernel: stream-K
 
+// The schedule launch_kernel picks for a launch of `ctas` CTAs (S = 0): K splits (pick_split), or kStreamKSplit
+// where stream-K may run (sk_fits: one pass of one expert, every tile full) and pick_stream_k says it is faster.
+// blob_chunks: the blob's chunks of 512 K; chunks: ring stages over the whole K.
+inline int pick_schedule(int64_t ctas, bool sk_fits, int blob_chunks, int chunks, int sms) {
+  const int S = pick_split(ctas, blob_chunks, sms);
+  return sk_fits && pick_stream_k(ctas, S, chunks, sms) ? kStreamKSplit : S;
+}
+
 // The x prep, then the kernel (S: K splits, 0: pick (split-K or stream-K), kStreamKSplit: stream-K; stages = 0: as
 // deep as fits). prm: w, offsets, experts, row_scale, M, N, out, out_stride set; x [M, K] (row stride x_stride);
 // workspace: workspace_bytes(M, K, NTOK, offsets != null, sms_ws) bytes, where stream-K may run only if sms_ws =
@@ -526,12 +534,9 @@ cudaError_t launch_kernel(Params prm, const void* x, int64_t x_stride, int K, in
   const int slices = static_cast<int>(lowbit::expert_slices(grouped, prm.experts, prm.M));
   const int64_t ctas = ceil_div(prm.groups, WG) * slices;
   const bool sk_fits = !kWindows && !grouped && prm.groups % WG == 0;  // every tile WG tile groups
-  bool stream_k = S == kStreamKSplit;
+  if (S == 0) S = pick_schedule(ctas, sk_fits, prm.blob_chunks, prm.chunks, sms);
+  const bool stream_k = S == kStreamKSplit;
   if (stream_k && !sk_fits) return cudaErrorInvalidValue;
-  if (S == 0) {
-    S = pick_split(ctas, prm.blob_chunks, sms);
-    stream_k = sk_fits && pick_stream_k(ctas, S, prm.chunks, sms);
-  }
   if (stream_k) S = 1;
   if (S < 1 || S > lowbit::kMaxSplit) return cudaErrorInvalidValue;
   prm.chunks_per_cta = (prm.chunks + S - 1) / S;

@@ -1,0 +1,72 @@
+// The W4A16 op's choices for a call, as host functions: which rows the wide (wgmma) kernel takes and in what passes,
+// each pass's configuration and schedule, and the streaming kernel's K splits for the rest. w4a16_gemm.cu launches
+// by them; tests/ops/test_w4a16_plan.py holds them, on the host, to the shapes they were measured on (the torch op's
+// prefill switch, w4a16_gemm_prefill_rows, is in w4a16_gemm.h).
+#pragma once
+
+#include "wide_gemm.cuh"
+
+#include <algorithm>
+
+namespace cublade {
+namespace wide {
+
+constexpr int kMinRows = 17;       // from this many rows the wide kernel, on every shape
+constexpr int kMinSmallRows = 9;   // from this many on large weights (kSmallPassMinWeights)
+
+// Passes of 9-16 rows (16 tokens) run the wide kernel when the weight has at least this many elements (96 Mi: 48
+// MiB of int4). Measured (w4a16_wide.cu, M = 16, us, prep included, streaming kernel / wide): 8192x28672 59.4 /
+// 47.6, 28672x8192 53.6 / 50.5, but 8192x10240 26.8 / 29.5 and 4096x14336 20.2 / 21.4 (the wide kernel's fixed
+// costs, the x prep and the pipeline's fill, weigh more on a shorter call). At 1-8 rows the streaming kernel was
+// faster on all four (8192x28672 M = 8: 43.4 against 46.6 with 8 tokens per pass). The threshold sits below
+// Llama-3-8B's gate_up (4096x28672, 1.17e8 elements; 2^27 would leave it on the streaming kernel), timed as a decode
+// step runs it (benchmarks/tuning/w4a16_layers.cu, CUDA graph, us at M = 9 / 12 / 16): streaming 30.12 / 30.54 /
+// 30.93, wide 24.68 / 24.79 / 24.95; the same run kept the smaller ones on the streaming kernel (M = 16: 8192x10240,
+// 8.4e7 elements, 22.88 / 25.01; 4096x14336 16.61 / 17.05; Llama-3-8B qkv, o, down 10.77 / 14.09, 8.41 / 12.32,
+// 19.63 / 22.34). On an H100 (benchmarks/bench_w4a16_gemm.py, one launch after an L2 clear, us at M = 9 / 12 / 16)
+// gate_up's op took 34.9 / 35.2 / 35.3 against the streaming kernel's 36.4 / 35.6 / 35.6.
+constexpr int64_t kSmallPassMinWeights = int64_t(96) << 20;
+
+// Rows of the next wide pass when `left` rows remain (0: the streaming kernel takes them).
+constexpr int64_t pass_rows(int64_t left, int64_t N, int64_t K) {
+  return left >= kMinRows ? std::min<int64_t>(left, kMaxPassRows)
+         : left >= kMinSmallRows && N * K >= kSmallPassMinWeights ? left
+                                                                   : 0;
+}
+
+// K per ring stage for a pass of `tokens`: half-chunk stages from 96 tokens (3 stages of 66 KB at 96, 2 of 82 KB at
+// 128), whole chunks below.
+constexpr int stage_k(int tokens) { return tokens >= 96 ? 256 : 512; }
+
+// A wide pass's plan: tokens per pass (wgmma N), consumer warpgroups per CTA, K per ring stage, and the schedule
+// (K splits per cluster, >= 1, or kStreamKSplit).
+struct PassPlan {
+  int tokens, warpgroups, stage_k, schedule;
+};
+
+// The plan of a pass of `rows` rows (sms: the device's multiprocessor count). 96 and 128 tokens at 2 warpgroups
+// with half-chunk stages. Measured (int4, w4a16_wide.cu, us with PDL):
+// M = 128 on 8192x28672 / 4096x14336 / 28672x8192 / 8192x10240 125.8 / 38.4 / 114.9 / 65.3 in one pass of 128,
+// against 162.8 / 55.1 / 146.8 / 86.9 in two of 64 (no PDL). Four warpgroups only up to 32 tokens: at 48-64
+// they won only on 8192x28672 and only against split-K (77.9 against 79.8 us); two warpgroups with stream-K run there
+// 64.4 / 69.7 us at 48 / 64 against four's 71.6 / 79.7. At 32 tokens four (split-K) still win, 53.8 against 58.3.
+inline PassPlan plan_pass(int64_t rows, int64_t K, int64_t N, int sms) {
+  const int tokens = ntok(rows);
+  const int64_t groups = ceil_div(N, 64);
+  const int wg = tokens <= 32 && four_warpgroups(ceil_div(groups, 4), sms) ? 4 : 2;
+  const int ks = stage_k(tokens);
+  const int64_t ctas = ceil_div(groups, wg);
+  return {tokens, wg, ks,
+          pick_schedule(ctas, groups % wg == 0, static_cast<int>(ceil_div(K, kBlobChunkK)),
+                        static_cast<int>(ceil_div(K, ks)), sms)};
+}
+
+}  // namespace wide
+
+// The streaming kernel's K splits for M rows: splits of 4 chunks on small grids, measured up to 16 rows (pick_split);
+// more rows (group sizes the wide kernel does not take) keep 8.
+inline int w4a16_stream_split(int64_t groups, int chunks, int64_t M, int sms) {
+  return lowbit::pick_split(groups, chunks, sms, M <= 16 ? 4 : 8);
+}
+
+}  // namespace cublade
