@@ -24,7 +24,7 @@
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is mxfp8_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
 #include "mxfp8_codes.cuh"
-#include "wide_gemm.cuh"
+#include "gemm_plan.cuh"
 #include "w4a16_gemm.h"
 
 #include <algorithm>
@@ -60,13 +60,10 @@ struct Mxfp8Batch {
   }
 };
 
-// The wide kernel's configurations: half-chunk stages everywhere (a whole chunk of 1-byte codes is 33 KB a tile group),
-// two warpgroups. Four (which int4 takes at 32 tokens where their CTAs fill 3/4 of the SMs) lose: on 8192x28672
-// (benchmarks/tuning/mxfp8_sweep.cu) two warpgroups with stream-K run 78.4 / 85.8 us at 32 / 64 tokens against four's
-// 81.7 / 92.6 with stream-K, 83.3 / 92.5 with split-K (the other shapes' CTAs of four do not fill 3/4 of the SMs).
+// run(PassConfig<...>{}) for a pass's plan (gemm_plan.cuh: mxfp8_plan_pass).
 template <typename Run>
-cudaError_t with_config(int ntok, Run&& run) {
-  switch (ntok) {
+cudaError_t with_config(const wide::PassPlan& p, Run&& run) {
+  switch (p.tokens) {
     case 128: return run(wide::PassConfig<128, 2, 256>{});
     case 96: return run(wide::PassConfig<96, 2, 256>{});
     case 64: return run(wide::PassConfig<64, 2, 256>{});
@@ -83,22 +80,18 @@ cudaError_t launch_wide_pass(const void* x, int64_t x_stride, int rows, int K, c
   prm.w = w;
   prm.M = rows; prm.N = N;
   prm.out = out; prm.out_stride = out_stride;
-  return with_config(wide::ntok(rows), [&](auto cfg) {
+  const wide::PassPlan plan = wide::mxfp8_plan_pass(rows, K, N, sms);
+  return with_config(plan, [&](auto cfg) {
     using C = decltype(cfg);
     return wide::launch_kernel<Mxfp8Batch, C::kTokens, C::kWarpgroups, C::kStageK, false>(
-        prm, x, x_stride, K, 0, 0, true, workspace, sms, stream);
+        prm, x, x_stride, K, plan.schedule, 0, true, workspace, sms, stream);
   });
-}
-
-// Rows of the next wide pass when `left` rows remain (0: the streaming kernel takes them).
-constexpr int64_t wide_pass_rows(int64_t left) {
-  return left >= kMxfp8WideMinRows ? std::min<int64_t>(left, wide::kMaxPassRows) : 0;
 }
 
 }  // namespace
 
 size_t mxfp8_gemm_workspace_bytes(int64_t M, int64_t K, int split_k, int sms) {
-  if (split_k != 0 || wide_pass_rows(M) == 0) return 0;
+  if (split_k != 0 || wide::mxfp8_pass_rows(M) == 0) return 0;
   const int64_t m = std::min<int64_t>(M, wide::kMaxPassRows);  // one pass at a time
   return static_cast<size_t>(wide::workspace_bytes(m, K, wide::ntok(m), false, sms));
 }
@@ -115,7 +108,7 @@ cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream) {
   const auto* w = static_cast<const unsigned char*>(a.packed);
   if (mxfp8_gemm_workspace_bytes(M, K, split_k, sms) > 0) {
     if (workspace == nullptr) return cudaErrorInvalidValue;
-    while (const int64_t rows = wide_pass_rows(M)) {  // passes of up to 128 rows; fewer than 17 left: streaming
+    while (const int64_t rows = wide::mxfp8_pass_rows(M)) {  // passes of up to 128 rows; fewer than 17 left: streaming
       const cudaError_t e = launch_wide_pass(x, x_stride, static_cast<int>(rows), static_cast<int>(K), w, out,
                                              out_stride, static_cast<int>(N), workspace, sms, stream);
       if (e != cudaSuccess) return e;

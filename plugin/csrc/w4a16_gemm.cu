@@ -13,7 +13,7 @@
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is w4a16_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
 #include "int4_codes.cuh"
-#include "w4a16_plan.cuh"
+#include "gemm_plan.cuh"
 #include "w4a16_gemm.h"
 
 static_assert(cublade::kLowbitGroupRows == cublade::lowbit::kGroupTiles * cublade::lowbit::kTileN &&
@@ -75,7 +75,7 @@ struct Int4Batch {
   }
 };
 
-// run(PassConfig<...>{}) for a pass's plan (w4a16_plan.cuh: plan_pass; tokens, warpgroups and stage K).
+// run(PassConfig<...>{}) for a pass's plan (gemm_plan.cuh: plan_pass; tokens, warpgroups and stage K).
 template <typename Run>
 cudaError_t with_config(const PassPlan& p, Run&& run) {
   const bool four = p.warpgroups == 4;

@@ -1,9 +1,11 @@
-// The W4A16 op's choices for a call, as host functions: which rows the wide (wgmma) kernel takes and in what passes,
-// each pass's configuration and schedule, and the streaming kernel's K splits for the rest. w4a16_gemm.cu launches
-// by them; tests/ops/test_w4a16_plan.py holds them, on the host, to the shapes they were measured on (the torch op's
-// prefill switch, w4a16_gemm_prefill_rows, is in w4a16_gemm.h).
+// The W4A16 and MXFP8 ops' choices for a call, as host functions: which rows the wide (wgmma) kernel takes and in
+// what passes, each pass's configuration and schedule, and (int4) the streaming kernel's K splits for the rest.
+// w4a16_gemm.cu and mxfp8_gemm.cu launch by them; tests/ops/test_gemm_plan.py holds them, on the host, to the shapes
+// they were measured on (the torch ops' prefill switches, w4a16_gemm_prefill_rows and mxfp8_gemm_prefill_rows, are in
+// w4a16_gemm.h).
 #pragma once
 
+#include "w4a16_gemm.h"  // kMxfp8WideMinRows
 #include "wide_gemm.cuh"
 
 #include <algorithm>
@@ -58,6 +60,25 @@ inline PassPlan plan_pass(int64_t rows, int64_t K, int64_t N, int sms) {
   const int64_t ctas = ceil_div(groups, wg);
   return {tokens, wg, ks,
           pick_schedule(ctas, groups % wg == 0, static_cast<int>(ceil_div(K, kBlobChunkK)),
+                        static_cast<int>(ceil_div(K, ks)), sms)};
+}
+
+// MXFP8: passes of up to 128 rows from kMxfp8WideMinRows (fewer left: the streaming kernel). Rows of the next pass
+// when `left` rows remain (0: the streaming kernel takes them).
+constexpr int64_t mxfp8_pass_rows(int64_t left) {
+  return left >= kMxfp8WideMinRows ? std::min<int64_t>(left, kMaxPassRows) : 0;
+}
+
+// The MXFP8 wide kernel's configuration: half-chunk stages everywhere (a whole chunk of 1-byte codes is 33 KB a tile
+// group), two warpgroups. Four (which int4 takes at 32 tokens where their CTAs fill 3/4 of the SMs) lose: on
+// 8192x28672 (benchmarks/tuning/mxfp8_sweep.cu) two warpgroups with stream-K run 78.4 / 85.8 us at 32 / 64 tokens
+// against four's 81.7 / 92.6 with stream-K, 83.3 / 92.5 with split-K (the other shapes' CTAs of four do not fill 3/4
+// of the SMs).
+inline PassPlan mxfp8_plan_pass(int64_t rows, int64_t K, int64_t N, int sms) {
+  const int tokens = ntok(rows), wg = 2, ks = 256;
+  const int64_t groups = ceil_div(N, 64);
+  return {tokens, wg, ks,
+          pick_schedule(ceil_div(groups, wg), groups % wg == 0, static_cast<int>(ceil_div(K, kBlobChunkK)),
                         static_cast<int>(ceil_div(K, ks)), sms)};
 }
 

@@ -1,0 +1,59 @@
+"""The w4a16 and MXFP8 ops' choices per call (plugin/csrc/gemm_plan.cuh and w4a16_gemm.h's prefill switches) on the
+shapes they were measured on, compiled with nvcc and run on the host (no GPU needed, so CI checks them): a rule edit
+that moves one of these choices must come with new measurements (docs/decisions.md: "From 17 rows, and 9-16 rows on
+large weights", "Tokens per pass", "Four warpgroups", "Stream-K", "Prefill switch"). int4 at group size 128, 132 SMs
+(the H200). Each call's plan reads: the wide kernel's passes as TOKENSwWARPGROUPS:SCHEDULE (sk: stream-K, else K
+splits), then "s:SPLITS" (int4) or "s" (MXFP8) for rows left to the streaming kernel, or "prefill" (dequantize +
+cuBLAS)."""
+from __future__ import annotations
+
+import host_driver
+import pytest
+
+SMS = 132
+# (what the measurements chose, M, K, N, the plan)
+W4A16 = [
+    ("8 rows stay on the streaming kernel", 8, 8192, 28672, "s:1"),
+    ("9-16 rows: one 16-token wide pass on weights of 96 Mi elements or more (Llama-3-8B's gate_up)", 12, 4096, 28672,
+     "16w4:1"),
+    ("9-16 rows on smaller weights: the streaming kernel", 12, 4096, 14336, "s:1"),
+    ("from 17 rows the wide kernel; 4 warpgroups at 32 tokens where their CTAs fill 3/4 of the SMs", 17, 8192, 28672,
+     "32w4:1"),
+    ("2 warpgroups from 48 tokens, stream-K on 8192x28672", 64, 8192, 28672, "64w2:sk"),
+    ("one pass of 128 tokens, stream-K", 128, 8192, 28672, "128w2:sk"),
+    ("passes of 128 rows from 129", 256, 8192, 28672, "128w2:sk 128w2:sk"),
+    ("stream-K on 8192x10240", 128, 8192, 10240, "128w2:sk"),
+    ("split-K kept on 4096x14336 (one split)", 128, 4096, 14336, "128w2:1"),
+    ("split-K kept on 28672x8192 (two splits)", 128, 28672, 8192, "128w2:2"),
+    ("a last pass of 44 rows runs 48 tokens", 300, 4096, 14336, "128w2:1 128w2:1 48w2:1"),
+    ("a last 12 rows: a 16-token wide pass on large weights", 140, 8192, 28672, "128w2:sk 16w4:1"),
+    ("the prefill path from 448 rows", 448, 4096, 4096, "prefill"),
+    ("447 rows still on the wide kernel", 447, 4096, 4096, "128w2:sk 128w2:sk 128w2:sk 64w2:sk"),
+    ("from 640 rows on weights of 2^27 elements or more", 640, 8192, 28672, "prefill"),
+    ("639 rows there still on the wide kernel", 639, 8192, 28672, " ".join(["128w2:sk"] * 5)),
+]
+MXFP8 = [
+    ("1-16 rows on the streaming kernel", 16, 8192, 28672, "s"),
+    ("from 17 rows the wide kernel, 2 warpgroups, stream-K on 8192x28672", 17, 8192, 28672, "32w2:sk"),
+    ("passes of 128", 256, 8192, 28672, "128w2:sk 128w2:sk"),
+    ("stream-K on 8192x10240", 128, 8192, 10240, "128w2:sk"),
+    ("split-K kept on 4096x14336", 128, 4096, 14336, "128w2:1"),
+    ("split-K kept on 28672x8192 (two splits)", 128, 28672, 8192, "128w2:2"),
+    ("the prefill path from 384 rows", 384, 4096, 14336, "prefill"),
+    ("383 rows still on the wide kernel", 383, 4096, 14336, "128w2:1 128w2:1 128w2:1"),
+    ("from 512 rows on weights of 2^27 elements or more", 512, 8192, 28672, "prefill"),
+]
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    exe = host_driver.build(tmp_path_factory, "gemm_plan", ("-gencode=arch=compute_90a,code=sm_90a",))
+    return lambda fmt, cases: host_driver.lines(exe, [v for _, M, K, N, _ in cases for v in (fmt, M, K, N, SMS)])
+
+
+@pytest.mark.parametrize("fmt,cases", [(0, W4A16), (1, MXFP8)], ids=["w4a16", "mxfp8"])
+def test_plan_on_measured_shapes(plan, fmt, cases):
+    got = plan(fmt, cases)
+    wrong = [f"{name} (M={M}, {K}x{N}): {g!r}, the measured choice is {want!r}"
+             for (name, M, K, N, want), g in zip(cases, got) if g != want]
+    assert not wrong, "; ".join(wrong)
