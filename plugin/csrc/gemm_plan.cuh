@@ -52,15 +52,19 @@ struct PassPlan {
 // against 162.8 / 55.1 / 146.8 / 86.9 in two of 64 (no PDL). Four warpgroups only up to 32 tokens: at 48-64
 // they won only on 8192x28672 and only against split-K (77.9 against 79.8 us); two warpgroups with stream-K run there
 // 64.4 / 69.7 us at 48 / 64 against four's 71.6 / 79.7. At 32 tokens four (split-K) still win, 53.8 against 58.3.
+// A dense pass's plan from its configuration: the schedule launch_kernel would pick for it (CTAs of `wg` tile groups
+// over N's 64-row tile groups, stream-K only where every CTA gets `wg` of them).
+inline PassPlan dense_plan(int tokens, int wg, int ks, int64_t K, int64_t N, int sms) {
+  const int64_t groups = ceil_div(N, 64);
+  return {tokens, wg, ks,
+          pick_schedule(ceil_div(groups, wg), groups % wg == 0, static_cast<int>(ceil_div(K, kBlobChunkK)),
+                        static_cast<int>(ceil_div(K, ks)), sms)};
+}
+
 inline PassPlan plan_pass(int64_t rows, int64_t K, int64_t N, int sms) {
   const int tokens = ntok(rows);
-  const int64_t groups = ceil_div(N, 64);
-  const int wg = tokens <= 32 && four_warpgroups(ceil_div(groups, 4), sms) ? 4 : 2;
-  const int ks = stage_k(tokens);
-  const int64_t ctas = ceil_div(groups, wg);
-  return {tokens, wg, ks,
-          pick_schedule(ctas, groups % wg == 0, static_cast<int>(ceil_div(K, kBlobChunkK)),
-                        static_cast<int>(ceil_div(K, ks)), sms)};
+  const int wg = tokens <= 32 && four_warpgroups(ceil_div(ceil_div(N, 64), 4), sms) ? 4 : 2;
+  return dense_plan(tokens, wg, stage_k(tokens), K, N, sms);
 }
 
 // MXFP8: passes of up to 128 rows from kMxfp8WideMinRows (fewer left: the streaming kernel). Rows of the next pass
@@ -74,12 +78,9 @@ constexpr int64_t mxfp8_pass_rows(int64_t left) {
 // 8192x28672 (benchmarks/tuning/mxfp8_sweep.cu) two warpgroups with stream-K run 78.4 / 85.8 us at 32 / 64 tokens
 // against four's 81.7 / 92.6 with stream-K, 83.3 / 92.5 with split-K (the other shapes' CTAs of four do not fill 3/4
 // of the SMs).
+constexpr int kMxfp8StageK = 256;  // K per ring stage: half a chunk
 inline PassPlan mxfp8_plan_pass(int64_t rows, int64_t K, int64_t N, int sms) {
-  const int tokens = ntok(rows), wg = 2, ks = 256;
-  const int64_t groups = ceil_div(N, 64);
-  return {tokens, wg, ks,
-          pick_schedule(ceil_div(groups, wg), groups % wg == 0, static_cast<int>(ceil_div(K, kBlobChunkK)),
-                        static_cast<int>(ceil_div(K, ks)), sms)};
+  return dense_plan(ntok(rows), 2, kMxfp8StageK, K, N, sms);
 }
 
 }  // namespace wide

@@ -64,11 +64,11 @@ struct Mxfp8Batch {
 template <typename Run>
 cudaError_t with_config(const wide::PassPlan& p, Run&& run) {
   switch (p.tokens) {
-    case 128: return run(wide::PassConfig<128, 2, 256>{});
-    case 96: return run(wide::PassConfig<96, 2, 256>{});
-    case 64: return run(wide::PassConfig<64, 2, 256>{});
-    case 48: return run(wide::PassConfig<48, 2, 256>{});
-    case 32: return run(wide::PassConfig<32, 2, 256>{});
+    case 128: return run(wide::PassConfig<128, 2, wide::kMxfp8StageK>{});
+    case 96: return run(wide::PassConfig<96, 2, wide::kMxfp8StageK>{});
+    case 64: return run(wide::PassConfig<64, 2, wide::kMxfp8StageK>{});
+    case 48: return run(wide::PassConfig<48, 2, wide::kMxfp8StageK>{});
+    case 32: return run(wide::PassConfig<32, 2, wide::kMxfp8StageK>{});
     default: return cudaErrorInvalidValue;
   }
 }

@@ -245,13 +245,10 @@ constexpr int max_tiles() {
 // and int4 8192x28672 at one row takes 2 (64.9 / 57.2 / 61.3). 8-bit weights at 16-token passes fit 2 tiles at
 // most. Not measured on an sm_80-89 GPU.
 template <class P>
-cudaError_t launch(const Params& prm, int64_t N, int tiles, cudaStream_t stream) {
+cudaError_t launch(const Params& prm, int64_t N, int tiles, int sms, cudaStream_t stream) {
   constexpr bool kFits2 = max_tiles<P>() >= 2, kFits4 = max_tiles<P>() >= 4;
   if (tiles == 0) {
-    int dev = 0, sms = 1;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      return cudaGetLastError();
+    if (sms <= 0) return cudaErrorInvalidValue;
     tiles = sm80_tiles_per_cta(N, max_tiles<P>(), sms);
   }
   if (tiles == 1) return launch_tiles<P, 1>(prm, N, stream);
@@ -280,16 +277,15 @@ bool make_params(const void* x, int64_t M, int64_t K, int64_t x_stride, const vo
 }
 
 template <typename T, int GS, bool ASYM>
-cudaError_t launch_int4(const Params& prm, int64_t N, int tiles, cudaStream_t stream) {
-  return prm.M <= 8 ? launch<int4::Int4Policy<T, 1, GS, ASYM>>(prm, N, tiles, stream)
-                    : launch<int4::Int4Policy<T, 2, GS, ASYM>>(prm, N, tiles, stream);
+cudaError_t launch_int4(const Params& prm, int64_t N, int tiles, int sms, cudaStream_t stream) {
+  return prm.M <= 8 ? launch<int4::Int4Policy<T, 1, GS, ASYM>>(prm, N, tiles, sms, stream)
+                    : launch<int4::Int4Policy<T, 2, GS, ASYM>>(prm, N, tiles, sms, stream);
 }
 
 template <typename T>
-cudaError_t launch_int4_dtype(const Params& prm, int64_t N, int group_size, bool asym, int tiles,
-                              cudaStream_t stream) {
-  return with_int4_group(group_size, asym, [&](auto gs, auto asym_c) {
-    return launch_int4<T, decltype(gs)::value, decltype(asym_c)::value>(prm, N, tiles, stream);
+cudaError_t launch_int4_dtype(const W4a16GemmSm80Args& a, const Params& prm, cudaStream_t stream) {
+  return with_int4_group(a.group_size, a.asym, [&](auto gs, auto asym_c) {
+    return launch_int4<T, decltype(gs)::value, decltype(asym_c)::value>(prm, a.N, a.tiles, a.sms, stream);
   });
 }
 
@@ -304,8 +300,8 @@ cudaError_t launch_mxfp8_gemm_sm80(const Mxfp8GemmSm80Args& a, cudaStream_t stre
   Params prm;
   if (a.K % 32 != 0 || !make_params(a.x, a.M, a.K, a.x_stride, a.packed, a.row_scale, a.out, a.out_stride, a.N, prm))
     return cudaErrorInvalidValue;
-  return a.M <= 8 ? launch<mxfp8::Mxfp8Policy<1>>(prm, a.N, a.tiles, stream)
-                  : launch<mxfp8::Mxfp8Policy<2>>(prm, a.N, a.tiles, stream);
+  return a.M <= 8 ? launch<mxfp8::Mxfp8Policy<1>>(prm, a.N, a.tiles, a.sms, stream)
+                  : launch<mxfp8::Mxfp8Policy<2>>(prm, a.N, a.tiles, a.sms, stream);
 }
 
 cudaError_t launch_w4a16_gemm_sm80(const W4a16GemmSm80Args& a, cudaStream_t stream) {
@@ -314,8 +310,8 @@ cudaError_t launch_w4a16_gemm_sm80(const W4a16GemmSm80Args& a, cudaStream_t stre
   if (!make_params(a.x, a.M, a.K, a.x_stride, a.packed, nullptr, a.out, a.out_stride, a.N, prm))
     return cudaErrorInvalidValue;
   switch (a.dtype) {
-    case InDtype::kBF16: return launch_int4_dtype<__nv_bfloat16>(prm, a.N, a.group_size, a.asym, a.tiles, stream);
-    case InDtype::kF16: return launch_int4_dtype<__half>(prm, a.N, a.group_size, a.asym, a.tiles, stream);
+    case InDtype::kBF16: return launch_int4_dtype<__nv_bfloat16>(a, prm, stream);
+    case InDtype::kF16: return launch_int4_dtype<__half>(a, prm, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -22,6 +22,7 @@ struct Mxfp8GemmSm80Args {
   void* out = nullptr;
   int64_t out_stride = 0, N = 0;
   int tiles = 0;  // 16-row weight tiles per CTA: 1, 2, 4 (where they fit), 0 = the launcher's rule
+  int sms = 0;    // the device's multiprocessor count (the rule's input)
 };
 cudaError_t launch_mxfp8_gemm_sm80(const Mxfp8GemmSm80Args& a, cudaStream_t stream);
 // The most tiles per CTA the MXFP8 kernel takes at M rows (two stages of them must fit: 4, or 2 from 9 rows).
@@ -39,6 +40,7 @@ struct W4a16GemmSm80Args {
   void* out = nullptr;
   int64_t out_stride = 0, N = 0;
   int tiles = 0;  // as Mxfp8GemmSm80Args::tiles
+  int sms = 0;    // as Mxfp8GemmSm80Args::sms
 };
 cudaError_t launch_w4a16_gemm_sm80(const W4a16GemmSm80Args& a, cudaStream_t stream);
 

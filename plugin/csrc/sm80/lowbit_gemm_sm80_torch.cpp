@@ -78,6 +78,7 @@ at::Tensor mxfp8_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, con
         a.x = x.data_ptr(); a.M = M; a.K = K; a.x_stride = x.stride(0);
         a.packed = packed.data_ptr(); a.row_scale = rs;
         a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n; a.tiles = static_cast<int>(tiles);
+        a.sms = sm_count(x);
         return sm80::launch_mxfp8_gemm_sm80(a, current_stream());
       });
 }
@@ -108,6 +109,7 @@ at::Tensor w4a16_gemm_sm80(const at::Tensor& x_in, const at::Tensor& packed, int
         a.x = x.data_ptr(); a.dtype = in_dtype_of(op, "x", x); a.M = M; a.K = K; a.x_stride = x.stride(0);
         a.packed = packed.data_ptr(); a.group_size = static_cast<int>(group_size); a.asym = !symmetric;
         a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n; a.tiles = static_cast<int>(tiles);
+        a.sms = sm_count(x);
         return sm80::launch_w4a16_gemm_sm80(a, current_stream());
       });
 }
