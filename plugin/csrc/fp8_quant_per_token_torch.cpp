@@ -9,10 +9,12 @@
 namespace cublade {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> fp8_quant_per_token(const at::Tensor& x_in) {
-  constexpr const char* op = "fp8_quant_per_token";
+// values: the bf16 form (the E4M3 values as bf16, fp8_gemm's activations); bf16 x only.
+std::tuple<at::Tensor, at::Tensor> quant_per_token(const char* op, const at::Tensor& x_in, bool values) {
   CUBLADE_CHECK_VALUE(x_in.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
   const InDtype in_dt = in_dtype_of(op, "x", x_in);
+  CUBLADE_CHECK_NOT_IMPLEMENTED(!values || in_dt == InDtype::kBF16, op, "x must be bfloat16, got ",
+                                dt(x_in.scalar_type()));
   check_arch(op, x_in);
   const int64_t K = x_in.size(-1);
   CUBLADE_CHECK_VALUE(K >= 1, op, "x's last dim must be >= 1, got shape ", shape(x_in.sizes()));
@@ -20,7 +22,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_quant_per_token(const at::Tensor& x_in) {
   // [..., K] -> [M, K]; a view when the leading dims collapse (always for 2-D), else a copy.
   const at::Tensor x = x_in.dim() == 2 ? x_in : x_in.reshape({-1, K});
   const int64_t M = x.size(0);
-  at::Tensor q = at::empty(x_in.sizes(), x_in.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor q = at::empty(x_in.sizes(), x_in.options().dtype(values ? at::kBFloat16 : at::kFloat8_e4m3fn));
   std::vector<int64_t> scale_shape(x_in.sizes().begin(), x_in.sizes().end());
   scale_shape.back() = 1;
   at::Tensor scale = at::empty(scale_shape, x_in.options().dtype(at::kFloat));
@@ -28,13 +30,23 @@ std::tuple<at::Tensor, at::Tensor> fp8_quant_per_token(const at::Tensor& x_in) {
   Fp8QuantPerTokenArgs a;
   a.x = x.data_ptr(); a.dtype = in_dt;
   a.M = M; a.K = K; a.row_stride = x.stride(0); a.col_stride = x.stride(1);
-  a.q = static_cast<uint8_t*>(q.data_ptr()); a.scale = scale.data_ptr<float>();
+  a.q = static_cast<uint8_t*>(q.data_ptr()); a.scale = scale.data_ptr<float>(); a.values = values;
   check_launch(op, launch_fp8_quant_per_token(a, current_stream()));
   return {q, scale};
 }
 
+std::tuple<at::Tensor, at::Tensor> fp8_quant_per_token(const at::Tensor& x) {
+  return quant_per_token("fp8_quant_per_token", x, false);
+}
+std::tuple<at::Tensor, at::Tensor> fp8_quant_per_token_bf16(const at::Tensor& x) {
+  return quant_per_token("fp8_quant_per_token_bf16", x, true);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(cublade, CUDA, m) { m.impl("fp8_quant_per_token", &fp8_quant_per_token); }
+TORCH_LIBRARY_IMPL(cublade, CUDA, m) {
+  m.impl("fp8_quant_per_token", &fp8_quant_per_token);
+  m.impl("fp8_quant_per_token_bf16", &fp8_quant_per_token_bf16);
+}
 
 }  // namespace cublade

@@ -34,6 +34,8 @@
 
 #include "common.cuh"
 
+#include <cuda.h>  // CUtensorMap
+
 #include <algorithm>
 #include <type_traits>
 #include <utility>
@@ -76,6 +78,12 @@ struct GemmParams {
   int tpw;             // tiles per consumer warp (0: the launcher's rule, default_tpw)
   int ksl;             // K slices per chunk (0: tpw; more: more consumer warps, see stream_gemm_kernel)
   int sms;             // the device's multiprocessor count (host side: the launch's choices)
+  // Plain-row policies (kPlainRows, fp8_gemm.cu) only: the weight [N, K] of 1-byte codes as a TMA tensor map (boxes
+  // of 64 rows x 128 K, 128-byte swizzle), and the activations' fp32 scale per token (tok_scale_stride 1) or per
+  // tensor (0). row_scale is then [N] (not padded).
+  CUtensorMap wmap;
+  const float* tok_scale;
+  int tok_scale_stride;
 };
 
 // Shared memory: barriers, stages x [W: 4 tile blocks | X: xrows x kXRowBytes], reduction buffer (the partial
@@ -84,21 +92,38 @@ struct GemmParams {
 static_assert(2 * kMaxStages * 8 <= 128, "the full/empty mbarriers must fit the 128-byte header");
 // PB: bytes per packet (16 rows x 64 K), 512 for 4-bit weights, 1024 for 8-bit. (A run-time member instead made ptxas
 // spill 12 bytes in the int4 M <= 8 kernel.)
-template <int PB>
+// ALIGN (0 or 1024): stages start at multiples of ALIGN bytes from a base the kernel aligns (the TMA's 128-byte swizzle
+// repeats every 1024 bytes, so a swizzled box must start at such a multiple); total() includes the slack.
+template <int PB, int ALIGN = 0>
 struct LayoutOf {
   int sbytes, xrows, stages;
+  static constexpr int kHeader = ALIGN > 128 ? ALIGN : 128;
   __host__ __device__ int tile_bytes() const { return kChunk * PB + sbytes; }
   __host__ __device__ int w_bytes() const { return kGroupTiles * tile_bytes(); }
-  __host__ __device__ int stage_bytes() const { return w_bytes() + xrows * kXRowBytes; }
-  __host__ __device__ int stage_offset(int s) const { return 128 + s * stage_bytes(); }
-  __host__ __device__ int red_offset() const { return 128 + stages * stage_bytes(); }
+  __host__ __device__ int stage_bytes() const {
+    const int b = w_bytes() + xrows * kXRowBytes;
+    return ALIGN ? (b + ALIGN - 1) / ALIGN * ALIGN : b;
+  }
+  __host__ __device__ int stage_offset(int s) const { return kHeader + s * stage_bytes(); }
+  __host__ __device__ int red_offset() const { return kHeader + stages * stage_bytes(); }
   __host__ __device__ static int red_slots(int ksl) { return ksl > 1 ? ksl - 1 : 1; }
   __host__ __device__ static int red_slot_floats(int nt) { return kGroupTiles * nt * 4 * 32; }
   __host__ __device__ int total(int nt, int ksl) const {  // ksl: K slices per chunk (see stream_gemm_kernel)
-    return red_offset() + red_slots(ksl) * red_slot_floats(nt) * 4;
+    return red_offset() + red_slots(ksl) * red_slot_floats(nt) * 4 + ALIGN;
   }
 };
 using Layout = LayoutOf<512>;
+
+// Policies whose weights are plain rows ([N, K], 1 byte per code) read through a TMA tensor map (kPlainRows = true)
+// instead of a repacked blob.
+template <class P, class = void>
+struct plain_rows : std::false_type {};
+template <class P>
+struct plain_rows<P, std::void_t<decltype(P::kPlainRows)>> : std::bool_constant<P::kPlainRows> {};
+constexpr int kPlainBoxK = 128;                              // K per TMA box (the 128-byte swizzle span)
+constexpr int kPlainBoxBytes = kGroupTiles * kTileN * kPlainBoxK;  // 64 rows x 128 K
+template <class P>
+using LayoutFor = LayoutOf<P::kPacketBytes, plain_rows<P>::value ? 1024 : 0>;
 
 // ---- PTX wrappers ------------------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -133,6 +158,16 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
       "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
       : "memory");
 }
+// 2-D TMA copy of the box at (c0 = K, c1 = row) of `map` into this CTA's shared memory, completion counted on `bar`.
+__device__ __forceinline__ void tma_g2s_2d(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar,
+                                           uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar)), "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ uint2 lds64(const void* p) { return *reinterpret_cast<const uint2*>(p); }
 // Weights are read once per call: evict them first, so they do not push out of L2 what others still need
 // (the activations, and in a model the KV cache) nor force write-backs of dirty lines.
 __device__ __forceinline__ uint64_t policy_evict_first() {
@@ -311,9 +346,12 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
   constexpr int PPW = kChunk / KSL;            // packets per warp per chunk
   constexpr int V = P::kPacketBytes / 512;     // 16-byte vectors per lane per packet
   constexpr int kSliceK = PPW * kPacketK;      // K per slice
+  constexpr bool kPlain = plain_rows<P>::value;
   static_assert(kGroupTiles % TPW == 0 && kChunk % KSL == 0 && KSL % TPW == 0,
                 "tiles per warp must divide the tile group, slices the chunk, and a warp's tiles its slices");
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // plain rows: the layout's 1024-byte stages from a 1024-byte aligned base (the layout's total has the slack)
+  unsigned char* smem = kPlain ? smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) : smem_raw;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   // Grouped: blockIdx.z is the z-th expert that has rows (at most M have), so no CTA is spent on the others.
@@ -328,7 +366,7 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
   const int nchunks = max(ce - cb, 0);
   const int group = blockIdx.x;
   const int nst = prm.stages;
-  const LayoutOf<P::kPacketBytes> L{prm.sbytes, prm.xrows, nst};
+  const LayoutFor<P> L{prm.sbytes, prm.xrows, nst};
   const int tile0 = (warp / KSL) * TPW, slice = warp % KSL;  // consumers: first tile, K slice
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxStages;
@@ -372,8 +410,15 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
         }
         __syncwarp();  // the stage is free and its byte count is set before any copy lands
         unsigned char* st = smem + L.stage_offset(s);
-        if (lane == 0)
+        if constexpr (kPlain) {  // the chunk's 64 rows x 512 K as 4 swizzled boxes of 128 K (the padding: zeros)
+          if (lane == 0)
+#pragma unroll
+            for (int b = 0; b < kChunk * kPacketK / kPlainBoxK; ++b)
+              tma_g2s_2d(st + b * kPlainBoxBytes, &prm.wmap, k0 + b * kPlainBoxK, group * kGroupTiles * kTileN,
+                         full + s, wpol);
+        } else if (lane == 0) {
           bulk_g2s(st, prm.w + (block0 + cb + c) * L.w_bytes(), L.w_bytes(), full + s, wpol);
+        }
         for (int row = lane; row < rows; row += 32)
           bulk_g2s(st + L.w_bytes() + row * kXRowBytes,
                    xg + ((static_cast<int64_t>(m0 + row) * prm.x_stride) + k0) * 2, kbytes, full + s, xpol);
@@ -397,14 +442,48 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
           static_for<PPW>([&](auto j_c) {
             constexpr int j = decltype(j_c)::value;
             uint4 xv[2][NT];
-            load_x_packet(xv, xsm + j * kPacketK * 2, rows, g,
-                          [&](int h) { return !kChecked || kb + j * kPacketK + 32 * h + 8 * t < prm.K; });
+            if constexpr (kPlain) {
+              // Plain rows (a box: 64 rows x 8 chunks of 16 K, chunk c of row r stored at chunk c ^ (r % 8)). Half h
+              // of packet jj (two k-steps) takes chunk a = 2 (jj % 2) + h for lanes t = 0, 1 and chunk a ^ 5 for t = 2,
+              // 3, 8 K per lane (bytes 0-3 one k-step, 4-7 the next): the 4 rows g % 4 of a half-warp's 64-bit loads
+              // then cover all 8 chunks (no bank conflict), and x's 16-byte loads for those K hit distinct banks.
+              const int pk = slice * PPW + j, box = pk >> 1;  // packet of the chunk, its box
+              const unsigned char* wbox = stg + box * kPlainBoxBytes;
 #pragma unroll
-            for (int u = 0; u < TPW; ++u) {
-              uint4 q[V];
+              for (int h = 0; h < 2; ++h) {
+                const int a = 2 * (pk & 1) + h, ch = t >> 1 ? a ^ 5 : a;
+                const int kc = box * kPlainBoxK + ch * 16 + (t & 1) * 8;  // this lane's first K in the chunk
+                const bool in = !kChecked || (cb + c) * kChunk * kPacketK + kc < prm.K;
 #pragma unroll
-              for (int v = 0; v < V; ++v) q[v] = lds128(tb + u * L.tile_bytes() + j * P::kPacketBytes + v * 512);
-              P::template packet<j, kSliceK>(st[u], q, srec[u], xv, acc[u], lane);
+                for (int n = 0; n < NT; ++n) {
+                  const int row = 8 * n + g;
+                  xv[h][n] = row < rows && in ? lds128(stg + L.w_bytes() + row * kXRowBytes + kc * 2)
+                                              : make_uint4(0u, 0u, 0u, 0u);
+                }
+              }
+#pragma unroll
+              for (int u = 0; u < TPW; ++u) {
+                const unsigned char* r_lo = wbox + ((tile0 + u) * kTileN + g) * kPlainBoxK;
+                uint4 q[2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  const int a = 2 * (pk & 1) + h, ch = t >> 1 ? a ^ 5 : a;
+                  const int off = ((ch ^ g) << 4) + (t & 1) * 8;
+                  const uint2 lo = lds64(r_lo + off), hi = lds64(r_lo + 8 * kPlainBoxK + off);
+                  q[h] = make_uint4(lo.x, hi.x, lo.y, hi.y);
+                }
+                P::template packet<j, kSliceK>(st[u], q, nullptr, xv, acc[u], lane);
+              }
+            } else {
+              load_x_packet(xv, xsm + j * kPacketK * 2, rows, g,
+                            [&](int h) { return !kChecked || kb + j * kPacketK + 32 * h + 8 * t < prm.K; });
+#pragma unroll
+              for (int u = 0; u < TPW; ++u) {
+                uint4 q[V];
+#pragma unroll
+                for (int v = 0; v < V; ++v) q[v] = lds128(tb + u * L.tile_bytes() + j * P::kPacketBytes + v * 512);
+                P::template packet<j, kSliceK>(st[u], q, srec[u], xv, acc[u], lane);
+              }
             }
           });
         };
@@ -444,7 +523,14 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
     auto store = [&](float (&v)[NT][4], int tile) {
       const int row0 = (group * kGroupTiles + tile) * kTileN;
       const int r_lo = row0 + g, r_hi = row0 + g + 8;
-      const float f_lo = rs ? rs[r_lo] : 1.0f, f_hi = rs ? rs[r_hi] : 1.0f;  // row_scale is padded to groups
+      float f_lo = 1.0f, f_hi = 1.0f;
+      if constexpr (kPlain) {  // row_scale [N]
+        f_lo = r_lo < prm.N ? rs[r_lo] : 0.0f;
+        f_hi = r_hi < prm.N ? rs[r_hi] : 0.0f;
+      } else if (rs) {  // row_scale is padded to groups
+        f_lo = rs[r_lo];
+        f_hi = rs[r_hi];
+      }
       T* out = static_cast<T*>(prm.out);
 #pragma unroll
       for (int n = 0; n < NT; ++n)
@@ -452,8 +538,11 @@ stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
         for (int j = 0; j < 4; ++j) {
           const int row = j < 2 ? r_lo : r_hi;
           const int tok = m0 + 8 * n + 2 * t + (j & 1);
-          if (row < prm.N && tok < m_end)
-            out[static_cast<int64_t>(tok) * prm.out_stride + row] = from_float<T>(v[n][j] * (j < 2 ? f_lo : f_hi));
+          if (row < prm.N && tok < m_end) {
+            float y = v[n][j];
+            if constexpr (kPlain) y *= prm.tok_scale[static_cast<int64_t>(tok) * prm.tok_scale_stride];  // (sum x s_a) x s_w
+            out[static_cast<int64_t>(tok) * prm.out_stride + row] = from_float<T>(y * (j < 2 ? f_lo : f_hi));
+          }
         }
     };
     if (nsplit == 1) {
@@ -523,7 +612,7 @@ int ctas_per_sm(int smem) {
 // 56.0 us at 2 stages (2.3 waves) and 88.7 us at 4 (1 CTA/SM, 6.8 waves). And one CTA per SM never pays:
 // 8192x10240 M=32 in 2 splits (320 CTAs, 1.2 waves at 2/SM) ran 62.2 us at 3 stages (1/SM) against 47.3 at 2.
 template <class P, int TPW, int KSL>
-int pick_stages(LayoutOf<P::kPacketBytes> L, int64_t ctas, int sms) {
+int pick_stages(LayoutFor<P> L, int64_t ctas, int sms) {
   for (int st = 2; st <= 4; ++st) {
     L.stages = st;
     const int per_sm = ctas_per_sm<P, TPW, KSL>(L.total(P::NT, KSL));
@@ -579,7 +668,7 @@ cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
   if (const cudaError_t e = allow_max_smem<kernel>(); e != cudaSuccess) return e;
   prm.chunks_per_cta = (prm.chunks + S - 1) / S;
   prm.experts = E;
-  LayoutOf<P::kPacketBytes> L{prm.sbytes, prm.xrows, kMaxStages};
+  LayoutFor<P> L{prm.sbytes, prm.xrows, kMaxStages};
   // Grouped launches: one grid slice (blockIdx.z) per expert that can have rows, at most M of the E; the kernel
   // maps slice z to the z-th expert with rows. (A slice per expert left the CTAs of the experts with rows packed
   // onto fewer SMs among the early exits: 14336x4096, 2 of 8 experts, 50.0 us against 36.9 for a blob of the two.)

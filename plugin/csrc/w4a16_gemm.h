@@ -168,6 +168,27 @@ struct Mxfp8GemmArgs {
 };
 cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream);
 
+// FP8 W8A8 decode GEMM (fp8_gemm.cu), on the weight as checkpoints and vLLM's CUTLASS hold it (no repack):
+//   out[M, N] = (sum_k x[m, k] * w[n, k]) * x_scale[m or 0] * w_scale[n], fp32 sums, rounded once to bf16.
+// x: bf16 [M, K] holding E4M3 values (the quantized activations, exact in bf16; row stride x_stride, unit column
+// stride, 16-byte aligned rows); x_scale: fp32, one per row (x_scale_stride 1) or one (0); w: E4M3 [N, K] contiguous,
+// 16-byte aligned, K % 16 == 0; w_scale: fp32 [N]; out: bf16 [M, N] (row stride out_stride). split_k: K splits per
+// cluster (0 = pick). Every M runs the streaming kernel (passes of up to 32 rows, each re-reading the weight): the
+// callers keep larger batches on an FP8 tensor-core GEMM.
+struct Fp8GemmArgs {
+  const void* x = nullptr;
+  int64_t M = 0, K = 0, x_stride = 0;
+  const float* x_scale = nullptr;
+  int x_scale_stride = 0;
+  const void* w = nullptr;
+  const float* w_scale = nullptr;
+  void* out = nullptr;
+  int64_t out_stride = 0, N = 0;
+  int split_k = 0;
+  int sms = 0;
+};
+cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream);
+
 // The dense bf16 weight [N, K] (contiguous) from the MXFP8 blob: the prefill path. K % 32 == 0.
 struct Mxfp8DequantPackedArgs {
   const void* packed = nullptr;

@@ -41,9 +41,9 @@ PROMPT = "Once upon a time"
 GREEDY_TOKENS = 20
 START_TIMEOUT, REQUEST_TIMEOUT, PPL_TIMEOUT = 300, 60, 600
 # The kernel each preset's layers must run on with bf16 activations on sm_90 (never the fp32 reference).
-EXPECTED_KERNEL = {"fp8-dynamic": "vllm-cutlass-scaled-mm", "fp8-static": "vllm-cutlass-scaled-mm",
+EXPECTED_KERNEL = {"fp8-dynamic": "cublade-fp8-gemm", "fp8-static": "vllm-cutlass-scaled-mm",
                    "w4a16": "(cublade-w4a16-gemm|vllm-machete|vllm-marlin)",
-                   "mxfp8": "cublade-mxfp8-gemm", "fp4-experts-fp8-dense": "vllm-cutlass-scaled-mm"}
+                   "mxfp8": "cublade-mxfp8-gemm", "fp4-experts-fp8-dense": "cublade-fp8-gemm"}
 # Accuracy bars (those of tests/test_ppl.py): d loss vs the unquantized model.
 BARS = {"fp8-dynamic": 0.013, "mxfp8": 0.012}
 PPL_REL = 0.005  # vllm vs reference perplexity of the same checkpoint
@@ -239,7 +239,7 @@ def test_compiled_model_cache_follows_the_kernel_choice(served, checkpoint, logs
 
 @pytest.mark.parametrize("name,disabled,kernel", [
     ("w4a16", "cublade-w4a16-gemm,vllm-machete,vllm-marlin", "cublade-w4a16-gemm-sm80"),
-    ("fp8-dynamic", "vllm-cutlass-scaled-mm,vllm-marlin-fp8", "cublade-fp8-w8a16"),
+    ("fp8-dynamic", "cublade-fp8-gemm,vllm-cutlass-scaled-mm,vllm-marlin-fp8", "cublade-fp8-w8a16"),
     ("mxfp8", "cublade-mxfp8-gemm,vllm-marlin-mxfp8", "cublade-mxfp8-gemm-sm80")])
 def test_sm80_kernels_serve_the_default_text(served, checkpoint, logs, monkeypatch, name, disabled, kernel):
     """The kernels cublade runs on Ampere / Ada (cublade._C_sm80), served here through their compute_80 PTX by

@@ -15,7 +15,8 @@ from cublade.config import Fp8Scheme, MXFP8Scheme, W4A16Scheme
 CAPS = (80, 86, 89, 90)
 # scheme -> the kernel chosen at each of CAPS (bf16 activations, the extension built)
 EXPECTED = {
-    Fp8Scheme("channel", "dynamic-token"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
+    Fp8Scheme("channel", "dynamic-token"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm", "cublade-fp8-gemm"),
+    Fp8Scheme("tensor", "dynamic-token"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm", "cublade-fp8-gemm"),
     Fp8Scheme("tensor", "static-tensor"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
     W4A16Scheme(128, True): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
     W4A16Scheme(64, False): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
@@ -26,7 +27,7 @@ EXPECTED = {
 # the same with vLLM's Marlin kernels disabled (CUBLADE_DISABLED_KERNELS): cublade's sm_80 kernels on sm_80-89
 MARLIN = "vllm-marlin,vllm-marlin-fp8,vllm-marlin-mxfp8"
 EXPECTED_WITHOUT_MARLIN = {
-    Fp8Scheme("channel", "dynamic-token"): ("cublade-fp8-w8a16",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
+    Fp8Scheme("channel", "dynamic-token"): ("cublade-fp8-w8a16",) * 2 + ("vllm-cutlass-scaled-mm", "cublade-fp8-gemm"),
     W4A16Scheme(128, True): ("cublade-w4a16-gemm-sm80",) * 3 + ("cublade-w4a16-gemm",),
     W4A16Scheme(64, False): ("cublade-w4a16-gemm-sm80",) * 3 + ("cublade-w4a16-gemm",),
     MXFP8Scheme(): ("cublade-mxfp8-gemm-sm80",) * 3 + ("cublade-mxfp8-gemm",),
@@ -92,6 +93,9 @@ def test_kernel_per_gpu_without_cublade_extensions(vllm_ctx, monkeypatch, scheme
         assert got == want, (cap, got, reason)
 
 
+OWN_FP8_ON_86 = "cublade-fp8-gemm: fp8_gemm: cublade's kernels are built for sm_90a, this GPU is sm_86"
+
+
 def test_fp8_w8a16_reasons(vllm_ctx, monkeypatch):
     monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "vllm-marlin-fp8")
     layer = loaded_layer(Fp8Scheme(), KINDS["down"], monkeypatch)
@@ -100,14 +104,15 @@ def test_fp8_w8a16_reasons(vllm_ctx, monkeypatch):
     assert got == "cublade-fp8-w8a16"
     assert reason == ("W8A16 on sm_86: cublade's CUDA op mxfp8_gemm_sm80 over the e4m3 codes, activations not "
                       "quantized (from 64 tokens dequantize + cuBLAS)")
-    assert skipped == ["vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86",
+    assert skipped == [OWN_FP8_ON_86, "vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86",
                        "vllm-marlin-fp8: disabled by CUBLADE_DISABLED_KERNELS"]
     monkeypatch.delenv("CUBLADE_DISABLED_KERNELS")
     with mocked_gpu(monkeypatch, 86, extension=False):
         got, reason, skipped = choice(layer)
     assert got == "vllm-marlin-fp8"
     assert reason == "W8A16 on sm_86: e4m3 weights decoded to torch.bfloat16 in the kernel, activations not quantized"
-    assert skipped == ["vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86"]
+    assert skipped == ["cublade-fp8-gemm: fp8_gemm: cublade's kernels are built for sm_90a, this GPU is sm_86",
+                       "vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86"]
 
 
 @pytest.mark.parametrize("cap", CAPS)
@@ -123,7 +128,10 @@ def test_fp8_shapes_cutlass_refuses_run_w8a16(vllm_ctx, monkeypatch, cap):
         got, _, skipped = choice(layer)
     assert got == "vllm-marlin-fp8"
     if cap >= 89:
-        assert skipped == ["vllm-cutlass-scaled-mm: N=200, K=128 are not multiples of 16"]
+        assert skipped[-1] == "vllm-cutlass-scaled-mm: N=200, K=128 are not multiples of 16"
+    if cap == 90:  # cublade's FP8 GEMM needs CUTLASS for the larger batches
+        assert skipped[0] == ("cublade-fp8-gemm: larger batches need vLLM's CUTLASS: N=200, K=128 are not multiples "
+                              "of 16")
     monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "vllm-marlin-fp8")
     assert choice(layer)[0] == "cublade-fp8-w8a16"
 
@@ -272,4 +280,7 @@ def test_fp8_activation_quant_per_gpu(vllm_ctx, monkeypatch, activations):
         with mocked_gpu(monkeypatch, cap):
             got, reason, _ = choice(layer)
             words = input_quant_choice(scheme, layer.weight.device)[1]
-        assert got == "vllm-cutlass-scaled-mm" and words.startswith(want) and words in reason, (cap, reason)
+        if cap == 90 and activations == "dynamic-token":  # cublade's FP8 GEMM, CUTLASS for the larger batches
+            assert got == "cublade-fp8-gemm" and reason.endswith(words), (cap, reason)
+        else:
+            assert got == "vllm-cutlass-scaled-mm" and words.startswith(want) and words in reason, (cap, reason)

@@ -21,6 +21,7 @@ import torch
 from cublade.config import FP4Scheme, Fp8Scheme, MXFP8Scheme, Scheme, W4A16Scheme
 from cublade.vllm.kernels.base import LinearKernel, MoEKernel
 from cublade.vllm.kernels.cublade_fp4_moe import CubladeFp4MoE
+from cublade.vllm.kernels.cublade_fp8_gemm import CubladeFp8Gemm
 from cublade.vllm.kernels.cublade_fp8_w8a16 import CubladeFp8W8A16
 from cublade.vllm.kernels.cublade_mxfp8_dequant_matmul import CubladeMxfp8DequantMatmul
 from cublade.vllm.kernels.cublade_mxfp8_gemm import CubladeMxfp8Gemm
@@ -41,12 +42,13 @@ logger = logging.getLogger("vllm.cublade")
 
 # The candidates per scheme, first that can run the layer wins.
 CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel] | type[MoEKernel], ...]] = {
+    # Per-token dynamic layers on Hopper: cublade's FP8 decode GEMM for small batches, vLLM's CUTLASS above. Else
     # vLLM's CUTLASS (W8A8 on FP8 tensor cores, sm_89+), activations quantized by cublade's per-token / per-tensor
     # op; without FP8 tensor cores (sm_80 / sm_86) W8A16 on the 1-byte codes: vLLM's FP8 Marlin, then cublade's
     # sm_80 kernel. On sm_80-89 vLLM's Marlin kernels come before cublade's sm_80 kernels for every scheme: measured
     # through the PTX on an H200 (docs/decisions.md, "sm_80 kernels after Marlin"), the sm_80 kernels match Marlin
     # at 1-8 tokens and fall to 0.2-0.6x from 16.
-    Fp8Scheme: (VllmCutlassScaledMM, VllmMarlinFp8, CubladeFp8W8A16, ReferenceKernel),
+    Fp8Scheme: (CubladeFp8Gemm, VllmCutlassScaledMM, VllmMarlinFp8, CubladeFp8W8A16, ReferenceKernel),
     # The FP8 tensor-core path first, but only when asked for (CUBLADE_W4A16_PREFILL=fp8): it rounds activations.
     # Then the Hopper kernels, vLLM's Machete (Hopper) and Marlin; the sm_80 kernel for what Marlin refuses.
     W4A16Scheme: (CubladeW4A16Fp8Prefill, CubladeW4A16Gemm, VllmMachete, VllmMarlin, CubladeW4A16GemmSm80,

@@ -1,0 +1,162 @@
+"""Benchmark FP8 W8A8 linear layers (per-channel E4M3 weights, per-token dynamic activations) on Hopper, every kernel
+in the same run, as the product runs them:
+  cublade-fp8-gemm        the layer's kernel class (cublade.vllm.kernels): activations quantized by cublade's op,
+                          then cublade's fp8_gemm up to FP8_GEMM_MAX_ROWS tokens, vLLM's CUTLASS above
+  cublade fp8_gemm        cublade's quantization (bf16 values) + fp8_gemm at every M (where it crosses CUTLASS)
+  vllm-cutlass-scaled-mm  cublade's quantization (E4M3) + vLLM's CUTLASS scaled-mm (what the layer ran before)
+  vllm-humming-fp8        vLLM's Humming FP8 kernel (HummingFP8ScaledMMLinearKernel, needs humming-kernels) on the
+                          same tensors
+  bf16                    a bf16 linear of the dequantized weight (cuBLAS)
+and the two GEMM kernels alone (their activations quantized beforehand): "fp8_gemm only", "cutlass only".
+
+    python benchmarks/bench_fp8_gemm.py [--shapes 4096x6144,4096x4096,4096x28672,14336x4096]
+                                        [--m 1,2,4,8,16,24,32,48,64,128] [--json FILE]
+
+Times: median of triton.testing.do_bench (L2 cleared before every call: the weights come from HBM). TB/s: the weight
+bytes (N*K) over the time. x = a kernel's time / cublade-fp8-gemm's (> 1: cublade faster). Accuracy at M=16:
+mean|C-ref|/mean|ref| against the fp32 W8A8 reference (fp8_linear_ref in fp32). A kernel that cannot run here is
+reported with its reason and left out.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import torch
+
+from common import REFERENCE_COPY_TBPS, bench_us, humming_linear, rel_err, require_op, vllm_single_process_state, write_json
+
+bench = functools.partial(bench_us, rep_ms=100)
+OURS = "cublade-fp8-gemm"
+
+
+def stand_in_layer(w: torch.Tensor, ws: torch.Tensor) -> torch.nn.Module:
+    """What cublade.vllm.linear leaves for a kernel class: the fp8 scheme's tensors as Parameters, sizes, dtype."""
+    from cublade.config import Fp8Scheme
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(ws.clone(), requires_grad=False)
+    layer.output_size_per_partition, layer.input_size_per_partition = w.shape
+    layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, Fp8Scheme("channel", "dynamic-token"), None
+    return layer
+
+
+def class_fn(name: str, w: torch.Tensor, ws: torch.Tensor):
+    """(fn(x), None) for a kernel class of the fp8 scheme, or (None, why not)."""
+    from cublade.config import Fp8Scheme
+    from cublade.vllm import kernels
+
+    cls = next(k for k in kernels.CANDIDATES[Fp8Scheme] if k.name == name)
+    layer = stand_in_layer(w, ws)
+    ok, why = cls.can_implement(layer)
+    if not ok:
+        return None, why
+    impl = cls(layer)
+    return functools.partial(impl.apply, layer, bias=None), None
+
+
+def humming_fn(w: torch.Tensor, ws: torch.Tensor):
+    """(fn(x), None) for vLLM's Humming FP8 kernel on the checkpoint tensors, prepared as vLLM does, or (None, why)."""
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm.humming import HummingFP8ScaledMMLinearKernel
+        from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import FP8ScaledMMLinearLayerConfig
+        from vllm.model_executor.layers.quantization.utils.quant_utils import (kFp8DynamicTokenSym,
+                                                                               kFp8StaticChannelSym)
+    except ImportError as e:
+        return None, f"vLLM's Humming FP8 kernel not importable ({e})"
+
+    class Humming(HummingFP8ScaledMMLinearKernel):  # the layer's parameter names, as vLLM's fp8 layers pass them
+        def __init__(self, c):
+            super().__init__(c, ["weight", "weight_scale", "input_scale", "input_scale_ub"])
+
+    N, K = w.shape
+    layer = stand_in_layer(w, ws.reshape(N, 1))
+    layer.input_size = K
+    layer.output_partition_sizes, layer.has_bias = [N], False
+    cfg = FP8ScaledMMLinearLayerConfig(weight_quant_key=kFp8StaticChannelSym, activation_quant_key=kFp8DynamicTokenSym,
+                                       input_dtype=torch.bfloat16, out_dtype=torch.bfloat16, weight_shape=(N, K))
+    return humming_linear(Humming, cfg, layer, "FP8")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="4096x6144,4096x4096,4096x28672,14336x4096", help="KxN list")
+    ap.add_argument("--m", default="1,2,4,8,16,24,32,48,64,128", help="token counts")
+    ap.add_argument("--json", default=None, help="write all rows here")
+    args = ap.parse_args()
+
+    require_op("bench_fp8_gemm", "fp8_gemm")
+    vllm_single_process_state()
+    from vllm import _custom_ops as vllm_ops
+
+    from cublade.numerics.fp8 import fp8_quant_weight
+    from cublade.ops.fp8_gemm import fp8_gemm
+    from cublade.ops.fp8_quant_per_token import fp8_quant_per_token, fp8_quant_per_token_bf16
+
+    dev = torch.device("cuda")
+    rows, why_not = [], {}
+    for shape in args.shapes.split(","):
+        K, N = (int(v) for v in shape.split("x"))
+        g = torch.Generator(device=dev).manual_seed(0)
+        w, ws = fp8_quant_weight(torch.randn(N, K, device=dev, generator=g) * 0.02, per_channel=True)
+        ws = ws.float().reshape(-1).contiguous()
+        wbf = (w.float() * ws.reshape(-1, 1)).to(torch.bfloat16)
+        fns = {}
+        for name in (OURS, "vllm-cutlass-scaled-mm"):
+            fn, why = class_fn(name, w, ws)
+            if fn is None:
+                why_not[name] = why
+            else:
+                fns[name] = fn
+        hfn, why = humming_fn(w, ws)
+        if hfn is None:
+            why_not["vllm-humming-fp8"] = why
+        else:
+            fns["vllm-humming-fp8"] = hfn
+        fns["cublade fp8_gemm"] = lambda x: fp8_gemm(*fp8_quant_per_token_bf16(x), w, ws)
+        fns["bf16"] = lambda x: torch.nn.functional.linear(x, wbf)
+        x16 = (torch.randn(16, K, device=dev, generator=g) * 2).to(torch.bfloat16)
+        xq16, xs16 = fp8_quant_per_token(x16)
+        ref16 = (xq16.float() @ w.float().t()) * xs16 * ws.reshape(1, -1)
+        errs = {name: rel_err(fn(x16), ref16) for name, fn in fns.items()}
+        for M in (int(m) for m in args.m.split(",")):
+            x = (torch.randn(M, K, device=dev, generator=g) * 2).to(torch.bfloat16)
+            xv, xs = fp8_quant_per_token_bf16(x)
+            xq, _ = fp8_quant_per_token(x)
+            kernels_only = {
+                "fp8_gemm only": lambda: fp8_gemm(xv, xs, w, ws),
+                "cutlass only": lambda: vllm_ops.cutlass_scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws,
+                                                                   out_dtype=torch.bfloat16),
+            }
+            us = {name: bench(functools.partial(fn, x)) for name, fn in fns.items()}
+            us.update({name: bench(fn) for name, fn in kernels_only.items()})
+            r = {"K": K, "N": N, "M": M, "weight_bytes": N * K, "errors_m16": errs, "us": us}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        w = ws = wbf = fns = None
+        torch.cuda.empty_cache()
+
+    write_json(args.json, rows, not_run=why_not)
+    for name, why in why_not.items():
+        print(f"not run: {name}: {why}")
+    names = list(rows[0]["us"])
+    print("\nFP8 W8A8 linear (per-channel E4M3 weights, per-token activations); median us (do_bench, L2 cleared); "
+          f"TB/s = weight bytes / time (copy ceiling ~{REFERENCE_COPY_TBPS} TB/s); x = time / {OURS}'s")
+    print(f"{'K x N':>12} {'M':>5} " + " ".join(f"{n:>26}" for n in names))
+    for r in rows:
+        us = r["us"]
+        cells = []
+        for n in names:
+            tbs = r["weight_bytes"] / us[n] / 1e6
+            ratio = f" {us[n] / us[OURS]:5.2f}x" if OURS in us and n != OURS else ""
+            cells.append(f"{us[n]:8.1f} {tbs:4.2f}TB/s{ratio}".rjust(26))
+        print(f"{r['K']:>5}x{r['N']:<6} {r['M']:>5} " + " ".join(cells))
+    print("accuracy at M=16 (mean|C-ref|/mean|ref| vs the fp32 W8A8 reference): " + " | ".join(
+        f"{r['K']}x{r['N']}: " + ", ".join(f"{k} {v:.2e}" for k, v in r["errors_m16"].items())
+        for r in rows if r["M"] == rows[0]["M"]))
+
+
+if __name__ == "__main__":
+    main()

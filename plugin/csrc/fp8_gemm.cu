@@ -1,0 +1,119 @@
+// FP8 W8A8 decode GEMM on Hopper, reading the weight where it already is: the E4M3 [N, K] rows that checkpoints store
+// and vLLM's CUTLASS scaled-mm reads (as its column-major B), so the layer keeps one copy of its weights and the
+// batches above this kernel's range stay on CUTLASS's FP8 tensor cores.
+//   out[m, n] = (sum_k x[m, k] * w[n, k]) * x_scale[m] * w_scale[n]
+// Numerics (the `fp8` scheme's W8A8 reference, cublade.numerics.linear.fp8_linear_ref): x holds the E4M3 activation
+// values as bf16 (exact), each weight code is decoded to its exact bf16 value, so every product is exact in the
+// mma's fp32 accumulators; the sums differ from the reference's only in fp32 summation order; then the two scales in
+// the reference's order and one rounding to bf16.
+// Kernel: the weight-streaming kernel of w4a16_gemm.cuh with plain rows (kPlainRows): each stage's 64 rows x 512 K
+// arrive as four TMA boxes of 64 rows x 128 K with the 128-byte swizzle (the rows' 16-byte chunks rotated by row,
+// which the consumers' loads undo, see the kernel), and the codes become bf16 as the MXFP8 kernels decode theirs
+// (mxfp8_codes.cuh: bit placement, then one HMUL2 by 2^120).
+#define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp8_gemm_torch.cpp
+#include "w4a16_gemm.cuh"
+#include "mxfp8_codes.cuh"
+#include "w4a16_gemm.h"
+
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
+#include <algorithm>
+
+namespace cublade {
+namespace {
+
+using lowbit::kTileN;
+
+// Plain E4M3 rows for the streaming kernel: a packet's lane words hold 4 consecutive K (bytes 0..3), reordered to the
+// MXFP8 blob's byte order (K0, K0 + 2, K0 + 1, K0 + 3) for mxfp8::dequant_step, with every block factor 2^120 (the
+// decode's 2^-120 taken back out: exact).
+template <int NT_>
+struct Fp8RowsPolicy {
+  using T = __nv_bfloat16;
+  static constexpr int NT = NT_;
+  static constexpr int kPacketBytes = 1024;  // 16 rows x 64 K of 1-byte codes
+  static constexpr bool kPlainRows = true;
+  struct State {};
+  template <int kSliceK>
+  __device__ static const unsigned char* slice_records(const unsigned char*, int) { return nullptr; }
+  __device__ static const float* row_scale(const lowbit::GemmParams& prm, int) { return prm.row_scale; }
+  template <int j, int kSliceK>
+  __device__ static void packet(State&, const uint4 (&q)[2], const unsigned char*, const uint4 (&xc)[2][NT],
+                                float (&acc)[NT][4], int) {
+    constexpr uint32_t kTwo120 = 0x7B807B80u;  // bf16 (2^120, 2^120)
+    auto blob_order = [](uint32_t w) { return lowbit::prmt(w, 0u, 0x3120u); };
+    uint32_t a[4][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mxfp8::dequant_step(blob_order(q[h].x), blob_order(q[h].y), kTwo120, kTwo120, a[2 * h]);
+      mxfp8::dequant_step(blob_order(q[h].z), blob_order(q[h].w), kTwo120, kTwo120, a[2 * h + 1]);
+    }
+    lowbit::mma_packet<T>(acc, a, xc);
+  }
+};
+
+// cuTensorMapEncodeTiled from the driver the runtime loaded (no libcuda link), looked up once.
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// The weight [N, K] as boxes of 64 rows x 128 K, 128-byte swizzle, zeros past N and K.
+bool weight_map(CUtensorMap* map, const void* w, int64_t N, int64_t K) {
+  const auto encode = encode_tiled();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(N)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K)};  // bytes between rows
+  const cuuint32_t box[2] = {lowbit::kPlainBoxK, lowbit::kGroupTiles * kTileN};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(w), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream) {
+  if (a.M == 0 || a.N == 0) return cudaSuccess;
+  if (a.K <= 0 || a.K % 16 != 0 || a.M > INT32_MAX || a.N > INT32_MAX || a.K > INT32_MAX - kLowbitChunkK ||
+      !is_aligned(a.w, 16) || a.x_scale == nullptr || a.w_scale == nullptr)
+    return cudaErrorInvalidValue;
+  lowbit::GemmParams prm = {};
+  if (!weight_map(&prm.wmap, a.w, a.N, a.K)) return cudaErrorInvalidValue;
+  prm.x = a.x; prm.x_stride = a.x_stride; prm.M = static_cast<int>(a.M); prm.K = static_cast<int>(a.K);
+  prm.tiles = static_cast<int>(ceil_div(a.N, kTileN));
+  prm.groups = static_cast<int>(ceil_div(a.N, kLowbitGroupRows));
+  prm.chunks = static_cast<int>(ceil_div(a.K, kLowbitChunkK));
+  prm.row_scale = a.w_scale;
+  prm.tok_scale = a.x_scale; prm.tok_scale_stride = a.x_scale_stride;
+  prm.out = a.out; prm.out_stride = a.out_stride; prm.N = static_cast<int>(a.N);
+  prm.sms = a.sms;
+  prm.sbytes = 0;
+  const int S = a.split_k > 0 ? a.split_k : lowbit::pick_split(prm.groups, prm.chunks, a.sms);
+  const int nt = lowbit::token_tiles(prm.M);
+  prm.xrows = std::min(8 * nt, prm.M);
+  if (nt == 1) {
+    // The MXFP8 op's choice for the same bytes per weight (mxfp8_gemm.cu): two K slices per chunk and a ring of 3
+    // stages where that keeps 2 CTAs per SM and leaves no short second wave.
+    using P = Fp8RowsPolicy<1>;
+    const lowbit::LayoutFor<P> L{prm.sbytes, prm.xrows, 3};
+    const int per_sm = lowbit::ctas_per_sm<P, 1, 2>(L.total(1, 2));
+    const int64_t slots = static_cast<int64_t>(per_sm) * a.sms, ctas = static_cast<int64_t>(prm.groups) * S;
+    if (per_sm >= 2 && (ctas <= slots || 2 * ctas > 3 * slots)) {
+      prm.stages = 3;
+      return lowbit::launch_stream<P, 1, 2>(prm, 1, S, stream);
+    }
+    return lowbit::launch_tpw<P>(prm, 1, S, stream);
+  }
+  if (nt == 2) return lowbit::launch_tpw<Fp8RowsPolicy<2>>(prm, 1, S, stream);
+  return lowbit::launch_tpw<Fp8RowsPolicy<4>>(prm, 1, S, stream);
+}
+
+}  // namespace cublade

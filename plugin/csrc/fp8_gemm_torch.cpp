@@ -1,0 +1,71 @@
+// Torch wrapper of the FP8 W8A8 decode GEMM: validates the inputs (errors name the op and the bad value, as strings:
+// docs/kernels.md, "Error messages"), allocates the output, runs launch_fp8_gemm (fp8_gemm.cu) on the current stream.
+// Compiled by the host C++ compiler.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "torch_utils.h"
+#include "w4a16_gemm.h"
+
+namespace cublade {
+namespace {
+
+at::Tensor fp8_gemm(const at::Tensor& x_in, const at::Tensor& x_scale_in, const at::Tensor& weight,
+                    const at::Tensor& weight_scale_in, int64_t split_k) {
+  constexpr const char* op = "fp8_gemm";
+  CUBLADE_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kBFloat16, op,
+                                "x must be bfloat16 (E4M3 values from fp8_quant_per_token_bf16), got ",
+                                dt(x_in.scalar_type()));
+  CUBLADE_CHECK_VALUE(x_in.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
+  CUBLADE_CHECK_VALUE(x_in.is_cuda() && weight.device() == x_in.device(), op,
+                      "x and weight must be on one CUDA device, got ", dev(x_in.device()), " and ",
+                      dev(weight.device()));
+  check_arch(op, x_in);
+  const int64_t K = x_in.size(-1);
+  CUBLADE_CHECK_VALUE(weight.scalar_type() == at::kFloat8_e4m3fn && weight.dim() == 2 && weight.is_contiguous(), op,
+                      "weight must be a contiguous float8_e4m3fn [N, K] tensor, got ", dt(weight.scalar_type()), " ",
+                      shape(weight.sizes()), weight.is_contiguous() ? "" : " (not contiguous)");
+  const int64_t N = weight.size(0);
+  CUBLADE_CHECK_VALUE(weight.size(1) == K, op, "weight has K=", num(weight.size(1)), ", x has K=", num(K));
+  CUBLADE_CHECK_VALUE(K > 0 && K % 16 == 0 && K <= INT32_MAX - kLowbitChunkK, op, "in_features K=", num(K),
+                      " must be a positive multiple of 16");
+  CUBLADE_CHECK_VALUE(N > 0 && N <= INT32_MAX, op, "weight must have 1 to 2^31 - 1 rows, got ", num(N));
+  CUBLADE_CHECK_VALUE(aligned16(weight.data_ptr()), op, "weight must be 16-byte aligned");
+  CUBLADE_CHECK_VALUE(split_k >= 0 && split_k <= kLowbitMaxSplit, op, "split_k must be in [0, ",
+                      num(kLowbitMaxSplit), "] (0 = automatic), got ", num(split_k));
+  CUBLADE_CHECK_VALUE(weight_scale_in.scalar_type() == at::kFloat && weight_scale_in.numel() == N &&
+                          weight_scale_in.device() == x_in.device(),
+                      op, "weight_scale must be float32 with one element per output channel (", num(N), ") on ",
+                      dev(x_in.device()), ", got ", dt(weight_scale_in.scalar_type()), " ",
+                      shape(weight_scale_in.sizes()));
+
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = with_16byte_rows(x_in.reshape({-1, K}));  // the bulk copies read 16-byte rows along K
+  const int64_t M = x.size(0);
+  CUBLADE_CHECK_VALUE(M <= INT32_MAX, op, "x has ", num(M), " rows; at most 2^31 - 1");
+  CUBLADE_CHECK_VALUE(x_scale_in.scalar_type() == at::kFloat && (x_scale_in.numel() == M || x_scale_in.numel() == 1) &&
+                          x_scale_in.device() == x_in.device(),
+                      op, "x_scale must be float32 with one element per row of x (", num(M), ") or one, on ",
+                      dev(x_in.device()), ", got ", dt(x_scale_in.scalar_type()), " ", shape(x_scale_in.sizes()));
+  const at::Tensor x_scale = x_scale_in.contiguous(), weight_scale = weight_scale_in.contiguous();
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = N;
+  at::Tensor out = at::empty(out_shape, x_in.options());
+  if (M == 0) return out;
+  Fp8GemmArgs a;
+  a.x = x.data_ptr(); a.M = M; a.K = K; a.x_stride = x.stride(0);
+  a.x_scale = x_scale.data_ptr<float>(); a.x_scale_stride = x_scale.numel() == M && M > 1 ? 1 : 0;
+  a.w = weight.data_ptr(); a.w_scale = weight_scale.data_ptr<float>();
+  a.out = out.data_ptr(); a.out_stride = N; a.N = N;
+  a.split_k = static_cast<int>(split_k); a.sms = sm_count(x_in);
+  check_launch(op, launch_fp8_gemm(a, current_stream()));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cublade, CUDA, m) { m.impl("fp8_gemm", &fp8_gemm); }
+
+}  // namespace cublade

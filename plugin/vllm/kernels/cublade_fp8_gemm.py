@@ -1,0 +1,79 @@
+"""FP8 W8A8 with cublade's decode GEMM for small batches and vLLM's CUTLASS scaled-mm above, on one weight tensor."""
+from __future__ import annotations
+
+import torch
+
+from cublade.numerics.fp8 import Fp8Activations
+from cublade.ops.fp8_gemm import fp8_gemm
+from cublade.ops.fp8_quant_per_token import fp8_quant_per_token, fp8_quant_per_token_bf16
+from cublade.vllm.kernels.base import LinearKernel, gpu_half, replace_parameter, why_no_kernel
+from cublade.vllm.kernels.vllm_cutlass_scaled_mm import FUSE_ENV, VllmCutlassScaledMM, fuse_under_compile
+
+# Batches of up to this many tokens run cublade's fp8_gemm, larger ones vLLM's CUTLASS. The op re-reads the weight
+# every 32 rows and multiplies on bf16 mma.sync; CUTLASS reads it once and multiplies on FP8 wgmma.
+# Measured (benchmarks/bench_fp8_gemm.py, docs/performance.md#fp8-gemm): see the table there.
+FP8_GEMM_MAX_ROWS = 16
+
+
+@torch.library.custom_op("cublade::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """y = x @ W^T for a per-token dynamic `fp8` layer: the activations quantized per token by cublade's op, then up
+    to `max_rows` rows cublade's fp8_gemm, else vLLM's CUTLASS scaled-mm; both W8A8 on the same E4M3 bytes and scales,
+    fp32 sums. One custom op, so torch.compile sees the row test as part of an opaque op (no guard on the batch)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] <= max_rows:
+        xv, xs = fp8_quant_per_token_bf16(x2)
+        y = fp8_gemm(xv, xs, weight, weight_scale)
+    else:
+        from vllm import _custom_ops as ops
+
+        xq, xs = fp8_quant_per_token(x2)
+        y = ops.cutlass_scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale, out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@fp8_linear.register_fake
+def _fp8_linear_fake(x, weight, weight_scale, max_rows):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+class CubladeFp8Gemm(LinearKernel):
+    """Per-token dynamic `fp8` layers on Hopper: batches of up to FP8_GEMM_MAX_ROWS tokens on cublade's FP8 decode GEMM
+    (cublade.ops.fp8_gemm: the E4M3 weight rows streamed through TMA as the checkpoint stores them), larger ones on
+    vLLM's CUTLASS scaled-mm over the same tensor (no second copy of the weights). The activations are quantized per
+    token by cublade's op, the same bytes either way, so both paths compute the scheme's W8A8 reference up to fp32
+    summation order."""
+    name = "cublade-fp8-gemm"
+    own = True
+
+    @classmethod
+    def can_implement(cls, layer):
+        cap, why = gpu_half(layer, layer.weight.device)
+        if cap is None:
+            return False, why
+        if layer.params_dtype != torch.bfloat16:
+            return False, f"takes bf16 activations, the model runs in {layer.params_dtype}"
+        if layer.cublade_scheme.activations is not Fp8Activations.DYNAMIC_TOKEN:
+            return False, (f"{layer.cublade_scheme.activations.value} activations: the op takes per-token dynamic ones "
+                           "(vLLM's CUTLASS runs the layer)")
+        if fuse_under_compile():
+            return False, f"{FUSE_ENV}=1 traces the quantization for Inductor onto vLLM's CUTLASS"
+        for op in ("fp8_gemm", "fp8_quant_per_token_bf16", "fp8_quant_per_token"):
+            why = why_no_kernel(op, layer.weight.device)
+            if why is not None:
+                return False, f"{op}: {why}"
+        ok, why = VllmCutlassScaledMM.can_implement(layer)  # the batches above the decode GEMM's range
+        if not ok:
+            return False, f"larger batches need vLLM's CUTLASS: {why}"
+        return True, (f"cublade's fp8_gemm up to {FP8_GEMM_MAX_ROWS} tokens, vLLM's CUTLASS scaled-mm above, "
+                      "activations by cublade's fp8_quant_per_token")
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        N = layer.output_size_per_partition
+        # one fp32 scale per output channel (a per-tensor scale repeated), as both GEMMs take it
+        replace_parameter(layer, "weight_scale", layer.weight_scale.data.float().reshape(-1).expand(N).contiguous())
+
+    def apply(self, layer, x, bias):
+        y = torch.ops.cublade.fp8_linear(x, layer.weight, layer.weight_scale, FP8_GEMM_MAX_ROWS)
+        return y if bias is None else y + bias
