@@ -7,10 +7,11 @@ in the same run, as the product runs them:
   vllm-humming-fp8        vLLM's Humming FP8 kernel (HummingFP8ScaledMMLinearKernel, needs humming-kernels) on the
                           same tensors
   bf16                    a bf16 linear of the dequantized weight (cuBLAS)
-and the two GEMM kernels alone (their activations quantized beforehand): "fp8_gemm only", "cutlass only".
+and the two GEMM kernels alone (their activations quantized beforehand): "fp8_gemm only", "cutlass only"; with
+--splits, fp8_gemm alone at each of those K splits too ("fp8_gemm S=2": the split rule's tuning).
 
     python benchmarks/bench_fp8_gemm.py [--shapes 4096x6144,4096x4096,4096x28672,14336x4096]
-                                        [--m 1,2,4,8,16,24,32,48,64,128] [--json FILE]
+                                        [--m 1,2,4,8,16,24,32,48,64,128] [--splits 1,2,4] [--json FILE]
 
 Times: median of triton.testing.do_bench (L2 cleared before every call: the weights come from HBM). TB/s: the weight
 bytes (N*K) over the time. x = a kernel's time / cublade-fp8-gemm's (> 1: cublade faster). Accuracy at M=16:
@@ -84,6 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4096x6144,4096x4096,4096x28672,14336x4096", help="KxN list")
     ap.add_argument("--m", default="1,2,4,8,16,24,32,48,64,128", help="token counts")
+    ap.add_argument("--splits", default="", help="also time fp8_gemm alone at these K splits (tuning), e.g. 1,2,4")
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
 
@@ -130,6 +132,8 @@ def main() -> None:
                 "cutlass only": lambda: vllm_ops.cutlass_scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws,
                                                                    out_dtype=torch.bfloat16),
             }
+            for S in (int(v) for v in args.splits.split(",") if v):
+                kernels_only[f"fp8_gemm S={S}"] = functools.partial(fp8_gemm, xv, xs, w, ws, S)
             us = {name: bench(functools.partial(fn, x)) for name, fn in fns.items()}
             us.update({name: bench(fn) for name, fn in kernels_only.items()})
             r = {"K": K, "N": N, "M": M, "weight_bytes": N * K, "errors_m16": errs, "us": us}
