@@ -10,7 +10,7 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
     cublade-fp8           `cublade convert SRC OUT --scheme fp8-dynamic`
     cublade-fp8-fuse      the same with CUBLADE_FP8_FUSE=1 (under torch.compile the activation quantization in torch
                           ops, for Inductor to fuse with RMSNorm / SiLU-and-mul)
-    cublade-fp8-cutlass   the same with cublade's FP8 GEMM disabled: every batch on vLLM's CUTLASS
+    cublade-fp8-gemm      the same with CUBLADE_FP8_GEMM=1 (cublade's FP8 decode GEMM up to 16 tokens, CUTLASS above)
     vllm-mxfp8            the source with vLLM's online `--quantization mxfp8`
     cublade-mxfp8         `cublade convert ... --scheme mxfp8`
     vllm-w4a16            cublade's w4a16 checkpoint relabelled as compressed-tensors pack-quantized (the same
@@ -80,7 +80,7 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "vllm-fp8": ("src", "fp8_per_channel", {}, None),
     "cublade-fp8": ("cublade-fp8-dynamic", None, {}, None),
     "cublade-fp8-fuse": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_FUSE": "1"}, None),
-    "cublade-fp8-cutlass": ("cublade-fp8-dynamic", None, {"CUBLADE_DISABLED_KERNELS": "cublade-fp8-gemm"}, None),
+    "cublade-fp8-gemm": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1"}, None),
     "vllm-mxfp8": ("src", "mxfp8", {}, None),
     "cublade-mxfp8": ("cublade-mxfp8", None, {}, None),
     "vllm-w4a16": ("ct-w4a16", None, {}, None),
@@ -427,7 +427,7 @@ def report(results: dict, batches: list[int]) -> None:
     if noisy:
         print(f"\nreps spread over {NOISY:.0%} of their median (more --reps to settle): " + ", ".join(noisy))
     pairs = [("cublade-fp4-moe", "vllm-marlin-moe"), ("cublade-fp8", "vllm-fp8"), ("cublade-fp8-fuse", "vllm-fp8"), ("cublade-fp8-fuse", "cublade-fp8"),
-             ("cublade-fp8", "cublade-fp8-cutlass"),
+             ("cublade-fp8-gemm", "cublade-fp8"), ("cublade-fp8-gemm", "vllm-fp8"),
              ("cublade-w4a16-fp8", "cublade-w4a16"), ("cublade-w4a16", "vllm-w4a16-humming"),
              ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),
              ("cublade-w4a16", "vllm-w4a16-marlin"), ("cublade-fp8-kv", "cublade-fp8-kv-vllm"),

@@ -8,8 +8,9 @@
   fp32, the scales applied in that order (`cublade.numerics.linear.fp8_linear_ref`'s epilogue), rounded once to bf16.
   On a GPU with the extension `torch.ops.cublade.fp8_gemm` (csrc/fp8_gemm.cu: the weight-streaming kernel reading the
   rows through TMA, passes of up to 32 rows); elsewhere the reference `fp8_gemm_ref`, the same numbers up to fp32
-  summation order. It re-reads the weight every 32 rows: the `fp8` layers use it for small batches and vLLM's
-  CUTLASS FP8 GEMM (the same weight tensor) above (cublade.vllm.kernels.cublade_fp8_gemm). `split_k` (1..8 fixes
+  summation order. It re-reads the weight every 32 rows: the layer kernel `cublade-fp8-gemm`
+  (cublade.vllm.kernels.cublade_fp8_gemm, opt-in with CUBLADE_FP8_GEMM=1) runs it for small batches and vLLM's CUTLASS
+  FP8 GEMM (the same weight tensor) above. `split_k` (1..8 fixes
   the K splits; 0 = automatic) is for tuning and tests.
 """
 from __future__ import annotations

@@ -41,9 +41,9 @@ PROMPT = "Once upon a time"
 GREEDY_TOKENS = 20
 START_TIMEOUT, REQUEST_TIMEOUT, PPL_TIMEOUT = 300, 60, 600
 # The kernel each preset's layers must run on with bf16 activations on sm_90 (never the fp32 reference).
-EXPECTED_KERNEL = {"fp8-dynamic": "cublade-fp8-gemm", "fp8-static": "vllm-cutlass-scaled-mm",
+EXPECTED_KERNEL = {"fp8-dynamic": "vllm-cutlass-scaled-mm", "fp8-static": "vllm-cutlass-scaled-mm",
                    "w4a16": "(cublade-w4a16-gemm|vllm-machete|vllm-marlin)",
-                   "mxfp8": "cublade-mxfp8-gemm", "fp4-experts-fp8-dense": "cublade-fp8-gemm"}
+                   "mxfp8": "cublade-mxfp8-gemm", "fp4-experts-fp8-dense": "vllm-cutlass-scaled-mm"}
 # Accuracy bars (those of tests/test_ppl.py): d loss vs the unquantized model.
 BARS = {"fp8-dynamic": 0.013, "mxfp8": 0.012}
 PPL_REL = 0.005  # vllm vs reference perplexity of the same checkpoint
@@ -239,7 +239,7 @@ def test_compiled_model_cache_follows_the_kernel_choice(served, checkpoint, logs
 
 @pytest.mark.parametrize("name,disabled,kernel", [
     ("w4a16", "cublade-w4a16-gemm,vllm-machete,vllm-marlin", "cublade-w4a16-gemm-sm80"),
-    ("fp8-dynamic", "cublade-fp8-gemm,vllm-cutlass-scaled-mm,vllm-marlin-fp8", "cublade-fp8-w8a16"),
+    ("fp8-dynamic", "vllm-cutlass-scaled-mm,vllm-marlin-fp8", "cublade-fp8-w8a16"),
     ("mxfp8", "cublade-mxfp8-gemm,vllm-marlin-mxfp8", "cublade-mxfp8-gemm-sm80")])
 def test_sm80_kernels_serve_the_default_text(served, checkpoint, logs, monkeypatch, name, disabled, kernel):
     """The kernels cublade runs on Ampere / Ada (cublade._C_sm80), served here through their compute_80 PTX by
@@ -259,6 +259,27 @@ def test_sm80_kernels_serve_the_default_text(served, checkpoint, logs, monkeypat
     top = base["top"][i]
     gap = top[base["tokens"][i]] - top.get(got["tokens"][i], float("-inf"))
     assert gap <= NEAR_TIE, (f"{name} on {kernel} diverges from the default kernel at token {i}, not at a near-tie "
+                             f"(gap {gap:.3f} nats): {base['text']!r} vs {got['text']!r}")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp8_gemm_serves_the_default_text(served, checkpoint, logs, monkeypatch, compiled):
+    """CUBLADE_FP8_GEMM=1: fp8-dynamic's layers on cublade-fp8-gemm (cublade's FP8 decode GEMM up to 16 tokens, vLLM's
+    CUTLASS above), eager and compiled with CUDA graphs: the log names the kernel and the greedy text equals CUTLASS's
+    (both W8A8 on the same bytes, the sums in another fp32 order), except at a near-tie of the default run."""
+    base, _ = served("fp8-dynamic")
+    monkeypatch.setenv("CUBLADE_FP8_GEMM", "1")
+    log = logs / f"serve-fp8-dynamic-fp8-gemm-{'compiled' if compiled else 'eager'}.log"
+    with vllm_server(checkpoint("fp8-dynamic"), log, *(() if compiled else ("--enforce-eager",))) as url:
+        got = greedy(url)
+    record(test="fp8-gemm", compiled=compiled, **got)
+    assert re.search(r"layers like .* run on cublade-fp8-gemm", log.read_text()), f"not chosen; log {log}"
+    i = next((i for i, (a, b) in enumerate(zip(base["tokens"], got["tokens"])) if a != b), None)
+    if i is None:
+        return
+    top = base["top"][i]
+    gap = top[base["tokens"][i]] - top.get(got["tokens"][i], float("-inf"))
+    assert gap <= NEAR_TIE, (f"fp8-dynamic on cublade-fp8-gemm diverges from CUTLASS at token {i}, not at a near-tie "
                              f"(gap {gap:.3f} nats): {base['text']!r} vs {got['text']!r}")
 
 

@@ -15,8 +15,7 @@ from cublade.config import Fp8Scheme, MXFP8Scheme, W4A16Scheme
 CAPS = (80, 86, 89, 90)
 # scheme -> the kernel chosen at each of CAPS (bf16 activations, the extension built)
 EXPECTED = {
-    Fp8Scheme("channel", "dynamic-token"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm", "cublade-fp8-gemm"),
-    Fp8Scheme("tensor", "dynamic-token"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm", "cublade-fp8-gemm"),
+    Fp8Scheme("channel", "dynamic-token"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
     Fp8Scheme("tensor", "static-tensor"): ("vllm-marlin-fp8",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
     W4A16Scheme(128, True): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
     W4A16Scheme(64, False): ("vllm-marlin",) * 3 + ("cublade-w4a16-gemm",),
@@ -27,7 +26,7 @@ EXPECTED = {
 # the same with vLLM's Marlin kernels disabled (CUBLADE_DISABLED_KERNELS): cublade's sm_80 kernels on sm_80-89
 MARLIN = "vllm-marlin,vllm-marlin-fp8,vllm-marlin-mxfp8"
 EXPECTED_WITHOUT_MARLIN = {
-    Fp8Scheme("channel", "dynamic-token"): ("cublade-fp8-w8a16",) * 2 + ("vllm-cutlass-scaled-mm", "cublade-fp8-gemm"),
+    Fp8Scheme("channel", "dynamic-token"): ("cublade-fp8-w8a16",) * 2 + ("vllm-cutlass-scaled-mm",) * 2,
     W4A16Scheme(128, True): ("cublade-w4a16-gemm-sm80",) * 3 + ("cublade-w4a16-gemm",),
     W4A16Scheme(64, False): ("cublade-w4a16-gemm-sm80",) * 3 + ("cublade-w4a16-gemm",),
     MXFP8Scheme(): ("cublade-mxfp8-gemm-sm80",) * 3 + ("cublade-mxfp8-gemm",),
@@ -93,7 +92,7 @@ def test_kernel_per_gpu_without_cublade_extensions(vllm_ctx, monkeypatch, scheme
         assert got == want, (cap, got, reason)
 
 
-OWN_FP8_ON_86 = "cublade-fp8-gemm: fp8_gemm: cublade's kernels are built for sm_90a, this GPU is sm_86"
+OWN_FP8 = "cublade-fp8-gemm: runs when asked for (CUBLADE_FP8_GEMM=1; not faster than vLLM's CUTLASS where measured)"
 
 
 def test_fp8_w8a16_reasons(vllm_ctx, monkeypatch):
@@ -104,15 +103,14 @@ def test_fp8_w8a16_reasons(vllm_ctx, monkeypatch):
     assert got == "cublade-fp8-w8a16"
     assert reason == ("W8A16 on sm_86: cublade's CUDA op mxfp8_gemm_sm80 over the e4m3 codes, activations not "
                       "quantized (from 64 tokens dequantize + cuBLAS)")
-    assert skipped == [OWN_FP8_ON_86, "vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86",
+    assert skipped == [OWN_FP8, "vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86",
                        "vllm-marlin-fp8: disabled by CUBLADE_DISABLED_KERNELS"]
     monkeypatch.delenv("CUBLADE_DISABLED_KERNELS")
     with mocked_gpu(monkeypatch, 86, extension=False):
         got, reason, skipped = choice(layer)
     assert got == "vllm-marlin-fp8"
     assert reason == "W8A16 on sm_86: e4m3 weights decoded to torch.bfloat16 in the kernel, activations not quantized"
-    assert skipped == ["cublade-fp8-gemm: fp8_gemm: cublade's kernels are built for sm_90a, this GPU is sm_86",
-                       "vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86"]
+    assert skipped == [OWN_FP8, "vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86"]
 
 
 @pytest.mark.parametrize("cap", CAPS)
@@ -129,11 +127,49 @@ def test_fp8_shapes_cutlass_refuses_run_w8a16(vllm_ctx, monkeypatch, cap):
     assert got == "vllm-marlin-fp8"
     if cap >= 89:
         assert skipped[-1] == "vllm-cutlass-scaled-mm: N=200, K=128 are not multiples of 16"
-    if cap == 90:  # cublade's FP8 GEMM needs CUTLASS for the larger batches
+    if cap == 90:  # asked for, cublade's FP8 GEMM still needs CUTLASS for the larger batches
+        monkeypatch.setenv("CUBLADE_FP8_GEMM", "1")
+        with mocked_gpu(monkeypatch, cap):
+            got, _, skipped = choice(layer)
+        monkeypatch.delenv("CUBLADE_FP8_GEMM")
+        assert got == "vllm-marlin-fp8"
         assert skipped[0] == ("cublade-fp8-gemm: larger batches need vLLM's CUTLASS: N=200, K=128 are not multiples "
                               "of 16")
     monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "vllm-marlin-fp8")
     assert choice(layer)[0] == "cublade-fp8-w8a16"
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_fp8_gemm_when_asked_for(vllm_ctx, monkeypatch, strategy):
+    """CUBLADE_FP8_GEMM=1: per-token dynamic fp8 layers on sm_90 take cublade-fp8-gemm (CUTLASS above 16 tokens);
+    static activations, sm_89, fp16 models and CUBLADE_FP8_FUSE=1 keep vLLM's CUTLASS, each with its reason."""
+    from cublade.vllm.kernels.cublade_fp8_gemm import CubladeFp8Gemm
+
+    monkeypatch.setenv("CUBLADE_FP8_GEMM", "1")
+    layer = loaded_layer(Fp8Scheme(strategy, "dynamic-token"), KINDS["gate_up"], monkeypatch)
+    with mocked_gpu(monkeypatch, 90):
+        got, reason, skipped = choice(layer)
+        assert (got, skipped) == ("cublade-fp8-gemm", [])
+        assert reason == ("cublade's fp8_gemm up to 16 tokens, vLLM's CUTLASS scaled-mm above, activations by "
+                          "cublade's fp8_quant_per_token")
+        monkeypatch.setenv("CUBLADE_FP8_FUSE", "1")
+        assert CubladeFp8Gemm.can_implement(layer) == (
+            False, "CUBLADE_FP8_FUSE=1 traces the quantization for Inductor onto vLLM's CUTLASS")
+        monkeypatch.delenv("CUBLADE_FP8_FUSE")
+    with mocked_gpu(monkeypatch, 89):
+        assert choice(layer)[0] == "vllm-cutlass-scaled-mm"
+    static = loaded_layer(Fp8Scheme(strategy, "static-tensor"), KINDS["qkv"], monkeypatch)
+    with mocked_gpu(monkeypatch, 90):
+        got, _, skipped = choice(static)
+    assert got == "vllm-cutlass-scaled-mm"
+    assert skipped == ["cublade-fp8-gemm: static-tensor activations: the op takes per-token dynamic ones (vLLM's "
+                       "CUTLASS runs the layer)"]
+    half = loaded_layer(Fp8Scheme(strategy, "dynamic-token"), KINDS["qkv"], monkeypatch, dtype=torch.float16)
+    with mocked_gpu(monkeypatch, 90):
+        assert choice(half)[2][0] == "cublade-fp8-gemm: takes bf16 activations, the model runs in torch.float16"
+    monkeypatch.setenv("CUBLADE_FP8_GEMM", "yes")
+    with pytest.raises(ValueError, match=r"CUBLADE_FP8_GEMM='yes': expected 0 or 1"):
+        CubladeFp8Gemm.can_implement(layer)
 
 
 def test_w4a16_without_cublade_on_hopper_runs_machete(vllm_ctx, monkeypatch):
@@ -280,7 +316,4 @@ def test_fp8_activation_quant_per_gpu(vllm_ctx, monkeypatch, activations):
         with mocked_gpu(monkeypatch, cap):
             got, reason, _ = choice(layer)
             words = input_quant_choice(scheme, layer.weight.device)[1]
-        if cap == 90 and activations == "dynamic-token":  # cublade's FP8 GEMM, CUTLASS for the larger batches
-            assert got == "cublade-fp8-gemm" and reason.endswith(words), (cap, reason)
-        else:
-            assert got == "vllm-cutlass-scaled-mm" and words.startswith(want) and words in reason, (cap, reason)
+        assert got == "vllm-cutlass-scaled-mm" and words.startswith(want) and words in reason, (cap, reason)

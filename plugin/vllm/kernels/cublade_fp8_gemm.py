@@ -1,5 +1,9 @@
-"""FP8 W8A8 with cublade's decode GEMM for small batches and vLLM's CUTLASS scaled-mm above, on one weight tensor."""
+"""FP8 W8A8 with cublade's decode GEMM for small batches and vLLM's CUTLASS scaled-mm above, on one weight tensor.
+Opt-in (CUBLADE_FP8_GEMM=1): measured against vLLM's CUTLASS on Llama-3-8B's shapes it is not faster
+(docs/performance.md#fp8-gemm), so `fp8` layers run on CUTLASS by default."""
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -10,9 +14,18 @@ from cublade.vllm.kernels.base import LinearKernel, gpu_half, replace_parameter,
 from cublade.vllm.kernels.vllm_cutlass_scaled_mm import FUSE_ENV, VllmCutlassScaledMM, fuse_under_compile
 
 # Batches of up to this many tokens run cublade's fp8_gemm, larger ones vLLM's CUTLASS. The op re-reads the weight
-# every 32 rows and multiplies on bf16 mma.sync; CUTLASS reads it once and multiplies on FP8 wgmma.
-# Measured (benchmarks/bench_fp8_gemm.py, docs/performance.md#fp8-gemm): see the table there.
+# every 32 rows and multiplies on bf16 mma.sync; CUTLASS reads it once and multiplies on FP8 wgmma: from 24 tokens
+# fp8_gemm alone took 1.0-3.6x CUTLASS's time (benchmarks/bench_fp8_gemm.py, docs/performance.md#fp8-gemm).
 FP8_GEMM_MAX_ROWS = 16
+FP8_GEMM_ENV = "CUBLADE_FP8_GEMM"
+
+
+def fp8_gemm_asked_for() -> bool:
+    """CUBLADE_FP8_GEMM=1: per-token dynamic `fp8` layers on Hopper take cublade-fp8-gemm (default 0: vLLM's CUTLASS)."""
+    v = os.environ.get(FP8_GEMM_ENV, "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{FP8_GEMM_ENV}={v!r}: expected 0 or 1")
+    return v == "1"
 
 
 @torch.library.custom_op("cublade::fp8_linear", mutates_args=())
@@ -42,12 +55,16 @@ class CubladeFp8Gemm(LinearKernel):
     (cublade.ops.fp8_gemm: the E4M3 weight rows streamed through TMA as the checkpoint stores them), larger ones on
     vLLM's CUTLASS scaled-mm over the same tensor (no second copy of the weights). The activations are quantized per
     token by cublade's op, the same bytes either way, so both paths compute the scheme's W8A8 reference up to fp32
-    summation order."""
+    summation order. Runs when asked for (CUBLADE_FP8_GEMM=1): at 1-16 tokens on Llama-3-8B's shapes the GEMM alone took
+    0.97-1.54x the time of vLLM's CUTLASS on the H200 (benchmarks/bench_fp8_gemm.py; equal on the two large weights,
+    slower on the two small ones)."""
     name = "cublade-fp8-gemm"
     own = True
 
     @classmethod
     def can_implement(cls, layer):
+        if not fp8_gemm_asked_for():
+            return False, f"runs when asked for ({FP8_GEMM_ENV}=1; not faster than vLLM's CUTLASS where measured)"
         cap, why = gpu_half(layer, layer.weight.device)
         if cap is None:
             return False, why
