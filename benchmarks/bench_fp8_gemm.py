@@ -26,7 +26,8 @@ import json
 
 import torch
 
-from common import REFERENCE_COPY_TBPS, bench_us, humming_linear, rel_err, require_op, vllm_single_process_state, write_json
+from common import (bench_us, humming_linear, print_kernel_table, rel_err, require_op, vllm_single_process_state,
+                    write_json)
 
 bench = functools.partial(bench_us, rep_ms=100)
 OURS = "cublade-fp8-gemm"
@@ -145,21 +146,8 @@ def main() -> None:
     write_json(args.json, rows, not_run=why_not)
     for name, why in why_not.items():
         print(f"not run: {name}: {why}")
-    names = list(rows[0]["us"])
-    print("\nFP8 W8A8 linear (per-channel E4M3 weights, per-token activations); median us (do_bench, L2 cleared); "
-          f"TB/s = weight bytes / time (copy ceiling ~{REFERENCE_COPY_TBPS} TB/s); x = time / {OURS}'s")
-    print(f"{'K x N':>12} {'M':>5} " + " ".join(f"{n:>26}" for n in names))
-    for r in rows:
-        us = r["us"]
-        cells = []
-        for n in names:
-            tbs = r["weight_bytes"] / us[n] / 1e6
-            ratio = f" {us[n] / us[OURS]:5.2f}x" if OURS in us and n != OURS else ""
-            cells.append(f"{us[n]:8.1f} {tbs:4.2f}TB/s{ratio}".rjust(26))
-        print(f"{r['K']:>5}x{r['N']:<6} {r['M']:>5} " + " ".join(cells))
-    print("accuracy at M=16 (mean|C-ref|/mean|ref| vs the fp32 W8A8 reference): " + " | ".join(
-        f"{r['K']}x{r['N']}: " + ", ".join(f"{k} {v:.2e}" for k, v in r["errors_m16"].items())
-        for r in rows if r["M"] == rows[0]["M"]))
+    print_kernel_table(rows, OURS, "FP8 W8A8 linear (per-channel E4M3 weights, per-token activations)",
+                       "the fp32 W8A8 reference")
 
 
 if __name__ == "__main__":

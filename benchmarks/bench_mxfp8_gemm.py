@@ -22,7 +22,7 @@ import json
 
 import torch
 
-from common import (REFERENCE_COPY_TBPS, bench_us, humming_linear, rel_err, require_op, vllm_single_process_state,
+from common import (bench_us, humming_linear, print_kernel_table, rel_err, require_op, vllm_single_process_state,
                     write_json)
 
 bench = functools.partial(bench_us, rep_ms=100)
@@ -123,22 +123,7 @@ def main() -> None:
     write_json(args.json, rows, not_run=why_not)
     for name, why in why_not.items():
         print(f"not run: {name}: {why}")
-    names = list(rows[0]["us"])
-    print("\nMXFP8 linear (e4m3 + E8M0 per 32, bf16 activations); median us (do_bench, L2 cleared); TB/s = MXFP8 "
-          f"weight bytes / time (copy ceiling ~{REFERENCE_COPY_TBPS} TB/s); x = time / cublade-mxfp8-gemm's")
-    print(f"{'K x N':>12} {'M':>5} " + " ".join(f"{n:>28}" for n in names))
-    ours = "cublade-mxfp8-gemm"
-    for r in rows:
-        us = r["us"]
-        cells = []
-        for n in names:
-            tbs = r["weight_bytes"] / us[n] / 1e6
-            ratio = f" {us[n] / us[ours]:5.2f}x" if ours in us and n != ours else ""
-            cells.append(f"{us[n]:9.1f} {tbs:5.2f}TB/s{ratio}".rjust(28))
-        print(f"{r['K']:>5}x{r['N']:<6} {r['M']:>5} " + " ".join(cells))
-    print("accuracy at M=16 (mean|C-ref|/mean|ref| vs fp32): " + " | ".join(
-        f"{r['K']}x{r['N']}: " + ", ".join(f"{k} {v:.2e}" for k, v in r["errors_m16"].items())
-        for r in rows if r["M"] == rows[0]["M"]))
+    print_kernel_table(rows, "cublade-mxfp8-gemm", "MXFP8 linear (e4m3 + E8M0 per 32, bf16 activations)", "fp32")
 
 
 if __name__ == "__main__":

@@ -188,3 +188,24 @@ def humming_linear(kernel_cls, config, layer: torch.nn.Module, what: str):
     except Exception as e:  # noqa: BLE001  (any failure of the baseline's preparation: reported, not fatal)
         return None, f"vLLM's Humming {what} failed to prepare the weights ({type(e).__name__}: {e})"
     return (lambda x: k.apply_weights(layer, x)), None
+
+
+def print_kernel_table(rows: list[dict], ours: str, title: str, reference: str) -> None:
+    """The GEMM benches' table: one line per (shape, M) row ({"K", "N", "M", "weight_bytes", "us": {kernel: us},
+    "errors_m16": {kernel: error}}), each kernel's time, its TB/s (weight bytes / time) and x = its time / `ours`'s;
+    then the accuracy at the first M against `reference`."""
+    names = list(rows[0]["us"])
+    print(f"\n{title}; median us (do_bench, L2 cleared); TB/s = weight bytes / time (copy ceiling "
+          f"~{REFERENCE_COPY_TBPS} TB/s); x = time / {ours}'s")
+    print(f"{'K x N':>12} {'M':>5} " + " ".join(f"{n:>28}" for n in names))
+    for r in rows:
+        us = r["us"]
+        cells = []
+        for n in names:
+            tbs = r["weight_bytes"] / us[n] / 1e6
+            ratio = f" {us[n] / us[ours]:5.2f}x" if ours in us and n != ours else ""
+            cells.append(f"{us[n]:9.1f} {tbs:5.2f}TB/s{ratio}".rjust(28))
+        print(f"{r['K']:>5}x{r['N']:<6} {r['M']:>5} " + " ".join(cells))
+    print(f"accuracy at M={rows[0]['M']} (mean|C-ref|/mean|ref| vs {reference}): " + " | ".join(
+        f"{r['K']}x{r['N']}: " + ", ".join(f"{k} {v:.2e}" for k, v in r["errors_m16"].items())
+        for r in rows if r["M"] == rows[0]["M"]))

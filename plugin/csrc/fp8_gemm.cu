@@ -99,19 +99,7 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream) {
   const int S = a.split_k > 0 ? a.split_k : lowbit::pick_split(prm.groups, prm.chunks, a.sms);
   const int nt = lowbit::token_tiles(prm.M);
   prm.xrows = std::min(8 * nt, prm.M);
-  if (nt == 1) {
-    // The MXFP8 op's choice for the same bytes per weight (mxfp8_gemm.cu): two K slices per chunk and a ring of 3
-    // stages where that keeps 2 CTAs per SM and leaves no short second wave.
-    using P = Fp8RowsPolicy<1>;
-    const lowbit::LayoutFor<P> L{prm.sbytes, prm.xrows, 3};
-    const int per_sm = lowbit::ctas_per_sm<P, 1, 2>(L.total(1, 2));
-    const int64_t slots = static_cast<int64_t>(per_sm) * a.sms, ctas = static_cast<int64_t>(prm.groups) * S;
-    if (per_sm >= 2 && (ctas <= slots || 2 * ctas > 3 * slots)) {
-      prm.stages = 3;
-      return lowbit::launch_stream<P, 1, 2>(prm, 1, S, stream);
-    }
-    return lowbit::launch_tpw<P>(prm, 1, S, stream);
-  }
+  if (nt == 1) return lowbit::launch_byte_weights_8_rows<Fp8RowsPolicy<1>>(prm, S, stream);
   if (nt == 2) return lowbit::launch_tpw<Fp8RowsPolicy<2>>(prm, 1, S, stream);
   return lowbit::launch_tpw<Fp8RowsPolicy<4>>(prm, 1, S, stream);
 }

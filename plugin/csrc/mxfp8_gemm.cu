@@ -130,24 +130,7 @@ cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream) {
   const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups, prm.chunks, sms);
   const int nt = lowbit::token_tiles(prm.M);
   prm.xrows = std::min(8 * nt, prm.M);
-  if (nt == 1) {
-    // Two K slices per chunk (8 consumer warps) and a ring of 3 stages where that still fits 2 CTAs per SM (up to 2
-    // rows) and leaves no short second wave (more CTAs than the GPU holds at once, at most 1.5 times as many). As a
-    // decode step runs them (benchmarks/tuning/w4a16_layers.cu built with -DCUBLADE_LAYERS_MXFP8: weights of 32
-    // layers replayed from one CUDA graph; us per GEMM at M = 1, 1 slice (pick_stages) / this):
-    // Llama-3-8B qkv 12.80 / 10.60, o 12.18 / 10.18, gate_up 36.58 / 34.87, down 21.85 / 18.71; Llama-70B-like
-    // 8192x57344 128.87 / 117.15, 28672x8192 61.57 / 61.09, 8192x8192 21.43 / 21.67; 8192x10240 (320 CTAs, 1.2
-    // waves at 2 per SM) 27.78 / 32.59 keeps one slice.
-    using P = Mxfp8Policy<1>;
-    const lowbit::LayoutOf<P::kPacketBytes> L{prm.sbytes, prm.xrows, 3};
-    const int per_sm = lowbit::ctas_per_sm<P, 1, 2>(L.total(1, 2));
-    const int64_t slots = static_cast<int64_t>(per_sm) * sms, ctas = static_cast<int64_t>(prm.groups) * S;
-    if (per_sm >= 2 && (ctas <= slots || 2 * ctas > 3 * slots)) {
-      prm.stages = 3;
-      return lowbit::launch_stream<P, 1, 2>(prm, 1, S, stream);
-    }
-    return lowbit::launch_tpw<P>(prm, 1, S, stream);
-  }
+  if (nt == 1) return lowbit::launch_byte_weights_8_rows<Mxfp8Policy<1>>(prm, S, stream);
   if (nt == 2) return lowbit::launch_tpw<Mxfp8Policy<2>>(prm, 1, S, stream);
   return lowbit::launch_tpw<Mxfp8Policy<4>>(prm, 1, S, stream);
 }

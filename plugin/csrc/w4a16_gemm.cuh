@@ -715,6 +715,27 @@ cudaError_t launch_tpw(GemmParams prm, int E, int S, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
+// Up to 8 rows of 1-byte weights (MXFP8, FP8 rows; P::NT == 1, prm.xrows and prm.sms set): two K slices per chunk
+// (8 consumer warps) and a ring of 3 stages where that still fits 2 CTAs per SM (up to 2 rows) and leaves no short
+// second wave (more CTAs than the GPU holds at once, at most 1.5 times as many); else launch_tpw's default. As a
+// decode step runs them (benchmarks/tuning/w4a16_layers.cu built with -DCUBLADE_LAYERS_MXFP8: weights of 32 layers
+// replayed from one CUDA graph; MXFP8, us per GEMM at M = 1, 1 slice (pick_stages) / this): Llama-3-8B qkv 12.80 /
+// 10.60, o 12.18 / 10.18, gate_up 36.58 / 34.87, down 21.85 / 18.71; Llama-70B-like 8192x57344 128.87 / 117.15,
+// 28672x8192 61.57 / 61.09, 8192x8192 21.43 / 21.67; 8192x10240 (320 CTAs, 1.2 waves at 2 per SM) 27.78 / 32.59
+// keeps one slice.
+template <class P>
+cudaError_t launch_byte_weights_8_rows(GemmParams prm, int S, cudaStream_t stream) {
+  static_assert(P::NT == 1 && P::kPacketBytes == 1024, "1-byte weights, one n-tile of tokens");
+  const LayoutFor<P> L{prm.sbytes, prm.xrows, 3};
+  const int per_sm = ctas_per_sm<P, 1, 2>(L.total(1, 2));
+  const int64_t slots = static_cast<int64_t>(per_sm) * prm.sms, ctas = static_cast<int64_t>(prm.groups) * S;
+  if (per_sm >= 2 && (ctas <= slots || 2 * ctas > 3 * slots)) {
+    prm.stages = 3;
+    return launch_stream<P, 1, 2>(prm, 1, S, stream);
+  }
+  return launch_tpw<P>(prm, 1, S, stream);
+}
+
 // K splits (cluster size): more CTAs per SM means more consumer warps, which is what this kernel needs, but each
 // split's ring fills and drains on its own, so a split must keep at least 8 chunks (4096 K). Rule: double the splits
 // while the grid has fewer than 1.5 CTAs per SM and the chunks allow it. Measured on the H200

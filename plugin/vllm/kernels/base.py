@@ -36,6 +36,14 @@ def on_gpu(device: torch.device) -> bool:
     return _capability(device) is not None
 
 
+def env_switch(name: str) -> bool:
+    """An on/off environment switch of the kernel choice: "1" on, "0" or unset off, anything else an error naming it."""
+    v = os.environ.get(name, "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{name}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
 # The opt-in that lets the pure-PyTorch reference run a layer on a GPU (docs/kernel-selection.md#environment).
 ALLOW_REFERENCE_ENV = "CUBLADE_ALLOW_REFERENCE"
 

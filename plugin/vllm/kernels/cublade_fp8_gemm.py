@@ -3,14 +3,12 @@ Opt-in (CUBLADE_FP8_GEMM=1): measured against vLLM's CUTLASS on Llama-3-8B's sha
 (docs/performance.md#fp8-gemm), so `fp8` layers run on CUTLASS by default."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from cublade.numerics.fp8 import Fp8Activations
 from cublade.ops.fp8_gemm import fp8_gemm
 from cublade.ops.fp8_quant_per_token import fp8_quant_per_token, fp8_quant_per_token_bf16
-from cublade.vllm.kernels.base import LinearKernel, gpu_half, replace_parameter, why_no_kernel
+from cublade.vllm.kernels.base import LinearKernel, env_switch, gpu_half, replace_parameter, why_no_kernel
 from cublade.vllm.kernels.vllm_cutlass_scaled_mm import FUSE_ENV, VllmCutlassScaledMM, fuse_under_compile
 
 # Batches of up to this many tokens run cublade's fp8_gemm, larger ones vLLM's CUTLASS. The op re-reads the weight
@@ -22,10 +20,7 @@ FP8_GEMM_ENV = "CUBLADE_FP8_GEMM"
 
 def fp8_gemm_asked_for() -> bool:
     """CUBLADE_FP8_GEMM=1: per-token dynamic `fp8` layers on Hopper take cublade-fp8-gemm (default 0: vLLM's CUTLASS)."""
-    v = os.environ.get(FP8_GEMM_ENV, "0").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"{FP8_GEMM_ENV}={v!r}: expected 0 or 1")
-    return v == "1"
+    return env_switch(FP8_GEMM_ENV)
 
 
 @torch.library.custom_op("cublade::fp8_linear", mutates_args=())

@@ -7,7 +7,6 @@ Eager runs keep cublade's CUDA op. Inductor's generated division may round diffe
 in the last bit of the scaled value, so the E4M3 bytes can differ from the op's in rare rounding ties."""
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -17,17 +16,14 @@ from cublade.numerics.fp8 import Fp8Activations
 from cublade.ops.fp8_quant_per_tensor import fp8_quant_per_tensor_ref
 from cublade.ops.fp8_quant_per_token import fp8_quant_per_token_ref
 from cublade.vllm.kernels import base
-from cublade.vllm.kernels.base import LinearKernel, gpu_half, why_no_kernel
+from cublade.vllm.kernels.base import LinearKernel, env_switch, gpu_half, why_no_kernel
 
 FUSE_ENV = "CUBLADE_FP8_FUSE"
 
 
 def fuse_under_compile() -> bool:
     """CUBLADE_FP8_FUSE=1: quantize with traceable torch ops while torch.compile traces (module docstring)."""
-    v = os.environ.get(FUSE_ENV, "0").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"{FUSE_ENV}={v!r}: expected 0 or 1")
-    return v == "1"
+    return env_switch(FUSE_ENV)
 
 
 def _fp8_input_quant(scheme: Fp8Scheme, pick: Callable[[str, Callable], Callable]) -> Callable:
