@@ -14,10 +14,11 @@ namespace {
 // From w4a16_gemm_prefill_rows(group_size, N, K) rows (w4a16_gemm.h: 128, or at group size 128 / per channel 448 and
 // 640 on large weights) the GEMM dequantizes the weight once and runs a dense cuBLAS GEMM (the prefill path, as
 // vLLM's AWQ method does from 256 tokens): the kernels re-read the weights every 32 rows (streaming kernel) or 128
-// rows (wide kernel, group size 128 or per channel).
+// rows (wide kernel, group size 128 or per channel). The prefill path's weights are rounded to x's dtype once, where
+// the kernels keep them exact: `prefill` = false keeps every batch on the kernels (batch-invariant numerics).
 
 at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group_size, bool symmetric,
-                      int64_t size_n, int64_t split_k) {
+                      int64_t size_n, int64_t split_k, bool prefill) {
   constexpr const char* op = "w4a16_gemm";
   const int64_t K = check_w4a16_gemm_args(op, x_in, packed, group_size, symmetric, size_n, check_arch);
   CUBLADE_CHECK_VALUE(split_k >= 0 && split_k <= kLowbitMaxSplit, op, "split_k must be in [0, ",
@@ -26,7 +27,7 @@ at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
 
   const int gs = static_cast<int>(group_size), sk = static_cast<int>(split_k);
   return lowbit_gemm(
-      op, x_in, size_n, split_k == 0, w4a16_gemm_prefill_rows(group_size, size_n, K),
+      op, x_in, size_n, split_k == 0 && prefill, w4a16_gemm_prefill_rows(group_size, size_n, K),
       [&] { return w4a16_dequant(packed, group_size, symmetric, size_n, K, x_in.scalar_type()); },
       [&](int64_t M) { return w4a16_gemm_workspace_bytes(M, K, size_n, gs, sk, sm_count(x_in)); },
       [&](const at::Tensor& x, int64_t M, at::Tensor& out, void* workspace) {

@@ -4,7 +4,7 @@ the checkpoint layout into the kernel's.
     rp = w4a16_repack(weight_packed, weight_scale, weight_zero_point, group_size)   # once, at load time
     y = w4a16_gemm(x, rp.packed, rp.group_size, rp.symmetric, rp.size_n)          # every call
 
-`w4a16_gemm(x [..., K], packed, group_size, symmetric, size_n, split_k=0) -> [..., size_n]` in x's dtype:
+`w4a16_gemm(x [..., K], packed, group_size, symmetric, size_n, split_k=0, prefill=True) -> [..., size_n]` in x's dtype:
   y = x @ W^T, W = (u - z) * s in fp32 (the checkpoint's dequant, cublade.numerics.int4), summed in fp32, rounded
   once to x's dtype. On a GPU with the extension: `torch.ops.cublade.w4a16_gemm` (kernel: csrc/w4a16_gemm.cu);
   elsewhere the reference `w4a16_gemm_ref`, the same numbers up to fp32 summation order.
@@ -14,8 +14,9 @@ the checkpoint layout into the kernel's.
   tokens per pass, a workspace for x); from 128 rows (448 for those group sizes, 640 on weights of 2^27 elements or
   more) the prefill path:
   `w4a16_dequant` to x's dtype, then a cuBLAS GEMM (the weights rounded once to x's dtype; the reference keeps
-  them in fp32). `split_k` (K splits per thread-block cluster, 1..8, which also forces the streaming kernel at
-  any M; 0 = automatic) is for tuning and tests.
+  them in fp32). `prefill=False` keeps every M on the kernels, whose numerics do not depend on M beyond fp32
+  summation order (batch-invariant serving). `split_k` (K splits per thread-block cluster, 1..8, which also forces
+  the streaming kernel at any M; 0 = automatic) is for tuning and tests.
 
 `w4a16_dequant` (cublade.ops.w4a16_dequant) turns the same blob into a dense weight: the prefill path.
 
@@ -186,7 +187,7 @@ def w4a16_dequant_repacked(packed: torch.Tensor, group_size: int, symmetric: boo
 
 
 def w4a16_gemm_ref(x: torch.Tensor, packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int,
-                   split_k: int = 0) -> torch.Tensor:
+                   split_k: int = 0, prefill: bool = True) -> torch.Tensor:
     """x @ W^T with W dequantized in fp32 from the blob, summed in fp32, in x's dtype."""
     K = x.shape[-1]
     w = w4a16_dequant_repacked(packed, group_size, symmetric, size_n, K)
@@ -195,15 +196,15 @@ def w4a16_gemm_ref(x: torch.Tensor, packed: torch.Tensor, group_size: int, symme
 
 
 def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int,
-               split_k: int = 0) -> torch.Tensor:
+               split_k: int = 0, prefill: bool = True) -> torch.Tensor:
     if use_kernel(x, "w4a16_gemm"):
-        return torch.ops.cublade.w4a16_gemm(x, packed, group_size, symmetric, size_n, split_k)
-    return w4a16_gemm_ref(x, packed, group_size, symmetric, size_n, split_k)
+        return torch.ops.cublade.w4a16_gemm(x, packed, group_size, symmetric, size_n, split_k, prefill)
+    return w4a16_gemm_ref(x, packed, group_size, symmetric, size_n, split_k, prefill)
 
 
 @register_fake("cublade::w4a16_gemm")
 def _w4a16_gemm_fake(x: torch.Tensor, packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int,
-                     split_k: int = 0) -> torch.Tensor:
+                     split_k: int = 0, prefill: bool = True) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], size_n))
 
 

@@ -135,8 +135,8 @@ def _seeded():
     torch.manual_seed(0)  # the random x of every test (CPU and CUDA generators)
 
 
-def check(x, rp, w, split_k=0):
-    y = torch.ops.cublade.w4a16_gemm(x, rp.packed, rp.group_size, rp.symmetric, rp.size_n, split_k)
+def check(x, rp, w, split_k=0, prefill=True):
+    y = torch.ops.cublade.w4a16_gemm(x, rp.packed, rp.group_size, rp.symmetric, rp.size_n, split_k, prefill)
     ref = x.reshape(-1, x.shape[-1]).float() @ w.t()
     assert y.shape == (*x.shape[:-1], rp.size_n) and y.dtype == x.dtype
     assert_one_rounding(y.reshape(-1, rp.size_n), ref, BAR)
@@ -273,6 +273,20 @@ def test_prefill_path_from_448_rows_or_640_on_large_weights():
             names = kernels_run(lambda: torch.ops.cublade.w4a16_gemm(x, rp.packed, 128, True, N, 0))
             ran = (any("w4a16_dequant_kernel" in n for n in names), any("wide_gemm_kernel" in n for n in names))
             assert ran == (M >= switch, M < switch), (N, K, M, names)
+
+
+@GPU
+@pytest.mark.parametrize("G", [64, 128, -1])
+def test_without_prefill_every_m_runs_the_kernels(G):
+    """prefill=False (VLLM_BATCH_INVARIANT=1's w4a16 layers): from the prefill rows on the op stays on its kernels
+    (streaming at group size 64, the wide kernel in passes of 128 otherwise), no dequantize launch, and keeps their
+    numerics: within one rounding of the fp32 reference, where the prefill path rounds the weights first."""
+    rp, w = gpu_case(200, 1024, G, False)
+    for M in (448, 700):
+        x = torch.randn(M, 1024, device="cuda").to(torch.bfloat16)
+        names = kernels_run(lambda: torch.ops.cublade.w4a16_gemm(x, rp.packed, G, False, 200, 0, False))
+        assert not any("w4a16_dequant_kernel" in n for n in names), names
+        check(x, rp, w, prefill=False)
 
 
 @GPU

@@ -172,6 +172,26 @@ def test_fp8_gemm_when_asked_for(vllm_ctx, monkeypatch, strategy):
         CubladeFp8Gemm.can_implement(layer)
 
 
+def test_w4a16_under_vllm_batch_invariant_stays_on_the_kernels(vllm_ctx, monkeypatch):
+    """VLLM_BATCH_INVARIANT=1: cublade-w4a16-gemm runs every batch on its kernels (prefill=False: no dequantize +
+    cuBLAS path, whose rounded bf16 weights made outputs depend on the batch), and the log says so."""
+    from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
+
+    def layer():
+        return loaded_layer(W4A16Scheme(128, True), KINDS["down"], monkeypatch)
+
+    # on CPU the kernel's gemm is the reference, called with the arguments the op would get
+    assert CubladeW4A16Gemm(layer()).gemm.keywords == {"split_k": 0, "prefill": True}
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert CubladeW4A16Gemm(layer()).gemm.keywords == {"split_k": 0, "prefill": False}
+    with mocked_gpu(monkeypatch, 90):
+        assert choice(layer())[:2] == ("cublade-w4a16-gemm", "cublade's CUDA op w4a16_gemm (its kernels at every "
+                                                             "batch size: VLLM_BATCH_INVARIANT=1)")
+        monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+        assert choice(layer())[:2] == ("cublade-w4a16-gemm", "cublade's CUDA op w4a16_gemm (decode kernels; from "
+                                                             "448-640 tokens dequantize + cuBLAS)")
+
+
 def test_w4a16_without_cublade_on_hopper_runs_machete(vllm_ctx, monkeypatch):
     monkeypatch.setenv("CUBLADE_DISABLED_KERNELS", "cublade-w4a16-gemm,cublade-w4a16-gemm-sm80")
     layer = loaded_layer(W4A16Scheme(128, True), KINDS["gate_up"], monkeypatch)

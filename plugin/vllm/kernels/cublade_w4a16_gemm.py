@@ -1,8 +1,17 @@
 """W4A16 on cublade's own GEMM (cublade.ops.w4a16_gemm)."""
 from __future__ import annotations
 
+import functools
+
 from cublade.ops.w4a16_gemm import w4a16_gemm_ref, w4a16_repack
 from cublade.vllm.kernels.base import HALF_DTYPES, LinearKernel, cublade_op, replace_parameter, why_no_kernel
+
+
+def batch_invariant() -> bool:
+    """vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)."""
+    from vllm import envs
+
+    return bool(envs.VLLM_BATCH_INVARIANT)
 
 
 class CubladeW4A16Gemm(LinearKernel):
@@ -13,7 +22,11 @@ class CubladeW4A16Gemm(LinearKernel):
     a dense cuBLAS GEMM (the prefill path; a transient N x K weight in x's dtype per call).
     Sending large M to Machete instead would keep a second, Machete-layout copy of the weights (twice the
     memory W4A16 is there to save). Speeds against Machete/Marlin per M: docs/performance.md;
-    `CUBLADE_DISABLED_KERNELS=cublade-w4a16-gemm` runs Machete/Marlin for every M instead."""
+    `CUBLADE_DISABLED_KERNELS=cublade-w4a16-gemm` runs Machete/Marlin for every M instead.
+    Under vLLM's VLLM_BATCH_INVARIANT=1 the prefill path is off: its weights are rounded to bf16 once where the
+    kernels keep them exact, so a prompt's logits would depend on how many tokens its batch prefills (measured: 35
+    of 64 greedy texts changed between alone and in a batch of 64, docs/accuracy.md#batch-invariance); every batch
+    then runs on the kernels."""
     name = "cublade-w4a16-gemm"
     own = True
     op = "w4a16_gemm"  # the CUDA op the layer runs (its reference where it cannot)
@@ -26,11 +39,14 @@ class CubladeW4A16Gemm(LinearKernel):
         why = why_no_kernel(cls.op, device)
         if why is not None:
             return False, why
+        if batch_invariant():
+            return True, "cublade's CUDA op w4a16_gemm (its kernels at every batch size: VLLM_BATCH_INVARIANT=1)"
         return True, "cublade's CUDA op w4a16_gemm (decode kernels; from 448-640 tokens dequantize + cuBLAS)"
 
     def __init__(self, layer):
         super().__init__(layer)
-        self.gemm, _ = cublade_op(self.op, layer.weight_packed.device, w4a16_gemm_ref)
+        gemm, _ = cublade_op(self.op, layer.weight_packed.device, w4a16_gemm_ref)
+        self.gemm = functools.partial(gemm, split_k=0, prefill=not batch_invariant())
         zp = getattr(layer, "weight_zero_point", None)
         rp = w4a16_repack(layer.weight_packed.data, layer.weight_scale.data,
                                     None if zp is None else zp.data, self.scheme.group_size)
