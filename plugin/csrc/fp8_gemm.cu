@@ -85,7 +85,7 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream) {
   if (a.K <= 0 || a.K % 16 != 0 || a.M > INT32_MAX || a.N > INT32_MAX || a.K > INT32_MAX - kLowbitChunkK ||
       !is_aligned(a.w, 16) || a.x_scale == nullptr || a.w_scale == nullptr)
     return cudaErrorInvalidValue;
-  lowbit::GemmParams prm = {};
+  lowbit::PlainRowsParams prm = {};
   if (!weight_map(&prm.wmap, a.w, a.N, a.K)) return cudaErrorInvalidValue;
   prm.x = a.x; prm.x_stride = a.x_stride; prm.M = static_cast<int>(a.M); prm.K = static_cast<int>(a.K);
   prm.tiles = static_cast<int>(ceil_div(a.N, kTileN));

@@ -78,9 +78,13 @@ struct GemmParams {
   int tpw;             // tiles per consumer warp (0: the launcher's rule, default_tpw)
   int ksl;             // K slices per chunk (0: tpw; more: more consumer warps, see stream_gemm_kernel)
   int sms;             // the device's multiprocessor count (host side: the launch's choices)
-  // Plain-row policies (kPlainRows, fp8_gemm.cu) only: the weight [N, K] of 1-byte codes as a TMA tensor map (boxes
-  // of 64 rows x 128 K, 128-byte swizzle), and the activations' fp32 scale per token (tok_scale_stride 1) or per
-  // tensor (0). row_scale is then [N] (not padded).
+};
+
+// The launch of a plain-rows policy (kPlainRows, fp8_gemm.cu): the weight [N, K] of 1-byte codes as a TMA tensor map
+// (boxes of 64 rows x 128 K, 128-byte swizzle; `w` unused), and the activations' fp32 scale per token
+// (tok_scale_stride 1) or per tensor (0); row_scale is [N] (not padded). A type of its own, so that the other
+// kernels' parameters stay 120 bytes.
+struct PlainRowsParams : GemmParams {
   CUtensorMap wmap;
   const float* tok_scale;
   int tok_scale_stride;
@@ -124,6 +128,8 @@ constexpr int kPlainBoxK = 128;                              // K per TMA box (t
 constexpr int kPlainBoxBytes = kGroupTiles * kTileN * kPlainBoxK;  // 64 rows x 128 K
 template <class P>
 using LayoutFor = LayoutOf<P::kPacketBytes, plain_rows<P>::value ? 1024 : 0>;
+template <class P>
+using ParamsFor = std::conditional_t<plain_rows<P>::value, PlainRowsParams, GemmParams>;
 
 // ---- PTX wrappers ------------------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -339,7 +345,7 @@ template <int TPW, int KSL>
 __host__ __device__ constexpr int consumer_warps() { return kGroupTiles / TPW * KSL; }
 template <class P, int TPW, int KSL>
 __global__ void __launch_bounds__((consumer_warps<TPW, KSL>() + 1) * 32)
-stream_gemm_kernel(const __grid_constant__ GemmParams prm) {
+stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
   using T = typename P::T;
   constexpr int NT = P::NT;
   constexpr int R = consumer_warps<TPW, KSL>();
@@ -662,7 +668,7 @@ constexpr int64_t expert_slices(bool grouped, int64_t E, int64_t M) { return gro
 // Launch one instantiation: S splits of K per cluster, E experts (prm.offsets set when E > 1); xrows and sbytes
 // set in prm; prm.stages = 0 picks the ring depth (a tuning harness may set it).
 template <class P, int TPW, int KSL = TPW>
-cudaError_t launch_stream(GemmParams prm, int E, int S, cudaStream_t stream) {
+cudaError_t launch_stream(ParamsFor<P> prm, int E, int S, cudaStream_t stream) {
   constexpr auto kernel = stream_gemm_kernel<P, TPW, KSL>;
   if (S < 1 || S > kMaxSplit || prm.stages > kMaxStages) return cudaErrorInvalidValue;
   if (const cudaError_t e = allow_max_smem<kernel>(); e != cudaSuccess) return e;
@@ -697,7 +703,7 @@ constexpr int default_tpw(int nt) { return nt == 1 ? 1 : 2; }
 // Launch with prm.tpw tiles per warp (0: default_tpw) over prm.ksl K slices (0: tpw). Production builds
 // instantiate the default only; tuning builds (CUBLADE_LOWBIT_ALL_TPW) every choice.
 template <class P>
-cudaError_t launch_tpw(GemmParams prm, int E, int S, cudaStream_t stream) {
+cudaError_t launch_tpw(ParamsFor<P> prm, int E, int S, cudaStream_t stream) {
   constexpr int kDefault = default_tpw(P::NT);
   const int tpw = prm.tpw > 0 ? prm.tpw : kDefault;
   const int ksl = prm.ksl > 0 ? prm.ksl : tpw;
@@ -724,7 +730,7 @@ cudaError_t launch_tpw(GemmParams prm, int E, int S, cudaStream_t stream) {
 // 28672x8192 61.57 / 61.09, 8192x8192 21.43 / 21.67; 8192x10240 (320 CTAs, 1.2 waves at 2 per SM) 27.78 / 32.59
 // keeps one slice.
 template <class P>
-cudaError_t launch_byte_weights_8_rows(GemmParams prm, int S, cudaStream_t stream) {
+cudaError_t launch_byte_weights_8_rows(ParamsFor<P> prm, int S, cudaStream_t stream) {
   static_assert(P::NT == 1 && P::kPacketBytes == 1024, "1-byte weights, one n-tile of tokens");
   const LayoutFor<P> L{prm.sbytes, prm.xrows, 3};
   const int per_sm = ctas_per_sm<P, 1, 2>(L.total(1, 2));
