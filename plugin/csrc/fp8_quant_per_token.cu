@@ -20,7 +20,8 @@ constexpr int kMaxVecsFast = kMaxThreads * 8;  // longer rows go to the two-read
 // NaN/Inf scale and takes the IEEE division.
 // Four E4M3 bytes -> their four values as bf16 (exact).
 __device__ __forceinline__ uint2 e4m3x4_to_bf16x4(uint32_t w) {
-  const float2 lo = e4m3x2_to_f32x2(static_cast<uint16_t>(w & 0xFFFFu)), hi = e4m3x2_to_f32x2(static_cast<uint16_t>(w >> 16));
+  const float2 lo = e4m3x2_to_f32x2(static_cast<uint16_t>(w & 0xFFFFu));
+  const float2 hi = e4m3x2_to_f32x2(static_cast<uint16_t>(w >> 16));
   const __nv_bfloat162 a = __floats2bfloat162_rn(lo.x, lo.y), b = __floats2bfloat162_rn(hi.x, hi.y);
   return make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
 }

@@ -450,7 +450,7 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
             uint4 xv[2][NT];
             if constexpr (kPlain) {
               // Plain rows (a box: 64 rows x 8 chunks of 16 K, chunk c of row r stored at chunk c ^ (r % 8)). Half h
-              // of packet jj (two k-steps) takes chunk a = 2 (jj % 2) + h for lanes t = 0, 1 and chunk a ^ 5 for t = 2,
+              // of packet pk (two k-steps) takes chunk a = 2 (pk % 2) + h for lanes t = 0, 1 and chunk a ^ 5 for t = 2,
               // 3, 8 K per lane (bytes 0-3 one k-step, 4-7 the next): the 4 rows g % 4 of a half-warp's 64-bit loads
               // then cover all 8 chunks (no bank conflict), and x's 16-byte loads for those K hit distinct banks.
               const int pk = slice * PPW + j, box = pk >> 1;  // packet of the chunk, its box
@@ -546,7 +546,8 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
           const int tok = m0 + 8 * n + 2 * t + (j & 1);
           if (row < prm.N && tok < m_end) {
             float y = v[n][j];
-            if constexpr (kPlain) y *= prm.tok_scale[static_cast<int64_t>(tok) * prm.tok_scale_stride];  // (sum x s_a) x s_w
+            if constexpr (kPlain)  // (sum x s_a) x s_w, the reference's order
+              y *= prm.tok_scale[static_cast<int64_t>(tok) * prm.tok_scale_stride];
             out[static_cast<int64_t>(tok) * prm.out_stride + row] = from_float<T>(y * (j < 2 ? f_lo : f_hi));
           }
         }
