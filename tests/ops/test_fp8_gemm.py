@@ -1,6 +1,7 @@
 """fp8_gemm (FP8 W8A8 decode GEMM on the E4M3 weight as stored) and its activations op fp8_quant_per_token_bf16.
 
-CPU: the quantization to bf16 values is the per-token quantization's E4M3 values, exactly; quantizing that way and
+CPU: the kernel's fragment map, modelled: each lane's K runs cover a chunk once, and its shared-memory loads of the
+swizzled weight rows and the staged x rows are free of bank conflicts. The quantization to bf16 values is the per-token quantization's E4M3 values, exactly; quantizing that way and
 then fp8_gemm_ref is the `fp8` scheme's W8A8 reference (fp8_linear_ref) bit for bit, and so is the layer's custom op
 cublade::fp8_linear on its CPU path. GPU: the quant kernel bit-exact against its reference; the GEMM kernel against
 the fp32 reference held to one bf16 rounding (its products are exact, its fp32 sums run in another order), over token
@@ -63,6 +64,56 @@ def test_layer_op_on_cpu_is_the_reference():
     w, ws = weights(64, 256)
     x = activations(6, 256)
     assert torch.equal(fp8_linear(x, w, ws, 16), fp8_linear_ref(x, w, ws))
+
+
+# The kernel's plain-rows fragment map (csrc/w4a16_gemm.cuh, kPlainRows), modelled: packet pk of a 512-K chunk, half
+# h, lane t -> the lane's 8 K from kc (bytes 0-3 one k-step, 4-7 the next); the weight row's bytes sit in a TMA box of
+# 64 rows x 128 bytes with the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)); x rows are staged
+# X_ROW_BYTES apart.
+X_ROW_BYTES = 8 * 64 * 2 + 64  # lowbit::kXRowBytes
+
+
+def lane_k(pk: int, h: int, t: int) -> int:
+    a = 2 * (pk & 1) + h
+    ch = a ^ 5 if t >> 1 else a
+    return (pk >> 1) * 128 + ch * 16 + (t & 1) * 8
+
+
+def weight_address(row: int, pk: int, h: int, t: int) -> int:
+    """Byte offset of the lane's 8 weight bytes in the stage (row 0..63 of the tile group)."""
+    k = lane_k(pk, h, t)
+    box, c, within = k // 128, (k % 128) // 16, k % 16
+    return box * 64 * 128 + row * 128 + ((c ^ (row % 8)) << 4) + within
+
+
+def banks(address: int, size: int) -> set[int]:
+    return {(address // 4 + i) % 32 for i in range(size // 4)}
+
+
+def test_plain_rows_lanes_cover_each_k_once():
+    """Over a chunk's 8 packets, 2 halves and 4 lanes t, the lanes' 8-K runs cover the 512 K exactly once (A's and
+    B's fragments take the same runs, so the mma's sum is the dot product)."""
+    ks = sorted(k + i for pk in range(8) for h in range(2) for t in range(4) for i in range(8)
+                for k in [lane_k(pk, h, t)])
+    assert ks == list(range(512))
+
+
+def test_plain_rows_shared_loads_have_no_bank_conflict():
+    """Each weight load (8 bytes, rows g and g + 8 of a tile) of a half-warp touches 32 distinct banks, and each x
+    load (16 bytes, token row g) of a quarter-warp 32 distinct banks: the minimum number of shared-memory
+    wavefronts."""
+    for tile in range(4):
+        for pk in range(8):
+            for h in range(2):
+                for plus in (0, 8):
+                    for half in range(2):  # lanes 0-15, 16-31: g = 4 half .. 4 half + 3
+                        got = [banks(weight_address(16 * tile + g + plus, pk, h, t), 8)
+                               for g in range(4 * half, 4 * half + 4) for t in range(4)]
+                        assert len(set().union(*got)) == 32, (tile, pk, h, plus, half)
+                for quarter in range(4):  # lanes 8q .. 8q + 7: g = 2q, 2q + 1
+                    got = [banks(g * X_ROW_BYTES + 2 * lane_k(pk, h, t), 16)
+                           for g in (2 * quarter, 2 * quarter + 1) for t in range(4)]
+                    assert len(set().union(*got)) == 32, (pk, h, quarter)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------------
