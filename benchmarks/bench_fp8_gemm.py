@@ -26,23 +26,18 @@ import json
 
 import torch
 
-from common import (bench_us, humming_linear, print_kernel_table, rel_err, require_op, vllm_single_process_state,
-                    write_json)
+from common import (bench_us, humming_linear, print_kernel_table, rel_err, require_op, stand_in_layer,
+                    vllm_single_process_state, write_json)
 
 bench = functools.partial(bench_us, rep_ms=100)
 OURS = "cublade-fp8-gemm"
 
 
-def stand_in_layer(w: torch.Tensor, ws: torch.Tensor) -> torch.nn.Module:
-    """What cublade.vllm.linear leaves for a kernel class: the fp8 scheme's tensors as Parameters, sizes, dtype."""
+def fp8_layer(w: torch.Tensor, ws: torch.Tensor) -> torch.nn.Module:
+    """A stand-in layer of the fp8 scheme (per-channel weights, per-token dynamic activations) holding these tensors."""
     from cublade.config import Fp8Scheme
 
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
-    layer.weight_scale = torch.nn.Parameter(ws.clone(), requires_grad=False)
-    layer.output_size_per_partition, layer.input_size_per_partition = w.shape
-    layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, Fp8Scheme("channel", "dynamic-token"), None
-    return layer
+    return stand_in_layer({"weight": w, "weight_scale": ws}, Fp8Scheme("channel", "dynamic-token"), *w.shape)
 
 
 def class_fn(name: str, w: torch.Tensor, ws: torch.Tensor):
@@ -51,7 +46,7 @@ def class_fn(name: str, w: torch.Tensor, ws: torch.Tensor):
     from cublade.vllm import kernels
 
     cls = next(k for k in kernels.CANDIDATES[Fp8Scheme] if k.name == name)
-    layer = stand_in_layer(w, ws)
+    layer = fp8_layer(w, ws)
     ok, why = cls.can_implement(layer)
     if not ok:
         return None, why
@@ -74,8 +69,7 @@ def humming_fn(w: torch.Tensor, ws: torch.Tensor):
             super().__init__(c, ["weight", "weight_scale", "input_scale", "input_scale_ub"])
 
     N, K = w.shape
-    layer = stand_in_layer(w, ws.reshape(N, 1))
-    layer.input_size = K
+    layer = fp8_layer(w, ws.reshape(N, 1))
     layer.output_partition_sizes, layer.has_bias = [N], False
     cfg = FP8ScaledMMLinearLayerConfig(weight_quant_key=kFp8StaticChannelSym, activation_quant_key=kFp8DynamicTokenSym,
                                        input_dtype=torch.bfloat16, out_dtype=torch.bfloat16, weight_shape=(N, K))

@@ -22,23 +22,18 @@ import json
 
 import torch
 
-from common import (bench_us, humming_linear, print_kernel_table, rel_err, require_op, vllm_single_process_state,
-                    write_json)
+from common import (bench_us, humming_linear, print_kernel_table, rel_err, require_op, stand_in_layer,
+                    vllm_single_process_state, write_json)
 
 bench = functools.partial(bench_us, rep_ms=100)
 KERNELS = ("cublade-mxfp8-gemm", "vllm-marlin-mxfp8", "cublade-mxfp8-dequant-matmul")
 
 
-def stand_in_layer(q: torch.Tensor, codes: torch.Tensor) -> torch.nn.Module:
-    """What cublade.vllm.linear leaves for a kernel class: the mxfp8 scheme's tensors as Parameters, sizes, dtype."""
+def mxfp8_layer(q: torch.Tensor, codes: torch.Tensor) -> torch.nn.Module:
+    """A stand-in layer of the mxfp8 scheme holding these tensors."""
     from cublade.config import MXFP8Scheme
 
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(q.clone(), requires_grad=False)
-    layer.weight_scale = torch.nn.Parameter(codes.clone(), requires_grad=False)
-    layer.output_size_per_partition, layer.input_size_per_partition = q.shape
-    layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, MXFP8Scheme(), None
-    return layer
+    return stand_in_layer({"weight": q, "weight_scale": codes}, MXFP8Scheme(), *q.shape)
 
 
 def kernel_fns(q: torch.Tensor, codes: torch.Tensor) -> tuple[dict, dict]:
@@ -54,7 +49,7 @@ def kernel_fns(q: torch.Tensor, codes: torch.Tensor) -> tuple[dict, dict]:
             except ImportError as e:
                 why_not[name] = f"vLLM not importable ({e})"
                 continue
-        layer = stand_in_layer(q, codes)
+        layer = mxfp8_layer(q, codes)
         ok, why = cls.can_implement(layer)
         if not ok:
             why_not[name] = why
@@ -73,10 +68,8 @@ def humming_fn(q: torch.Tensor, codes: torch.Tensor):
         from vllm.model_executor.kernels.linear.mxfp8.Mxfp8LinearKernel import Mxfp8LinearLayerConfig
     except ImportError as e:
         return None, f"vLLM's Humming MXFP8 kernel not importable ({e})"
-    layer = stand_in_layer(q, codes)
-    N, K = q.shape
-    layer.input_size = layer.input_size_per_partition = K
-    layer.output_partition_sizes, layer.has_bias = [N], False
+    layer = mxfp8_layer(q, codes)
+    layer.output_partition_sizes, layer.has_bias = [q.shape[0]], False
     return humming_linear(HummingMxfp8LinearKernel, Mxfp8LinearLayerConfig(), layer, "MXFP8")
 
 

@@ -27,7 +27,7 @@ import json
 
 import torch
 
-from common import bench_us, rel_err, vllm_single_process_state, write_json
+from common import bench_us, rel_err, stand_in_layer, vllm_single_process_state, write_json
 
 bench = functools.partial(bench_us, rep_ms=100)
 PAIRS = {"w4a16": ("cublade-w4a16-gemm-sm80", "vllm-marlin"),
@@ -52,17 +52,6 @@ def checkpoint(fmt: str, N: int, K: int) -> tuple[dict, torch.Tensor]:
     return {k: v.cuda() for k, v in t.items()}, scheme.dequantize(t).float().cuda()
 
 
-def stand_in_layer(fmt: str, t: dict, N: int, K: int) -> torch.nn.Module:
-    """What cublade.vllm.linear leaves for a kernel class: the scheme's tensors as Parameters, sizes, dtype."""
-    layer = torch.nn.Module()
-    for name, v in t.items():
-        layer.register_parameter(name, torch.nn.Parameter(v.clone(), requires_grad=False))
-    layer.output_size_per_partition = layer.output_size = N
-    layer.input_size_per_partition = layer.input_size = K
-    layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, scheme_of(fmt), None
-    return layer
-
-
 def kernel_fn(fmt: str, name: str, t: dict, N: int, K: int):
     """(fn(x), None, the layer as the class left it) for kernel class `name` on the tensors, or (None, why it cannot
     run here, None)."""
@@ -74,7 +63,7 @@ def kernel_fn(fmt: str, name: str, t: dict, N: int, K: int):
             vllm_single_process_state()
         except ImportError as e:
             return None, f"vLLM not importable ({e})", None
-    layer = stand_in_layer(fmt, t, N, K)
+    layer = stand_in_layer(t, scheme_of(fmt), N, K)
     ok, why = cls.can_implement(layer)
     if not ok:
         return None, why, None

@@ -172,6 +172,18 @@ def write_json(path: str | None, rows: list, **meta) -> None:
                       indent=1)
 
 
+def stand_in_layer(tensors: dict, scheme, N: int, K: int) -> torch.nn.Module:
+    """What cublade.vllm.linear leaves for a kernel class: the scheme's tensors (copies) as Parameters, sizes (N, K),
+    bf16 activations, no bias."""
+    layer = torch.nn.Module()
+    for name, v in tensors.items():
+        layer.register_parameter(name, torch.nn.Parameter(v.clone(), requires_grad=False))
+    layer.output_size_per_partition = layer.output_size = N
+    layer.input_size_per_partition = layer.input_size = K
+    layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, scheme, None
+    return layer
+
+
 def humming_linear(kernel_cls, config, layer: torch.nn.Module, what: str):
     """(fn(x), None) for one of vLLM's Humming linear kernel classes prepared on `layer` as vLLM does at load time, or
     (None, why it cannot run here): the humming package missing, the GPU refused, or the preparation failing."""

@@ -14,10 +14,6 @@ constexpr int kMaxVecsWarpMode = 32 * 8;  // rows up to 256 vectors (K <= 2048 b
 constexpr int kMaxThreads = 1024;
 constexpr int kMaxVecsFast = kMaxThreads * 8;  // longer rows go to the two-read fallback
 
-// Quantize one 16-byte input vector with the row's scale and store its 8 (or 4) fp8 bytes.
-// kFast: s passed div_fast_ok (every finite row scale does: s >= 1/(448*512), s <= bf16/fp32 max / 448), and
-// then every x of the row is finite with |x / s| <= 448, so div_rn_fast is exact; a row with NaN/Inf has a
-// NaN/Inf scale and takes the IEEE division.
 // Four E4M3 bytes -> their four values as bf16 (exact).
 __device__ __forceinline__ uint2 e4m3x4_to_bf16x4(uint32_t w) {
   const float2 lo = e4m3x2_to_f32x2(static_cast<uint16_t>(w & 0xFFFFu));
@@ -26,7 +22,11 @@ __device__ __forceinline__ uint2 e4m3x4_to_bf16x4(uint32_t w) {
   return make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
 }
 
-// dst: the vector's first output element (E4M3 bytes, or bf16 values with kValues).
+// Quantize one 16-byte input vector with the row's scale and store its 8 (or 4) fp8 bytes, or with kValues their
+// values as bf16; dst: the vector's first output element.
+// kFast: s passed div_fast_ok (every finite row scale does: s >= 1/(448*512), s <= bf16/fp32 max / 448), and
+// then every x of the row is finite with |x / s| <= 448, so div_rn_fast is exact; a row with NaN/Inf has a
+// NaN/Inf scale and takes the IEEE division.
 template <InDtype T, bool kFast, bool kValues>
 __device__ __forceinline__ void quant_store_div(const uint4& v, float s, float y, uint8_t* dst) {
   constexpr int N = Elem<T>::kPerVec;
