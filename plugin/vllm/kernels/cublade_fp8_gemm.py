@@ -51,7 +51,7 @@ class CubladeFp8Gemm(LinearKernel):
     vLLM's CUTLASS scaled-mm over the same tensor (no second copy of the weights). The activations are quantized per
     token by cublade's op, the same bytes either way, so both paths compute the scheme's W8A8 reference up to fp32
     summation order. Runs when asked for (CUBLADE_FP8_GEMM=1): at 1-16 tokens on Llama-3-8B's shapes the GEMM alone took
-    0.97-1.54x the time of vLLM's CUTLASS on the H200 (benchmarks/bench_fp8_gemm.py; equal on the two large weights,
+    0.97-1.54x the time of vLLM's CUTLASS on the H200 (benchmarks/bench_fp8_gemm.py; close on the two large weights,
     slower on the two small ones)."""
     name = "cublade-fp8-gemm"
     own = True
