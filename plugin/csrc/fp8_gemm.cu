@@ -18,6 +18,8 @@
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 namespace cublade {
 namespace {
@@ -93,6 +95,12 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream) {
   prm.chunks = static_cast<int>(ceil_div(a.K, kLowbitChunkK));
   prm.row_scale = a.w_scale;
   prm.tok_scale = a.x_scale; prm.tok_scale_stride = a.x_scale_stride;
+  // A programmatic dependent launch of the quantization before it (CUBLADE_FP8_GEMM_PDL=0: a plain launch, for A/B).
+  static const bool pdl = [] {
+    const char* v = std::getenv("CUBLADE_FP8_GEMM_PDL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  prm.pdl = pdl;
   prm.out = a.out; prm.out_stride = a.out_stride; prm.N = static_cast<int>(a.N);
   prm.sms = a.sms;
   prm.sbytes = 0;

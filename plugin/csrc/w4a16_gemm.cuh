@@ -88,6 +88,7 @@ struct PlainRowsParams : GemmParams {
   CUtensorMap wmap;
   const float* tok_scale;
   int tok_scale_stride;
+  bool pdl;  // host side: launch as a programmatic dependent launch of the stream's previous kernel
 };
 
 // Shared memory: barriers, stages x [W: 4 tile blocks | X: xrows x kXRowBytes], reduction buffer (the partial
@@ -406,18 +407,36 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
       const unsigned char* xg = static_cast<const unsigned char*>(prm.x);
       const uint64_t wpol = CUBLADE_WEIGHT_POLICY(), xpol = policy_evict_last();
       const int64_t block0 = (static_cast<int64_t>(e) * prm.groups + group) * prm.chunks;
+      auto k0_of = [&](int c) { return (cb + c) * kChunk * kPacketK; };
+      auto kbytes_of = [&](int c) { return (min(k0_of(c) + kChunk * kPacketK, prm.K) - k0_of(c)) * 2; };
+      // Plain rows: the kernel is a programmatic dependent launch of the activations' quantization; the first pass's
+      // first stages' weights go out before x is ready, then pdl_wait.
+      int early = 0;
+      if constexpr (kPlain) {
+        if (m0 == m_begin) {
+          early = min(nst, nchunks);
+          if (lane == 0)
+            for (int c = 0; c < early; ++c) {
+              mbar_expect_tx(full + c, L.w_bytes() + rows * kbytes_of(c));
+              for (int b = 0; b < kChunk * kPacketK / kPlainBoxK; ++b)
+                tma_g2s_2d(smem + L.stage_offset(c) + b * kPlainBoxBytes, &prm.wmap, k0_of(c) + b * kPlainBoxK,
+                           group * kGroupTiles * kTileN, full + c, wpol);
+            }
+          pdl_wait();
+        }
+      }
       for (int c = 0; c < nchunks; ++c, ++it) {
         const int s = it % nst;
-        const int k0 = (cb + c) * kChunk * kPacketK;
-        const int kbytes = (min(k0 + kChunk * kPacketK, prm.K) - k0) * 2;
-        if (lane == 0) {
+        const int k0 = k0_of(c);
+        const int kbytes = kbytes_of(c);
+        if (lane == 0 && c >= early) {
           if (it >= nst) mbar_wait(empty + s, ((it / nst) - 1) & 1);
           mbar_expect_tx(full + s, L.w_bytes() + rows * kbytes);
         }
         __syncwarp();  // the stage is free and its byte count is set before any copy lands
         unsigned char* st = smem + L.stage_offset(s);
         if constexpr (kPlain) {  // the chunk's 64 rows x 512 K as 4 swizzled boxes of 128 K (the padding: zeros)
-          if (lane == 0)
+          if (lane == 0 && c >= early)
 #pragma unroll
             for (int b = 0; b < kChunk * kPacketK / kPlainBoxK; ++b)
               tma_g2s_2d(st + b * kPlainBoxBytes, &prm.wmap, k0 + b * kPlainBoxK, group * kGroupTiles * kTileN,
@@ -430,6 +449,7 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
                    xg + ((static_cast<int64_t>(m0 + row) * prm.x_stride) + k0) * 2, kbytes, full + s, xpol);
       }
     } else {  // ---- consumer ----
+      if constexpr (kPlain) pdl_wait();  // the epilogue reads the quantization's token scales
       typename P::State st[TPW];
       for (int c = 0; c < nchunks; ++c, ++it) {
         const int s = it % nst;
@@ -666,6 +686,9 @@ cudaError_t launch_split_k(void (*kernel)(Arg), dim3 grid, int threads, int smem
 // kernels (this one and wide_gemm.cuh's) and fp4_gemm's choices (its split and tokens-per-pass rules) use it.
 constexpr int64_t expert_slices(bool grouped, int64_t E, int64_t M) { return grouped ? std::min(E, M) : 1; }
 
+inline bool launch_pdl(const GemmParams&) { return false; }
+inline bool launch_pdl(const PlainRowsParams& prm) { return prm.pdl; }
+
 // Launch one instantiation: S splits of K per cluster, E experts (prm.offsets set when E > 1); xrows and sbytes
 // set in prm; prm.stages = 0 picks the ring depth (a tuning harness may set it).
 template <class P, int TPW, int KSL = TPW>
@@ -686,7 +709,7 @@ cudaError_t launch_stream(ParamsFor<P> prm, int E, int S, cudaStream_t stream) {
   const int smem = L.total(P::NT, KSL);
   if (smem > kMaxSmemKB * 1024) return cudaErrorInvalidValue;
   return launch_split_k(kernel, dim3(static_cast<unsigned>(prm.groups), S, slices),
-                        (consumer_warps<TPW, KSL>() + 1) * 32, smem, S, stream, prm);
+                        (consumer_warps<TPW, KSL>() + 1) * 32, smem, S, stream, prm, launch_pdl(prm));
 }
 
 // n-tiles of 8 tokens per pass (the policy's NT) for a launch whose experts have at most `rows` rows: 1, 2 or 4;

@@ -182,6 +182,23 @@ def test_gemm_rows_are_independent(M):
 
 
 @gpu
+@pytest.mark.parametrize("M", [1, 8, 16])
+def test_gemm_right_after_the_quant_kernel(M):
+    """The quantization kernel and then fp8_gemm on one stream, as a layer runs them (fp8_gemm is a programmatic
+    dependent launch of it: it streams weights before the quantized activations are ready), repeated back to back."""
+    N, K = 4096, 4096
+    w, ws = weights(N, K)
+    w, ws = w.cuda(), ws.cuda()
+    x = activations(M, K).cuda()
+    xv, xs = fp8_quant_per_token_bf16_ref(x.cpu())
+    ref = ((xv.float() @ w.float().t().cpu()) * xs * ws.cpu().reshape(1, -1)).cuda()
+    for _ in range(3):
+        y = fp8_gemm(*fp8_quant_per_token_bf16(x), w, ws)
+    torch.cuda.synchronize()
+    assert_one_rounding(y, ref)
+
+
+@gpu
 def test_gemm_errors_name_the_op():
     xv, xs, w, ws, _ = _gpu_case(2, 64, 512)
     with pytest.raises(ValueError, match=r"cublade\.fp8_gemm: weight has K=512, x has K=256"):
