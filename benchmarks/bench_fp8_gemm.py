@@ -11,7 +11,12 @@ and the two GEMM kernels alone (their activations quantized beforehand): "fp8_ge
 --splits, fp8_gemm alone at each of those K splits too ("fp8_gemm S=2": the split rule's tuning).
 
     python benchmarks/bench_fp8_gemm.py [--shapes 4096x6144,4096x4096,4096x28672,14336x4096]
-                                        [--m 1,2,4,8,16,24,32,48,64,128] [--splits 1,2,4] [--json FILE]
+                                        [--m 1,2,4,8,16,24,32,48,64,128] [--splits 1,2,4] [--graph] [--json FILE]
+
+--graph times each of them as one CUDA graph replay (common.graphed), as vLLM's decode runs them: no host launch gaps
+between the quantization and the GEMM, so the layer rows are their kernels' GPU time (without it the layer rows,
+launched from Python, can be host-bound), and fp8_gemm's start during the quantization (a programmatic dependent
+launch) shows as it does in a decode step.
 
 Times: median of triton.testing.do_bench (L2 cleared before every call: the weights come from HBM). TB/s: the weight
 bytes (N*K) over the time. x = a kernel's time / cublade-fp8-gemm's (> 1: cublade faster). Accuracy at M=16:
@@ -26,7 +31,7 @@ import json
 
 import torch
 
-from common import (bench_us, humming_linear, print_kernel_table, rel_err, require_op, stand_in_layer,
+from common import (bench_us, graphed, humming_linear, print_kernel_table, rel_err, require_op, stand_in_layer,
                     vllm_single_process_state, write_json)
 
 bench = functools.partial(bench_us, rep_ms=100)
@@ -81,8 +86,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="4096x6144,4096x4096,4096x28672,14336x4096", help="KxN list")
     ap.add_argument("--m", default="1,2,4,8,16,24,32,48,64,128", help="token counts")
     ap.add_argument("--splits", default="", help="also time fp8_gemm alone at these K splits (tuning), e.g. 1,2,4")
+    ap.add_argument("--graph", action="store_true",
+                    help="time each callable as one CUDA graph replay (no host launch gaps; L2 still cleared)")
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
+    time_us = (lambda fn: bench(graphed(fn))) if args.graph else bench
 
     require_op("bench_fp8_gemm", "fp8_gemm")
     vllm_single_process_state()
@@ -129,9 +137,9 @@ def main() -> None:
             }
             for S in (int(v) for v in args.splits.split(",") if v):
                 kernels_only[f"fp8_gemm S={S}"] = functools.partial(fp8_gemm, xv, xs, w, ws, S)
-            us = {name: bench(functools.partial(fn, x)) for name, fn in fns.items()}
-            us.update({name: bench(fn) for name, fn in kernels_only.items()})
-            r = {"K": K, "N": N, "M": M, "weight_bytes": N * K, "errors_m16": errs, "us": us}
+            us = {name: time_us(functools.partial(fn, x)) for name, fn in fns.items()}
+            us.update({name: time_us(fn) for name, fn in kernels_only.items()})
+            r = {"K": K, "N": N, "M": M, "weight_bytes": N * K, "errors_m16": errs, "us": us, "graph": args.graph}
             rows.append(r)
             print(json.dumps(r), flush=True)
         w = ws = wbf = fns = None

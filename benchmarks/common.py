@@ -55,6 +55,21 @@ def bench_us(fn, *, graph: bool = False, warmup_ms: int = 25, rep_ms: int = 200)
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
 
 
+def graphed(fn):
+    """fn as one CUDA graph replay: the kernels it launches, captured once after a warm-up call on a side stream, so a
+    timing sees their GPU time back to back (as vLLM's CUDA-graphed decode runs them, programmatic dependent launches
+    included) without the host's launch gaps between them. The graph's outputs are reused by every replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
     """mean |c - ref| / mean |ref|: the GEMM benches' accuracy measure."""
     return ((c.float() - ref).abs().mean() / ref.abs().mean()).item()
