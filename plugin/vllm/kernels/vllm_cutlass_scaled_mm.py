@@ -65,9 +65,10 @@ def input_quant_choice(scheme: Fp8Scheme, device: torch.device) -> tuple[str, st
 
 
 class VllmCutlassScaledMM(LinearKernel):
-    """vLLM's CUTLASS scaled-mm (a fallback: cublade has no FP8 GEMM of its own). Activations are quantized
-    by cublade's op (on sm_89, which cublade._C is not built for, by vLLM's scaled_fp8_quant); the epilogue
-    applies the activation scale (per token or per tensor) and the weight scale (per channel or per tensor)."""
+    """vLLM's CUTLASS scaled-mm (the named fallback, and the default: cublade's own FP8 decode GEMM, cublade-fp8-gemm,
+    runs only when asked for). Activations are quantized by cublade's op (on sm_89, which cublade._C is not built
+    for, by vLLM's scaled_fp8_quant); the epilogue applies the activation scale (per token or per tensor) and the
+    weight scale (per channel or per tensor)."""
     name = "vllm-cutlass-scaled-mm"
     own = False
 
