@@ -58,7 +58,9 @@ def bench_us(fn, *, graph: bool = False, warmup_ms: int = 25, rep_ms: int = 200)
 def graphed(fn):
     """fn as one CUDA graph replay: the kernels it launches, captured once after a warm-up call on a side stream, so a
     timing sees their GPU time back to back (as vLLM's CUDA-graphed decode runs them, programmatic dependent launches
-    included) without the host's launch gaps between them. The graph's outputs are reused by every replay."""
+    included) without the host's launch gaps between them. The graph's outputs are reused by every replay. Unlike
+    bench_us(graph=True), which replays fn many times inside one graph (L2 warm from the previous call), timing
+    bench_us(graphed(fn)) keeps do_bench's L2 clear before every replay: weights that fit L2 still come from DRAM."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
