@@ -36,7 +36,7 @@ struct Int4Problem {
     CK(cudaMalloc(&out, size_t(max_m) * N * sizeof(__nv_bfloat16)));
     int sms = 0;  // the stream-K part of the workspace is per SM
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    CK(cudaMalloc(&ws, cublade::w4a16_gemm_workspace_bytes(max_m, K, N, kGS, 0, sms)));
+    CK(cudaMalloc(&ws, cublade::w4a16_gemm_workspace_bytes(max_m, K, N, kGS, 0, sms, true)));
   }
   ~Int4Problem() {
     CK(cudaFree(blob)); CK(cudaFree(x)); CK(cudaFree(out)); CK(cudaFree(ws));

@@ -1,5 +1,5 @@
 // The wide W4A16 kernel (wgmma, w4a16_gemm.cu namespace wide) against the streaming kernel, on four Llama-70B-like
-// shapes (K x N: 8192x28672, 4096x14336, 28672x8192, 8192x10240), M = 17..256: checks both against a host reference
+// shapes (K x N: 8192x28672, 4096x14336, 28672x8192, 8192x10240), M = 1..512: checks both against a host reference
 // on sampled rows, and times every configuration (kVariants: tokens per pass, warpgroups per CTA, K per stage, PDL;
 // x K splits 1 / 2 / 4, or "sk": stream-K) after do_bench's memset flush.
 // Stand-alone (CUDA runtime only), on the H200:
@@ -8,8 +8,10 @@
 //        benchmarks/tuning/w4a16_wide.cu -o /tmp/w4a16_wide && /tmp/w4a16_wide [REPS [M,M,...]]
 //
 // Weights: random codes, random bf16 scales in [2^-8, 2^-6) per group of 128 (symmetric). "ref err": over sampled
-// outputs, the largest |kernel - host| / (|host| / 128 + 2e-3 mean |host|) (host: the blob decoded, fp64 sums);
-// <= 1 is "ok" (one bf16 rounding of the output). Rows with "-" for variant and S: the production choices.
+// outputs, the largest |kernel - host| / (|host| / 128 + 2e-3 mean |host|) (host: the blob decoded, fp64 sums;
+// for passes of more than 128 tokens, Int4PrescaledBatch's, the decoded weights rounded to bf16 first); <= 1 is "ok"
+// (one bf16 rounding of the output). Rows with "-" for variant and S: the production choices ("- rounded": with
+// W4a16GemmArgs::rounded, as the torch op runs bf16 x; "- exact": without).
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
 #include "int4_problem.cuh"
@@ -64,11 +66,13 @@ std::vector<double> decode_row(const std::vector<uint32_t>& blob, int n, int K, 
   return w;
 }
 
-// The wide kernel's configurations: tokens per pass (wgmma N), consumer warpgroups per CTA, K per ring stage, and
-// whether the kernel is a programmatic dependent launch of the x prep. M > tokens per pass runs passes.
+// The wide kernel's configurations: tokens per pass (wgmma N), consumer warpgroups per CTA, K per ring stage,
+// and whether the kernel is a programmatic dependent launch of the x prep; more than 128 tokens: prescaled batches
+// (Int4PrescaledBatch, the weights rounded once to bf16). M > tokens per pass runs passes.
 struct Variant {
   int ntok, wg, ks;
   bool pdl;
+  bool pre() const { return ntok > cublade::wide::kMaxPassRows; }
   std::string name() const {
     return "n" + std::to_string(ntok) + " wg" + std::to_string(wg) + " k" + std::to_string(ks) + (pdl ? " pdl" : "");
   }
@@ -78,14 +82,16 @@ const Variant kVariants[] = {
     {16, 4, 256, true},
     {32, 2, 512, true}, {32, 4, 512, true}, {48, 2, 512, true}, {48, 4, 256, true},  {64, 2, 512, true},
     {64, 4, 256, true}, {96, 2, 256, true}, {128, 2, 256, true}, {64, 2, 512, false}, {128, 2, 256, false},
+    {256, 2, 128, true},
 };
 // The variants a sweep row of M times: the production tier's token count, the next tier up (what a coarser rule
-// would run), and for M > 128 both multi-pass sizes.
+// would run), and for M > 128 the multi-pass sizes.
 bool applies(const Variant& v, int M) {
   if (M <= 16) return v.ntok == 16 || (M <= 8 && v.ntok == 8);  // the small-M tiers (the streaming kernel's range)
   if (v.ntok < 32) return false;
   const int m = std::min(M, 128), nt = cublade::wide::ntok(m);
-  return v.ntok == nt || (m > 32 && m <= 64 && v.ntok == 64) || (m > 64 && v.ntok == 128) || (M > 128 && v.ntok == 96);
+  return v.ntok == nt || (m > 32 && m <= 64 && v.ntok == 64) || (m > 64 && v.ntok == 128) ||
+         (M > 128 && (v.ntok == 96 || v.ntok == 256));
 }
 
 template <int NTOK, int WG, int KS>
@@ -110,6 +116,7 @@ cudaError_t run_variant(const Variant& v, int S, const bf16* x, int M, int K, co
   CUBLADE_VARIANT(16, 4, 512) CUBLADE_VARIANT(16, 4, 256)
   CUBLADE_VARIANT(32, 2, 512) CUBLADE_VARIANT(32, 4, 512) CUBLADE_VARIANT(48, 2, 512) CUBLADE_VARIANT(48, 4, 256)
   CUBLADE_VARIANT(64, 2, 512) CUBLADE_VARIANT(64, 4, 256) CUBLADE_VARIANT(96, 2, 256) CUBLADE_VARIANT(128, 2, 256)
+  CUBLADE_VARIANT(256, 2, 128)
 #undef CUBLADE_VARIANT
   return cudaErrorInvalidValue;
 }
@@ -118,9 +125,9 @@ cudaError_t run_variant(const Variant& v, int S, const bf16* x, int M, int K, co
 
 int main(int argc, char** argv) {
   const int reps = harness::reps_arg(argc, argv);
-  std::vector<int> ms =  // the rows to time (at most 256)
+  std::vector<int> ms =  // the rows to time (at most 512)
       harness::sizes_arg(argc, argv, 2, {1, 4, 8, 12, 16, 17, 32, 40, 48, 64, 80, 96, 128, 192, 256});
-  for (int& m : ms) m = std::min(m, 256);
+  for (int& m : ms) m = std::min(m, 512);
   const harness::Device device;
   const harness::Flushes flush(device);
   const int sms = device.sms;
@@ -131,7 +138,7 @@ int main(int argc, char** argv) {
 
   struct Shape { int K, N; };
   for (const Shape sh : {Shape{8192, 28672}, Shape{4096, 14336}, Shape{28672, 8192}, Shape{8192, 10240}}) {
-    const int K = sh.K, N = sh.N, max_m = 256;
+    const int K = sh.K, N = sh.N, max_m = 512;
     std::mt19937 rng(1234);
     std::uniform_real_distribution<float> Us(1.0f / 256, 1.0f / 64);
     const Int4Problem pb(K, N, max_m, rng, [&Us](std::mt19937& r) {
@@ -144,22 +151,35 @@ int main(int argc, char** argv) {
     void *blob = pb.blob, *ws = pb.ws;
     bf16 *x = pb.x, *out = pb.out;
     std::vector<int> rows;  // sampled output rows, with their decoded weights
-    std::vector<std::vector<double>> wrows;
+    std::vector<std::vector<double>> wrows, wrows_pre;  // and rounded to bf16 (the prescaled batches' weights)
     for (int i = 0; i < 24; ++i) {
       rows.push_back(i < 4 ? N - 1 - i : int(rng() % N));
       wrows.push_back(decode_row(hb, rows.back(), K, chunks, words));
+      wrows_pre.push_back(wrows.back());
+      for (double& w : wrows_pre.back()) w = bf16_bits_to_float(float_to_bf16_bits(float(w)));
     }
     for (const int M : ms) {
-      std::vector<double> want(rows.size() * M);
+      std::vector<double> want(rows.size() * M), want_pre(rows.size() * M);
       double mean = 0;
       for (size_t r = 0; r < rows.size(); ++r)
         for (int m = 0; m < M; ++m) {
-          double acc = 0;
-          for (int k = 0; k < K; ++k) acc += wrows[r][k] * __bfloat162float(hx[size_t(m) * K + k]);
+          double acc = 0, acc_pre = 0;
+          for (int k = 0; k < K; ++k) {
+            const double xv = __bfloat162float(hx[size_t(m) * K + k]);
+            acc += wrows[r][k] * xv;
+            acc_pre += wrows_pre[r][k] * xv;
+          }
           want[r * M + m] = acc;
+          want_pre[r * M + m] = acc_pre;
           mean += std::fabs(acc) / want.size();
         }
-      auto row = [&](const char* name, const char* variant, int S, const std::function<cudaError_t()>& f) {
+      // which rows the production launcher runs prescaled with `rounded` (the rows of its passes of over 128 rows)
+      std::vector<bool> op_pre(M, false);
+      for (int64_t m0 = 0, p; (p = cublade::wide::pass_rows(M - m0, N, K, true)) > 0; m0 += p)
+        for (int64_t m = m0; m < m0 + p; ++m) op_pre[m] = p > cublade::wide::kMaxPassRows;
+      const std::vector<bool> all_pre(M, true), none_pre(M, false);
+      auto row = [&](const char* name, const char* variant, int S, const std::function<cudaError_t()>& f,
+                     const std::vector<bool>& pre) {
         CK(cudaMemsetAsync(out, 0xFF, size_t(M) * N * sizeof(bf16), st));
         CK(f());
         CK(cudaStreamSynchronize(st));
@@ -169,7 +189,7 @@ int main(int argc, char** argv) {
         for (size_t r = 0; r < rows.size(); ++r)
           for (int m = 0; m < M; ++m) {
             const double got = __bfloat162float(ho[size_t(m) * N + rows[r]]);
-            const double w = want[r * M + m];  // one bf16 rounding of the output, plus fp32 summation slack
+            const double w = (pre[m] ? want_pre : want)[r * M + m];  // one bf16 rounding, plus fp32 summation slack
             err = std::max(err, std::isfinite(got) ? std::fabs(got - w) / (std::fabs(w) / 128 + mean * 2e-3) : 1e9);
           }
         const double us = harness::time_us(f, flush.memset, reps, st);
@@ -177,17 +197,23 @@ int main(int argc, char** argv) {
         std::printf("%5dx%-5d %3d %-8s %-14s %2s %9.2f %7.2f %.1e %s\n", K, N, M, name, variant, split.c_str(), us,
                     bytes / us * 1e-6, err, err <= 1.0 ? "ok" : "FAIL");
       };
-      auto op = [&](int split_k, void* workspace) {  // the production launcher
+      // the production launcher (rounded: may run rounded passes)
+      auto op = [&](int split_k, void* workspace, bool rounded = true) {
         cublade::W4a16GemmArgs a;
         a.x = x; a.M = M; a.K = K; a.x_stride = K; a.packed = blob; a.group_size = kGS;
         a.out = out; a.out_stride = N; a.N = N; a.split_k = split_k; a.workspace = workspace; a.sms = sms;
+        a.rounded = rounded;
         return cublade::launch_w4a16_gemm(a, st);
       };
       if (M <= 64) row("stream", "-", 0, [&] {  // the streaming kernel, its automatic split
         return op(cublade::w4a16_stream_split((N + 63) / 64, chunks, M, sms), nullptr);
-      });
+      }, none_pre);
       // the production choice (split_k = 0: the wide kernel from 17 rows, from 9 on large weights)
-      if (cublade::wide::pass_rows(M, N, K) > 0) row("wide", "-", 0, [&] { return op(0, ws); });
+      if (cublade::wide::pass_rows(M, N, K) > 0) {
+        const bool pre = op_pre[0];
+        row("wide", pre ? "- rounded" : "-", 0, [&] { return op(0, ws); }, op_pre);
+        if (pre) row("wide", "- exact", 0, [&] { return op(0, ws, false); }, none_pre);
+      }
       for (const Variant& v : kVariants) {
         if (!applies(v, M)) continue;
         for (const int S : {1, 2, 4, cublade::wide::kStreamKSplit}) {
@@ -197,7 +223,7 @@ int main(int argc, char** argv) {
             CK(cudaGetLastError());
             continue;
           }
-          row("wide", v.name().c_str(), S, f);
+          row("wide", v.name().c_str(), S, f, v.pre() ? all_pre : none_pre);
         }
       }
       {  // the x prep alone (part of every wide row), at the production pass size

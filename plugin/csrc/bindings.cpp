@@ -21,7 +21,8 @@ TORCH_LIBRARY(cublade, m) {
   m.def("fp8_kv_cache_write(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping, Tensor k_scale, Tensor v_scale, Tensor? query=None) -> ()");
   // W4A16 GEMM: x [..., K] bf16/fp16 @ int4 weights in w4a16_repack's layout -> [..., size_n] (x's dtype).
-  // prefill=False keeps every batch size on the kernels (no dequantize + cuBLAS path: its bf16 weights are rounded).
+  // prefill=False keeps every batch size on the exact-weight kernels (no dequantize + cuBLAS path and no rounded wide
+  // passes: both multiply the weights rounded once to bf16).
   m.def("w4a16_gemm(Tensor x, Tensor packed, int group_size, bool symmetric, int size_n, int split_k=0, "
         "bool prefill=True) -> Tensor");
   // W4A16 dequant (the prefill path): the same blob -> the dense weight [size_n, size_k] in dtype (bf16 / fp16).

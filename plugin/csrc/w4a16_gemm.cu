@@ -23,6 +23,7 @@ static_assert(cublade::kLowbitGroupRows == cublade::lowbit::kGroupTiles * cublad
               "w4a16_gemm.h and w4a16_gemm.cuh disagree on the blob geometry");
 
 #include <algorithm>
+#include <type_traits>
 
 namespace cublade {
 namespace {
@@ -75,11 +76,71 @@ struct Int4Batch {
   }
 };
 
+// int4 batches at group size 128 with the scales in the A fragments (Scaling::kNone): w = (u - z) * s rounded once
+// to bf16, the weights the prefill path multiplies (w4a16_dequant: the product of a 4-bit integer and a bf16 scale is
+// exact in fp32, so one HMUL2 rounds it as the fp32 dequant then the cast does), summed over all of K. It drops the
+// fold's second set of accumulators (`part`, NTOK / 2 registers a thread), which is what lets a pass of 256 tokens
+// run on 2 warpgroups (m64n256 mma's; the rounded passes, gemm_plan.cuh). bf16 only (a bf16 scale is not always
+// exact in fp16). STEPS: k-steps dequantized per issue, 8 (the batch) or 4 (one packet: 16 fragment registers live
+// under the mma's instead of 32, which 256 tokens need).
+template <bool ASYM, int STEPS = 8>
+struct Int4PrescaledBatch {
+  static_assert(STEPS == 8 || STEPS == 4, "a batch or one packet per issue");
+  using T = __nv_bfloat16;
+  using Rec = typename Int4Policy<T, 1, 128, ASYM>::Rec;
+  static constexpr int kPacketBytes = 512;
+  static constexpr int kBlobRecBytes = Int4Policy<T, 1, 128, ASYM>::kSBytes;
+  static constexpr Scaling kScaling = Scaling::kNone;
+  static constexpr bool kRowScale = false;
+  static constexpr int kSteps = STEPS;
+  // k-steps 8b + STEPS h .. + STEPS - 1 of the stage's packets of one tile
+  __device__ static void steps(const unsigned char* packets, const unsigned char* recs, int b, int h, int lane,
+                               uint32_t (&a)[STEPS][4]) {
+    const Rec r = reinterpret_cast<const Rec*>(recs)[b * 8 + (lane >> 2)];
+    uint32_t s2, b_lo = bias_pair<T>(8.0f), b_hi = b_lo;  // symmetric: z = 8
+    if constexpr (ASYM) {
+      s2 = r.x;
+      b_lo = bias_pair<T>(bf16_lo(r.y));
+      b_hi = bias_pair<T>(bf16_hi(r.y));
+    } else {
+      s2 = r;
+    }
+    // (s[row g], s[row g]) and (s[row g + 8], s[row g + 8]): the record's halves, each repeated
+    const uint32_t s_lo = __byte_perm(s2, 0u, 0x1010), s_hi = __byte_perm(s2, 0u, 0x3232);
+#pragma unroll
+    for (int pk = 0; pk < STEPS / 4; ++pk) {
+      const uint4 q = lowbit::lds128(packets + (2 * b + STEPS / 4 * h + pk) * 512 + lane * 16);
+      dequant_int4<T>(q.x, b_lo, b_hi, a[4 * pk + 0]);
+      dequant_int4<T>(q.y, b_lo, b_hi, a[4 * pk + 1]);
+      dequant_int4<T>(q.z, b_lo, b_hi, a[4 * pk + 2]);
+      dequant_int4<T>(q.w, b_lo, b_hi, a[4 * pk + 3]);
+    }
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {  // a[k][0], a[k][2]: row g; a[k][1], a[k][3]: row g + 8
+      a[k][0] = mul2(a[k][0], s_lo);
+      a[k][1] = mul2(a[k][1], s_hi);
+      a[k][2] = mul2(a[k][2], s_lo);
+      a[k][3] = mul2(a[k][3], s_hi);
+    }
+  }
+  __device__ static void batch(const unsigned char* packets, const unsigned char* recs, int b, int lane,
+                               uint32_t (&a)[8][4], float&, float&) {
+    static_assert(STEPS == 8, "one packet per issue: steps()");
+    steps(packets, recs, b, 0, lane, a);
+  }
+  __device__ static uint32_t mul2(uint32_t u, uint32_t s) {
+    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&u),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&s));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
+};
+
 // run(PassConfig<...>{}) for a pass's plan (gemm_plan.cuh: plan_pass; tokens, warpgroups and stage K).
 template <typename Run>
 cudaError_t with_config(const PassPlan& p, Run&& run) {
   const bool four = p.warpgroups == 4;
   switch (p.tokens) {
+    case 256: return run(PassConfig<256, 2, stage_k(256)>{});
     case 128: return run(PassConfig<128, 2, stage_k(128)>{});
     case 96: return run(PassConfig<96, 2, stage_k(96)>{});
     case 64: return run(PassConfig<64, 2, stage_k(64)>{});
@@ -90,21 +151,36 @@ cudaError_t with_config(const PassPlan& p, Run&& run) {
   }
 }
 
+// The batches of a pass of NTOK tokens: the rounded passes' Int4PrescaledBatch (one packet per issue) above 128
+// tokens, Int4Batch (the weights exact) otherwise.
+template <typename T, int NTOK, int GS, bool ASYM>
+using PassBatch = std::conditional_t<(NTOK > kMaxPassRows), Int4PrescaledBatch<ASYM, 4>, Int4Batch<T, GS, ASYM>>;
+
+// Whether a pass of NTOK tokens can run for T and GS (the rounded passes: bf16 at group size 128).
+template <typename T, int NTOK, int GS>
+constexpr bool pass_applies() {
+  return NTOK <= kMaxPassRows || (GS == 128 && std::is_same<T, __nv_bfloat16>::value);
+}
+
 // One pass of at most NTOK rows of a dense int4 weight (S splits, 0: pick; stages = 0: as deep as fits).
 template <typename T, int NTOK, int GS, bool ASYM, int WG, int KS>
 cudaError_t launch(const void* x, int64_t x_stride, int M, int K, const unsigned char* w, void* out,
                    int64_t out_stride, int N, int S, int stages, bool pdl, void* workspace, int sms,
                    cudaStream_t stream) {
-  Params prm = {};  // launch_kernel refuses M > NTOK (one pass, no token windows)
-  prm.w = w;
-  prm.M = M; prm.N = N;
-  prm.out = out; prm.out_stride = out_stride;
-  return launch_kernel<Int4Batch<T, GS, ASYM>, NTOK, WG, KS, false>(prm, x, x_stride, K, S, stages, pdl, workspace, sms,
-                                                              stream);
+  if constexpr (!pass_applies<T, NTOK, GS>()) {
+    return cudaErrorInvalidValue;
+  } else {
+    Params prm = {};  // launch_kernel refuses M > NTOK (one pass, no token windows)
+    prm.w = w;
+    prm.M = M; prm.N = N;
+    prm.out = out; prm.out_stride = out_stride;
+    return launch_kernel<PassBatch<T, NTOK, GS, ASYM>, NTOK, WG, KS, false>(prm, x, x_stride, K, S, stages, pdl,
+                                                                           workspace, sms, stream);
+  }
 }
 
-// One pass of at most 128 rows (group size 128 or -1) as plan_pass plans it; the kernel is a programmatic dependent
-// launch of its x prep.
+// One pass (group size 128 or -1; more than 128 rows: a rounded pass, bf16 at group size 128) as plan_pass plans
+// it; the kernel is a programmatic dependent launch of its x prep.
 template <typename T>
 cudaError_t launch_pass(int group_size, bool asym, const void* x, int64_t x_stride, int M, int K,
                         const unsigned char* w, void* out, int64_t out_stride, int N, void* workspace, int sms,
@@ -170,11 +246,14 @@ static_assert(w4a16_gemm_sbytes(32, false) == int4_sbytes<32, false>() &&
                   w4a16_gemm_sbytes(-1, true) == int4_sbytes<0, true>(),
               "w4a16_gemm.h's w4a16_gemm_sbytes disagrees with Int4Policy's records");
 
-// Workspace bytes launch_w4a16_gemm needs (0: none): the wide kernel's prepped x, one pass of up to 128 rows.
-size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k, int sms) {
-  if (split_k != 0 || wide::pass_rows(M, N, K) == 0 || !w4a16_gemm_wide_takes(group_size)) return 0;
-  const int64_t m = std::min<int64_t>(M, wide::kMaxPassRows);  // one pass at a time
-  return static_cast<size_t>(wide::workspace_bytes(m, K, wide::ntok(m), false, sms));
+// Workspace bytes launch_w4a16_gemm needs (0: none): the wide kernel's prepped x for its largest pass (the first),
+// and stream-K's flags and slots.
+size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k, int sms,
+                                  bool rounded) {
+  rounded = rounded && group_size == 128;
+  const int64_t m = wide::pass_rows(M, N, K, rounded);  // one pass at a time, the first the largest
+  if (split_k != 0 || m == 0 || !w4a16_gemm_wide_takes(group_size)) return 0;
+  return static_cast<size_t>(wide::workspace_bytes(m, K, wide::plan_pass(m, K, N, sms).tokens, false, sms));
 }
 
 // Small grids: when the streaming kernel's grid (tile groups x splits) has at most 2 CTAs per SM, up to 16 rows, a ring
@@ -210,12 +289,13 @@ cudaError_t launch_w4a16_gemm(const W4a16GemmArgs& a, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
   if (dtype != InDtype::kBF16 && dtype != InDtype::kF16) return cudaErrorInvalidValue;
   const int esize = 2;
-  if (w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k, sms) > 0) {
-    // The wide kernel, up to 128 rows per pass; a last pass of at most 16 rows goes to the streaming kernel unless
-    // wide::pass_rows gives it to the wide kernel too.
+  const bool rounded = a.rounded && dtype == InDtype::kBF16 && group_size == 128;
+  if (w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k, sms, rounded) > 0) {
+    // The wide kernel, up to 128 rows per pass (256 in rounded passes); a last pass of at most 16 rows goes to the
+    // streaming kernel unless wide::pass_rows gives it to the wide kernel too.
     if (workspace == nullptr) return cudaErrorInvalidValue;
     int64_t m0 = 0;  // rows done
-    while (const int64_t pass = wide::pass_rows(M - m0, N, K)) {
+    while (const int64_t pass = wide::pass_rows(M - m0, N, K, rounded)) {
       const int rows = static_cast<int>(pass);
       const auto* xr = static_cast<const unsigned char*>(x) + m0 * x_stride * esize;
       auto* outr = static_cast<unsigned char*>(out) + m0 * out_stride * esize;

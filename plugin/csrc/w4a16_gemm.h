@@ -66,14 +66,19 @@ constexpr int64_t mxfp8_gemm_prefill_rows(int64_t N, int64_t K) { return N * K >
 // Device workspace bytes launch_w4a16_gemm needs for these arguments (0: none). From 17 rows (9 on weights of
 // 2^27 elements or more), at group size 128 or per channel, the automatic choice (split_k = 0) runs the wide
 // (wgmma) kernel, which reads x re-laid out, and whose stream-K schedule keeps a flag and a slot of partial sums per
-// SM (64 KB each: 8.5 MB on 132 SMs). sms: the device's multiprocessor count.
-size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k, int sms);
+// SM (64 KB each: 8.5 MB on 132 SMs; 128 KB in rounded passes). sms: the device's multiprocessor count. rounded:
+// the call may take the rounded passes (W4a16GemmArgs::rounded, with bf16 x).
+size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_size, int split_k, int sms,
+                                  bool rounded = false);
 
 // x: [M, K] (row stride x_stride elements, unit column stride, 16-byte aligned rows, K % 8 == 0); packed: the
 // int4 blob [ceil(N/64), ceil(K/512), 4, 1024 + sbytes/4]; out: [M, N] (row stride out_stride), x's dtype
 // (bf16 or fp16). split_k: K splits per cluster of the streaming kernel (>= 1 forces it), 0 = pick the kernel and
-// splits. workspace: w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k, sms) bytes, 16-byte aligned (null if
-// 0). sms: the device's multiprocessor count. As every launcher (launchers.h): an argument struct and the stream.
+// splits. workspace: w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k, sms, rounded with bf16 x) bytes,
+// 16-byte aligned (null if 0). sms: the device's multiprocessor count. rounded: with bf16 x at group size 128, from
+// 192 rows the wide kernel may run passes of up to 256 rows that multiply the weights rounded once to bf16, as the
+// torch op's prefill path does (gemm_plan.cuh, wide::pass_rows); false keeps the weights exact at every M. As every
+// launcher (launchers.h): an argument struct and the stream.
 struct W4a16GemmArgs {
   const void* x = nullptr;
   InDtype dtype = InDtype::kBF16;
@@ -86,6 +91,7 @@ struct W4a16GemmArgs {
   int split_k = 0;
   void* workspace = nullptr;
   int sms = 0;
+  bool rounded = false;
 };
 cudaError_t launch_w4a16_gemm(const W4a16GemmArgs& a, cudaStream_t stream);
 

@@ -14,8 +14,9 @@ namespace {
 // From w4a16_gemm_prefill_rows(group_size, N, K) rows (w4a16_gemm.h: 128, or at group size 128 / per channel 448 and
 // 640 on large weights) the GEMM dequantizes the weight once and runs a dense cuBLAS GEMM (the prefill path, as
 // vLLM's AWQ method does from 256 tokens): the kernels re-read the weights every 32 rows (streaming kernel) or 128
-// rows (wide kernel, group size 128 or per channel). The prefill path's weights are rounded to x's dtype once, where
-// the kernels keep them exact: `prefill` = false keeps every batch on the kernels (batch-invariant numerics).
+// rows (wide kernel, group size 128 or per channel). The prefill path's weights are rounded to x's dtype once, as are
+// the wide kernel's rounded passes (bf16 x at group size 128, from 192 rows: w4a16_gemm.h), where the other kernels
+// keep them exact: `prefill` = false keeps every batch on the exact kernels (batch-invariant numerics).
 
 at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group_size, bool symmetric,
                       int64_t size_n, int64_t split_k, bool prefill) {
@@ -26,16 +27,17 @@ at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
                       num(split_k));
 
   const int gs = static_cast<int>(group_size), sk = static_cast<int>(split_k);
+  const bool rounded = prefill && x_in.scalar_type() == at::kBFloat16;
   return lowbit_gemm(
       op, x_in, size_n, split_k == 0 && prefill, w4a16_gemm_prefill_rows(group_size, size_n, K),
       [&] { return w4a16_dequant(packed, group_size, symmetric, size_n, K, x_in.scalar_type()); },
-      [&](int64_t M) { return w4a16_gemm_workspace_bytes(M, K, size_n, gs, sk, sm_count(x_in)); },
+      [&](int64_t M) { return w4a16_gemm_workspace_bytes(M, K, size_n, gs, sk, sm_count(x_in), rounded); },
       [&](const at::Tensor& x, int64_t M, at::Tensor& out, void* workspace) {
         W4a16GemmArgs a;
         a.x = x.data_ptr(); a.dtype = in_dtype_of(op, "x", x); a.M = M; a.K = K; a.x_stride = x.stride(0);
         a.packed = packed.data_ptr(); a.group_size = gs; a.asym = !symmetric;
         a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n;
-        a.split_k = sk; a.workspace = workspace; a.sms = sm_count(x_in);
+        a.split_k = sk; a.workspace = workspace; a.sms = sm_count(x_in); a.rounded = rounded;
         return launch_w4a16_gemm(a, current_stream());
       });
 }

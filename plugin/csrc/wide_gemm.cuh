@@ -13,8 +13,9 @@
 //                  (int4, group size 128: the weights are never rounded);
 //   kPerChannel    the mma's accumulate into acc; the outputs are multiplied by the batch's (every batch's) scales
 //                  (int4, one scale per output channel);
-//   kNone          the A fragments are the exact weights (FP4: e2m1 times its block scale is exact in bf16); the mma's
-//                  accumulate into acc over all of K.
+//   kNone          the A fragments are the weights as the mma's take them (FP4: e2m1 times its block scale, exact in
+//                  bf16; int4 prescaled: (u - z) * s rounded once to bf16); the mma's accumulate into acc over all
+//                  of K.
 // Every policy's outputs are then multiplied by Params::row_scale when set (FP4's per-row factor).
 //
 // Experts (FP4 MoE): with Params::offsets the rows of x are sorted by expert, expert e's rows [offsets[e],
@@ -37,15 +38,17 @@
 #include "wgmma.cuh"
 
 #include <algorithm>
+#include <type_traits>
 
 namespace cublade {
 namespace wide {
 
 constexpr int kBlobChunkK = lowbit::kChunk * lowbit::kPacketK;  // 512: K per chunk of the blob
-constexpr int kMaxPassRows = 128;                                // tokens per pass at most (wgmma N)
-// Stream-K: a CTA's slot of fp32 partial sums (NTOK / 2 per consumer thread; NTOK x WG <= 256 in every
-// configuration the ops run).
-constexpr int kSlotFloats = 64 * 256;
+constexpr int kMaxPassRows = 128;                                // rows per pass (but the int4 op's rounded passes)
+constexpr int kRoundedPassRows = 256;  // rows per pass of the int4 op's rounded-weight passes (Int4PrescaledBatch)
+// Stream-K: a CTA's slot of fp32 partial sums, NTOK / 2 per consumer thread: NTOK x WG <= 256 up to 128 tokens,
+// 512 at 256 (2 warpgroups).
+__host__ __device__ constexpr int slot_floats(int ntok) { return ntok > kMaxPassRows ? 64 * 512 : 64 * 256; }
 
 // Tokens per pass (wgmma N) for a pass of `rows` rows. A pass costs about its token count whatever the rows (padded
 // tokens are computed), hence the steps of 16 and 32: int4 8192x28672 at 32 / 64 / 128 tokens 52.7 / 77.9 / 125.8
@@ -65,10 +68,12 @@ constexpr int64_t x_workspace_bytes(int64_t M, int64_t K, int ntok, bool grouped
 }
 // Stream-K's part of the workspace, after the prepped x: a flag per CTA (at most one CTA per SM), then a slot each.
 constexpr int64_t stream_k_flag_bytes(int sms) { return (sms * 4 + 127) / 128 * 128; }
-constexpr int64_t stream_k_bytes(int sms) { return stream_k_flag_bytes(sms) + int64_t(sms) * kSlotFloats * 4; }
+constexpr int64_t stream_k_bytes(int sms, int ntok) {
+  return stream_k_flag_bytes(sms) + int64_t(sms) * slot_floats(ntok) * 4;
+}
 // The workspace a launch_kernel of up to M rows needs; sms = 0: none for stream-K (then it is not picked).
 constexpr int64_t workspace_bytes(int64_t M, int64_t K, int ntok, bool grouped, int sms) {
-  return x_workspace_bytes(M, K, ntok, grouped) + (grouped ? 0 : stream_k_bytes(sms));
+  return x_workspace_bytes(M, K, ntok, grouped) + (grouped ? 0 : stream_k_bytes(sms, ntok));
 }
 
 // xp's 16-byte unit i = ((c * xg + tg) * KS/8 + kb) * 8 + r: token 8 tg + r, logical K 8 kb .. 8 kb + 7 of stage c
@@ -116,7 +121,7 @@ struct Params {
   void* out;
   int64_t out_stride;
   // Stream-K (kStreamK): tiles of WG tile groups x ring stages, the units the CTAs share out; a slot of partial
-  // sums (kSlotFloats) and a flag per CTA.
+  // sums (slot_floats(NTOK)) and a flag per CTA.
   int units;
   float* slots;
   int* flags;
@@ -151,7 +156,7 @@ __device__ __forceinline__ void st_release(int* p, int v) {
 // tokens at 2. Per-channel records are the same in every chunk: a half-chunk stage copies them whole.
 template <class P, int NTOK, int WG, int KS>
 struct Layout {
-  static_assert(KS == 512 || KS == 256, "a stage is a chunk of the blob or half of one");
+  static_assert(KS == 512 || KS == 256 || KS == 128, "a stage is a chunk of the blob, half or a quarter of one");
   static constexpr int kPerChunk = kBlobChunkK / KS;  // stages per chunk of the blob
   static constexpr bool kRecWhole = P::kScaling == Scaling::kPerChannel;
   static constexpr int kBlobTileBytes = lowbit::kChunk * P::kPacketBytes + P::kBlobRecBytes;
@@ -162,7 +167,7 @@ struct Layout {
   static constexpr int kXBytes = NTOK * KS * 2;
   static constexpr int kStageBytes = WG * kGroupBytes + kXBytes;
   static constexpr int kRedBytes = NTOK / 2 * WG * 128 * 4;  // the K splits' partial sums, in the ring's memory
-  static constexpr int kMaxStages = 4 * kPerChunk;
+  static constexpr int kMaxStages = std::min(4 * kPerChunk, lowbit::kMaxStages);
   static constexpr int bytes(int stages) { return 128 + stages * kStageBytes; }
 };
 
@@ -200,6 +205,12 @@ __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0
 template <int WG>
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 3, %0;" ::"n"(WG * 128) : "memory"); }
 
+// k-steps per issue: P::kSteps where the policy sets it, else a batch of 8.
+template <class P, class = void>
+struct IssueSteps { static constexpr int value = 8; };
+template <class P>
+struct IssueSteps<P, std::void_t<decltype(P::kSteps)>> { static constexpr int value = P::kSteps; };
+
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
 template <int N>
@@ -210,7 +221,9 @@ __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.
 //   __device__ static void batch(const unsigned char* packets, const unsigned char* recs, int b, int lane,
 //                                uint32_t (&a)[8][4], float& s_lo, float& s_hi)
 // the A fragments of k-steps 8b .. 8b+7 of the stage's packets of one tile (recs: that tile's records in the
-// stage) and the batch's scales of rows g and g+8 (kFoldPerBatch, kPerChannel).
+// stage) and the batch's scales of rows g and g+8 (kFoldPerBatch, kPerChannel). A kNone policy may instead set
+// kSteps = 4 and provide steps(packets, recs, b, h, lane, uint32_t (&a)[4][4]) (k-steps 8b + 4h .. 8b + 4h + 3):
+// the kernel then issues 4 mma's at a time, with half the fragment registers live under them.
 // kWindows: experts (Params::offsets) or more rows than NTOK, in passes over token windows; without it the kernel
 // makes one pass over rows [0, M), M <= NTOK, and keeps no pass state in registers (the int4 op's 48-64 token
 // configurations are at their register limit).
@@ -226,7 +239,7 @@ template <class P, int NTOK, int WG, int KS, bool kWindows, bool kStreamK = fals
 __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
     wide_gemm_kernel(const __grid_constant__ Params prm) {
   static_assert(!(kStreamK && kWindows), "stream-K runs one pass of one expert");
-  static_assert(!kStreamK || Layout<P, NTOK, WG, KS>::kRedBytes <= kSlotFloats * 4, "a slot holds a CTA's sums");
+  static_assert(!kStreamK || Layout<P, NTOK, WG, KS>::kRedBytes <= slot_floats(NTOK) * 4, "a slot holds a CTA's sums");
   using T = typename P::T;
   using Lay = Layout<P, NTOK, WG, KS>;
   constexpr int ND = NTOK / 2;  // accumulators per thread
@@ -356,17 +369,22 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
                        float& s_lo, float& s_hi) {
     const unsigned char* tb = stage(s) + wg * Lay::kGroupBytes + wq * Lay::kTileBytes;
     const uint32_t xs = lowbit::smem_u32(stage(s) + WG * Lay::kGroupBytes);
+    constexpr int kSteps = IssueSteps<P>::value, kIssues = KS / 128 * 8 / kSteps;
+    static_assert(kSteps == 8 || P::kScaling == Scaling::kNone, "the fold needs the batch's mma's at once");
 #pragma unroll
-    for (int b = 0; b < KS / 128; ++b) {
-      uint32_t a[8][4];  // the batch's 8 k-steps
-      P::batch(tb, tb + Lay::kPacketBytes, b, lane, a, s_lo, s_hi);
-      const bool first = first_stage && b == 0, last = last_stage && b == KS / 128 - 1;
+    for (int i = 0; i < kIssues; ++i) {
+      const int b = i * kSteps / 8, h = i % (8 / kSteps);  // batch, and the part of it
+      uint32_t a[kSteps][4];  // the issue's k-steps
+      if constexpr (kSteps == 8) P::batch(tb, tb + Lay::kPacketBytes, b, lane, a, s_lo, s_hi);
+      else P::steps(tb, tb + Lay::kPacketBytes, b, h, lane, a);
+      const bool first = first_stage && i == 0, last = last_stage && i == kIssues - 1;
       if (ordered && !(first && wg == 0)) bar_sync(1 + wg);
       wgmma::fence();
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        // k-step 8b + k: its two core matrices of every 8 tokens (128 B apart), token groups KS * 16 B apart
-        const uint64_t desc = wgmma::desc(xs + (8 * b + k) * 256, 128, KS * 16);
+      for (int k = 0; k < kSteps; ++k) {
+        // k-step 8b + kSteps h + k: its two core matrices of every 8 tokens (128 B apart), token groups KS * 16 B
+        // apart
+        const uint64_t desc = wgmma::desc(xs + (8 * b + kSteps * h + k) * 256, 128, KS * 16);
         if constexpr (P::kScaling == Scaling::kFoldPerBatch) wgmma::MmaRS<T, NTOK>::run(part, a[k], desc, k);
         else wgmma::MmaRS<T, NTOK>::run(acc, a[k], desc, 1);
       }
@@ -420,7 +438,7 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
         if (lane == 0) lowbit::mbar_arrive(empty + s);
       }
       if (c1 < prm.chunks) {  // not the tile's last stage: the partial sums go to this CTA's slot for the owner
-        float* slot = prm.slots + static_cast<int64_t>(blockIdx.x) * kSlotFloats;
+        float* slot = prm.slots + static_cast<int64_t>(blockIdx.x) * slot_floats(NTOK);
 #pragma unroll
         for (int i = 0; i < ND; ++i) __stcg(slot + i * WG * 128 + tid, acc[i]);
         consumers_sync<WG>();
@@ -438,7 +456,7 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
             while (ld_acquire(prm.flags + i) == 0) __nanosleep(64);
         consumers_sync<WG>();
         for (int i = blockIdx.x - 1; contributor(i); --i) {
-          const float* slot = prm.slots + static_cast<int64_t>(i) * kSlotFloats;
+          const float* slot = prm.slots + static_cast<int64_t>(i) * slot_floats(NTOK);
 #pragma unroll
           for (int k = 0; k < ND; ++k) acc[k] += __ldcg(slot + k * WG * 128 + tid);
         }

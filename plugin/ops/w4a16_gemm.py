@@ -11,11 +11,12 @@ the checkpoint layout into the kernel's.
   Shapes the kernel takes: any M, any N, K % 8 == 0, K % group_size == 0, group_size in (32, 64, 128, -1); x
   bf16 or fp16. Up to 16 rows the streaming kernel (mma.sync, weights read once per 32 tokens); from 17 rows at
   group size 128 or per channel (from 9 on weights of 2^27 elements or more) the wide kernel (wgmma, 16 to 128
-  tokens per pass, a workspace for x); from 128 rows (448 for those group sizes, 640 on weights of 2^27 elements or
+  tokens per pass, a workspace for x; with bf16 x at group size 128, from 192 rows, passes of 256 tokens on the
+  weights rounded once to bf16); from 128 rows (448 for those group sizes, 640 on weights of 2^27 elements or
   more) the prefill path:
   `w4a16_dequant` to x's dtype, then a cuBLAS GEMM (the weights rounded once to x's dtype; the reference keeps
-  them in fp32). `prefill=False` keeps every M on the kernels, whose numerics do not depend on M beyond fp32
-  summation order (batch-invariant serving). `split_k` (K splits per thread-block cluster, 1..8, which also forces
+  them in fp32). `prefill=False` keeps every M on the kernels with the weights exact, whose numerics do not depend
+  on M beyond fp32 summation order (batch-invariant serving). `split_k` (K splits per thread-block cluster, 1..8, which also forces
   the streaming kernel at any M; 0 = automatic) is for tuning and tests.
 
 `w4a16_dequant` (cublade.ops.w4a16_dequant) turns the same blob into a dense weight: the prefill path.

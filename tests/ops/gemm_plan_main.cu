@@ -1,5 +1,6 @@
 // Host-only driver for tests/ops/test_gemm_plan.py: for each group of five integers FORMAT M K N SMS on the command
-// line (FORMAT 0: int4 at group size 128, 1: MXFP8), one line with what the op runs for a call of M rows: "prefill"
+// line (FORMAT 0: int4 at group size 128, 1: MXFP8, 2: int4 at group size 128 with the rounded passes: bf16 x), one
+// line with what the op runs for a call of M rows: "prefill"
 // (dequantize + cuBLAS), else the wide passes as TOKENSwWARPGROUPS:SCHEDULE (sk: stream-K, else K splits), then
 // "s:SPLITS" (int4) or "s" (MXFP8) when the streaming kernel takes the rest. Runs without a GPU (no CUDA call).
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header)
@@ -11,7 +12,7 @@
 int main(int argc, char** argv) {
   using namespace cublade;
   for (int i = 1; i + 4 < argc; i += 5) {
-    const bool mxfp8 = std::atoi(argv[i]) == 1;
+    const bool mxfp8 = std::atoi(argv[i]) == 1, rounded = std::atoi(argv[i]) == 2;
     const int64_t M = std::atoll(argv[i + 1]), K = std::atoll(argv[i + 2]), N = std::atoll(argv[i + 3]);
     const int sms = std::atoi(argv[i + 4]);
     if (M >= (mxfp8 ? mxfp8_gemm_prefill_rows(N, K) : w4a16_gemm_prefill_rows(128, N, K))) {
@@ -19,7 +20,8 @@ int main(int argc, char** argv) {
       continue;
     }
     int64_t m0 = 0;
-    for (int64_t p; (p = mxfp8 ? wide::mxfp8_pass_rows(M - m0) : wide::pass_rows(M - m0, N, K)) > 0; m0 += p) {
+    for (int64_t p; (p = mxfp8 ? wide::mxfp8_pass_rows(M - m0) : wide::pass_rows(M - m0, N, K, rounded)) > 0;
+         m0 += p) {
       const wide::PassPlan plan = mxfp8 ? wide::mxfp8_plan_pass(p, K, N, sms) : wide::plan_pass(p, K, N, sms);
       if (plan.schedule == wide::kStreamKSplit) std::printf("%dw%d:sk ", plan.tokens, plan.warpgroups);
       else std::printf("%dw%d:%d ", plan.tokens, plan.warpgroups, plan.schedule);

@@ -1,8 +1,8 @@
 """The w4a16 and MXFP8 ops' choices per call (plugin/csrc/gemm_plan.cuh and w4a16_gemm.h's prefill switches) on the
 shapes they were measured on, compiled with nvcc and run on the host (no GPU needed, so CI checks them): a rule edit
 that moves one of these choices must come with new measurements (docs/decisions.md: "From 17 rows, and 9-16 rows on
-large weights", "Tokens per pass", "Four warpgroups", "Stream-K", "Prefill switch"). int4 at group size 128, 132 SMs
-(the H200). Each call's plan reads: the wide kernel's passes as TOKENSwWARPGROUPS:SCHEDULE (sk: stream-K, else K
+large weights", "Tokens per pass", "Four warpgroups", "Stream-K", "Prefill switch", "Rounded passes"). int4 at group
+size 128 (W4A16: the weights exact, as fp16 x or prefill=False run; W4A16_ROUNDED: bf16 x), 132 SMs (the H200). Each call's plan reads: the wide kernel's passes as TOKENSwWARPGROUPS:SCHEDULE (sk: stream-K, else K
 splits), then "s:SPLITS" (int4) or "s" (MXFP8) for rows left to the streaming kernel, or "prefill" (dequantize +
 cuBLAS)."""
 from __future__ import annotations
@@ -32,6 +32,17 @@ W4A16 = [
     ("from 640 rows on weights of 2^27 elements or more", 640, 8192, 28672, "prefill"),
     ("639 rows there still on the wide kernel", 639, 8192, 28672, " ".join(["128w2:sk"] * 5)),
 ]
+W4A16_ROUNDED = [
+    ("191 rows: the exact passes", 191, 8192, 28672, "128w2:sk 64w2:sk"),
+    ("from 192 rows one rounded pass of 256 tokens, stream-K on 8192x28672", 192, 8192, 28672, "256w2:sk"),
+    ("256 rows in one rounded pass", 256, 8192, 28672, "256w2:sk"),
+    ("stream-K on 4096x14336", 256, 4096, 14336, "256w2:sk"),
+    ("two K splits on 28672x8192", 256, 28672, 8192, "256w2:2"),
+    ("stream-K on 8192x10240", 256, 8192, 10240, "256w2:sk"),
+    ("a rounded pass of 256, then 128 rows exact", 384, 8192, 28672, "256w2:sk 128w2:sk"),
+    ("639 rows: two rounded passes, then 127 rows exact", 639, 8192, 28672, "256w2:sk 256w2:sk 128w2:sk"),
+    ("the prefill path from 640 rows as before", 640, 8192, 28672, "prefill"),
+]
 MXFP8 = [
     ("1-16 rows on the streaming kernel", 16, 8192, 28672, "s"),
     ("from 17 rows the wide kernel, 2 warpgroups, stream-K on 8192x28672", 17, 8192, 28672, "32w2:sk"),
@@ -51,7 +62,8 @@ def plan(tmp_path_factory):
     return lambda fmt, cases: host_driver.lines(exe, [v for _, M, K, N, _ in cases for v in (fmt, M, K, N, SMS)])
 
 
-@pytest.mark.parametrize("fmt,cases", [(0, W4A16), (1, MXFP8)], ids=["w4a16", "mxfp8"])
+@pytest.mark.parametrize("fmt,cases", [(0, W4A16), (2, W4A16_ROUNDED), (1, MXFP8)],
+                         ids=["w4a16", "w4a16-rounded", "mxfp8"])
 def test_plan_on_measured_shapes(plan, fmt, cases):
     got = plan(fmt, cases)
     wrong = [f"{name} (M={M}, {K}x{N}): {g!r}, the measured choice is {want!r}"

@@ -17,16 +17,17 @@ def batch_invariant() -> bool:
 class CubladeW4A16Gemm(LinearKernel):
     """cublade's W4A16 GEMM (cublade.ops.w4a16_gemm) on weights repacked once by `w4a16_repack` into the
     kernel's tile layout. The op runs decode batches on its streaming kernel (up to 16 tokens) and its wide
-    wgmma kernel (from 17, at group size 128 or per channel; from 9 on weights of 2^27 elements or more) and, from
+    wgmma kernel (from 17, at group size 128 or per channel; from 9 on weights of 2^27 elements or more; with bf16
+    activations at group size 128, from 192 tokens in passes of 256 on the weights rounded once to bf16) and, from
     448 tokens (640 on weights of 2^27 elements or more; 128 at other group sizes), dequantizes the weight and runs
     a dense cuBLAS GEMM (the prefill path; a transient N x K weight in x's dtype per call).
     Sending large M to Machete instead would keep a second, Machete-layout copy of the weights (twice the
     memory W4A16 is there to save). Speeds against Machete/Marlin per M: docs/performance.md;
     `CUBLADE_DISABLED_KERNELS=cublade-w4a16-gemm` runs Machete/Marlin for every M instead.
-    Under vLLM's VLLM_BATCH_INVARIANT=1 the prefill path is off: its weights are rounded to bf16 once where the
-    kernels keep them exact, so a prompt's logits would depend on how many tokens its batch prefills (measured: 35
-    of 64 greedy texts changed between alone and in a batch of 64, docs/accuracy.md#batch-invariance); every batch
-    then runs on the kernels."""
+    Under vLLM's VLLM_BATCH_INVARIANT=1 the prefill path and the rounded passes are off: their weights are rounded
+    to bf16 once where the other kernels keep them exact, so a prompt's logits would depend on how many tokens its
+    batch prefills (measured: 35 of 64 greedy texts changed between alone and in a batch of 64,
+    docs/accuracy.md#batch-invariance); every batch then runs on the exact kernels."""
     name = "cublade-w4a16-gemm"
     own = True
     op = "w4a16_gemm"  # the CUDA op the layer runs (its reference where it cannot)
