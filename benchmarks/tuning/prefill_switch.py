@@ -5,8 +5,8 @@ this script's measurements (docs/decisions.md, "Prefill switch").
     python benchmarks/tuning/prefill_switch.py [--shapes 8192x28672,...] [--m 256,320,384,512,768,1024]
 
 For each op, shape and M this times, in one process, median us of triton's do_bench (L2 flushed before every call):
-  kernels   the op on successive slices of 128 rows (the passes its launcher makes below the switch; each slice is
-            one call of the op, which runs its wide kernel there), then the last slice's rows;
+  kernels   the op on successive slices of 256 rows (int4) or 128 (MXFP8), the passes its launcher makes below the
+            switch (each slice is one call of the op, which runs its wide kernel there), then the last slice's rows;
   prefill   the op's prefill path: the dequant op to bf16 and torch's linear (what the op runs from the switch);
 and the ratio kernels / prefill (< 1: the kernels are faster). Each op's outputs on the kernel path are checked
 against the prefill path's at M = 256 (mean |difference| / mean |prefill| under 4e-3: MXFP8 multiplies the same exact
@@ -23,7 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import bench_us, rel_err, require_op  # noqa: E402
 
-PASS = 128  # rows per wide pass (wide::kMaxPassRows)
+# rows per wide pass: int4 with bf16 x at group size 128 runs rounded passes of 256 (wide::kRoundedPassRows, from 192
+# rows left, so slices of 256 run what one call of the op would), MXFP8 passes of 128 (wide::kMaxPassRows)
+PASS = {"int4": 256, "mxfp8": 128}
 
 
 def int4_case(K: int, N: int, dev):
@@ -62,7 +64,8 @@ def main() -> None:
             K, N = (int(v) for v in shape.split("x"))
             torch.manual_seed(0)
             kernel, prefill = case(K, N, dev)
-            passes = lambda x: [kernel(x[i:i + PASS]) for i in range(0, x.shape[0], PASS)]  # noqa: E731
+            step = PASS[name]
+            passes = lambda x: [kernel(x[i:i + step]) for i in range(0, x.shape[0], step)]  # noqa: E731
             x = torch.randn(256, K, device=dev).to(torch.bfloat16)
             err = rel_err(torch.cat(passes(x)), prefill(x).float())
             assert err < 4e-3, f"{name} {shape}: kernel path vs prefill path {err:.2e}"
