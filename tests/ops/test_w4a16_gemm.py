@@ -264,6 +264,8 @@ def test_wide_kernel_rounded_passes_from_192_rows(N, sym):
             assert re.search(r"PrescaledBatch<(true|false), 4>, 256, 2, 128,|PrescaledBatch\w+?Li256ELi2ELi128E", pre[0])
             assert len(wide) == 1 + (M > ROUNDED_PASS_ROWS), (M, wide)
             assert bool(stream_k(pre[0])) == (N == 200), (N, pre[0])
+    rp, w = gpu_case(N, 1152, 128, sym, seed=N + 1)  # K past the blob's last whole chunk of 512
+    check(torch.randn(256, 1152, device="cuda").to(torch.bfloat16), rp, w)
 
 
 def stream_k(kernel_name):
