@@ -82,7 +82,7 @@ const Variant kVariants[] = {
     {16, 4, 256, true},
     {32, 2, 512, true}, {32, 4, 512, true}, {48, 2, 512, true}, {48, 4, 256, true},  {64, 2, 512, true},
     {64, 4, 256, true}, {96, 2, 256, true}, {128, 2, 256, true}, {64, 2, 512, false}, {128, 2, 256, false},
-    {256, 2, 128, true},
+    {192, 2, 128, true}, {256, 2, 128, true},
 };
 // The variants a sweep row of M times: the production tier's token count, the next tier up (what a coarser rule
 // would run), and for M > 128 the multi-pass sizes.
@@ -91,7 +91,7 @@ bool applies(const Variant& v, int M) {
   if (v.ntok < 32) return false;
   const int m = std::min(M, 128), nt = cublade::wide::ntok(m);
   return v.ntok == nt || (m > 32 && m <= 64 && v.ntok == 64) || (m > 64 && v.ntok == 128) ||
-         (M > 128 && (v.ntok == 96 || v.ntok == 256));
+         (M > 128 && (v.ntok == 96 || v.ntok == 192 || v.ntok == 256));
 }
 
 template <int NTOK, int WG, int KS>
@@ -116,7 +116,7 @@ cudaError_t run_variant(const Variant& v, int S, const bf16* x, int M, int K, co
   CUBLADE_VARIANT(16, 4, 512) CUBLADE_VARIANT(16, 4, 256)
   CUBLADE_VARIANT(32, 2, 512) CUBLADE_VARIANT(32, 4, 512) CUBLADE_VARIANT(48, 2, 512) CUBLADE_VARIANT(48, 4, 256)
   CUBLADE_VARIANT(64, 2, 512) CUBLADE_VARIANT(64, 4, 256) CUBLADE_VARIANT(96, 2, 256) CUBLADE_VARIANT(128, 2, 256)
-  CUBLADE_VARIANT(256, 2, 128)
+  CUBLADE_VARIANT(192, 2, 128) CUBLADE_VARIANT(256, 2, 128)
 #undef CUBLADE_VARIANT
   return cudaErrorInvalidValue;
 }
