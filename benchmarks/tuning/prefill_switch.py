@@ -2,13 +2,15 @@
 cuBLAS)? The ops switch at w4a16_gemm_prefill_rows / mxfp8_gemm_prefill_rows (plugin/csrc/w4a16_gemm.h), set from
 this script's measurements (docs/decisions.md, "Prefill switch").
 
-    python benchmarks/tuning/prefill_switch.py [--shapes 8192x28672,...] [--m 256,320,384,512,768,1024]
+    python benchmarks/tuning/prefill_switch.py [--ops int4,mxfp8] [--shapes 8192x28672,...] [--m 256,384,512,1024]
 
 For each op, shape and M this times, in one process, median us of triton's do_bench (L2 flushed before every call):
   kernels   the op on successive slices of 256 rows (int4) or 128 (MXFP8), the passes its launcher makes below the
             switch (each slice is one call of the op, which runs its wide kernel there), then the last slice's rows;
   prefill   the op's prefill path: the dequant op to bf16 and torch's linear (what the op runs from the switch);
-and the ratio kernels / prefill (< 1: the kernels are faster). Each op's outputs on the kernel path are checked
+  op        the op on all M rows, as it chooses (the switch as built);
+the ratio kernels / prefill (< 1: the kernels are faster), and op / the faster of the two (1.00: the switch chose well
+at this point; the two paths are timed apart, so about 1 +- 0.03 is a tie). Each op's outputs on the kernel path are checked
 against the prefill path's at M = 256 (mean |difference| / mean |prefill| under 4e-3: MXFP8 multiplies the same exact
 weights on both; int4's prefill path rounds the scaled weights to bf16, ~2e-3 against the exact product).
 """
@@ -52,14 +54,17 @@ def mxfp8_case(K: int, N: int, dev):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="8192x28672,4096x14336,28672x8192,8192x10240", help="KxN list")
-    ap.add_argument("--m", default="256,320,384,448,512,640,768,1024", help="token counts")
+    ap.add_argument("--ops", default="int4,mxfp8", help="which ops: int4, mxfp8")
+    ap.add_argument("--shapes", default="8192x28672,4096x14336,28672x8192,8192x10240,4096x6144,4096x4096,4096x28672,"
+                    "14336x4096", help="KxN list (Llama-3-70B's and Llama-3-8B's layers)")
+    ap.add_argument("--m", default="192,256,320,384,448,512,640,768,1024", help="token counts")
     args = ap.parse_args()
     require_op("prefill_switch", "w4a16_gemm")
     require_op("prefill_switch", "mxfp8_gemm")
     dev = torch.device("cuda")
-    print(f"{'op':>6} {'K x N':>12} {'M':>5} {'kernels':>9} {'prefill':>9} {'ratio':>6}")
-    for name, case in (("int4", int4_case), ("mxfp8", mxfp8_case)):
+    print(f"{'op':>6} {'K x N':>12} {'M':>5} {'kernels':>9} {'prefill':>9} {'ratio':>6} {'op':>9} {'op/best':>7}")
+    cases = {"int4": int4_case, "mxfp8": mxfp8_case}
+    for name, case in ((n, cases[n]) for n in args.ops.split(",")):
         for shape in args.shapes.split(","):
             K, N = (int(v) for v in shape.split("x"))
             torch.manual_seed(0)
@@ -73,7 +78,9 @@ def main() -> None:
                 x = torch.randn(M, K, device=dev).to(torch.bfloat16)
                 t_k = bench_us(lambda: passes(x), rep_ms=100)
                 t_p = bench_us(lambda: prefill(x), rep_ms=100)
-                print(f"{name:>6} {K:>5}x{N:<6} {M:>5} {t_k:>9.1f} {t_p:>9.1f} {t_k / t_p:>6.2f}", flush=True)
+                t_o = bench_us(lambda: kernel(x), rep_ms=100)
+                print(f"{name:>6} {K:>5}x{N:<6} {M:>5} {t_k:>9.1f} {t_p:>9.1f} {t_k / t_p:>6.2f} {t_o:>9.1f} "
+                      f"{t_o / min(t_k, t_p):>7.2f}", flush=True)
             kernel = prefill = passes = None  # free the shape's weights before the next
             torch.cuda.empty_cache()
 

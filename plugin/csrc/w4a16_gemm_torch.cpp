@@ -11,12 +11,13 @@
 namespace cublade {
 namespace {
 
-// From w4a16_gemm_prefill_rows(group_size, N, K) rows (w4a16_gemm.h: 128, or at group size 128 / per channel 448 and
-// 640 on large weights) the GEMM dequantizes the weight once and runs a dense cuBLAS GEMM (the prefill path, as
-// vLLM's AWQ method does from 256 tokens): the kernels re-read the weights every 32 rows (streaming kernel) or 128
-// rows (wide kernel, group size 128 or per channel). The prefill path's weights are rounded to x's dtype once, as are
-// the wide kernel's rounded passes (bf16 x at group size 128, from 192 rows: w4a16_gemm.h), where the other kernels
-// keep them exact: `prefill` = false keeps every batch on the exact kernels (batch-invariant numerics).
+// From w4a16_gemm_prefill_rows(group_size, N, K, rounded) rows (w4a16_gemm.h: 128; at group size 128 or per channel
+// 448, 640 on large weights; with the rounded passes 257, 640 or 1024 by the weight's size) the GEMM dequantizes the
+// weight once and runs a dense cuBLAS GEMM (the prefill path, as vLLM's AWQ method does from 256 tokens): the kernels
+// re-read the weights every 32 rows (streaming kernel), 128 rows (wide kernel, group size 128 or per channel) or 256
+// (its rounded passes). The prefill path's weights are rounded to x's dtype once, as are the wide kernel's rounded
+// passes (bf16 x at group size 128, from 192 rows: w4a16_gemm.h), where the other kernels keep them exact: `prefill` =
+// false keeps every batch on the exact kernels (batch-invariant numerics).
 
 at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group_size, bool symmetric,
                       int64_t size_n, int64_t split_k, bool prefill) {
@@ -29,7 +30,7 @@ at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   const int gs = static_cast<int>(group_size), sk = static_cast<int>(split_k);
   const bool rounded = prefill && x_in.scalar_type() == at::kBFloat16;
   return lowbit_gemm(
-      op, x_in, size_n, split_k == 0 && prefill, w4a16_gemm_prefill_rows(group_size, size_n, K),
+      op, x_in, size_n, split_k == 0 && prefill, w4a16_gemm_prefill_rows(group_size, size_n, K, rounded),
       [&] { return w4a16_dequant(packed, group_size, symmetric, size_n, K, x_in.scalar_type()); },
       [&](int64_t M) { return w4a16_gemm_workspace_bytes(M, K, size_n, gs, sk, sm_count(x_in), rounded); },
       [&](const at::Tensor& x, int64_t M, at::Tensor& out, void* workspace) {

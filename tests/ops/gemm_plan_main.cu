@@ -15,7 +15,7 @@ int main(int argc, char** argv) {
     const bool mxfp8 = std::atoi(argv[i]) == 1, rounded = std::atoi(argv[i]) == 2;
     const int64_t M = std::atoll(argv[i + 1]), K = std::atoll(argv[i + 2]), N = std::atoll(argv[i + 3]);
     const int sms = std::atoi(argv[i + 4]);
-    if (M >= (mxfp8 ? mxfp8_gemm_prefill_rows(N, K) : w4a16_gemm_prefill_rows(128, N, K))) {
+    if (M >= (mxfp8 ? mxfp8_gemm_prefill_rows(N, K) : w4a16_gemm_prefill_rows(128, N, K, rounded))) {
       std::printf("prefill\n");
       continue;
     }

@@ -41,7 +41,14 @@ W4A16_ROUNDED = [
     ("stream-K on 8192x10240", 256, 8192, 10240, "256w2:sk"),
     ("a rounded pass of 256, then 128 rows exact", 384, 8192, 28672, "256w2:sk 128w2:sk"),
     ("639 rows: two rounded passes, then 127 rows exact", 639, 8192, 28672, "256w2:sk 256w2:sk 128w2:sk"),
-    ("the prefill path from 640 rows as before", 640, 8192, 28672, "prefill"),
+    ("1023 rows on weights of 2^27 elements or more: still the rounded passes", 1023, 8192, 28672,
+     " ".join(["256w2:sk"] * 4)),
+    ("the prefill path from 1024 rows there", 1024, 8192, 28672, "prefill"),
+    ("639 rows on 4096x14336 (2^25 to 2^27 elements): the rounded passes", 639, 4096, 14336,
+     "256w2:sk 256w2:sk 128w2:1"),
+    ("the prefill path from 640 rows there", 640, 4096, 14336, "prefill"),
+    ("256 rows on Llama-3-8B's o (under 2^25 elements): one rounded pass", 256, 4096, 4096, "256w2:sk"),
+    ("the prefill path from 257 rows there, where a second pass would start", 257, 4096, 4096, "prefill"),
 ]
 MXFP8 = [
     ("1-16 rows on the streaming kernel", 16, 8192, 28672, "s"),

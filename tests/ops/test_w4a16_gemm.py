@@ -9,10 +9,11 @@ outputs the mean is sample noise around that, 2.1e-3 was seen for 37). x is rand
 kernels apply each group's scale to an fp32 partial sum, so the weights themselves are never rounded, except in the
 wide kernel's rounded passes (bf16 x at group size 128, from 192 rows, passes of up to 256: ROUNDED_MIN_ROWS), which
 multiply the weights rounded once to bf16 (the prefill path's): their rows are held to one rounding of the product
-with those weights. From 128 rows (448 at group size 128 or per channel, where the wide kernel runs from 17; 640 on
-weights of 2^27 elements or more) the op takes its prefill path
-instead (w4a16_dequant to x's dtype, then cuBLAS): held bit-equal to that product in torch, and to <= 4e-3
-against the fp32 product (the weight's rounding to bf16 adds ~0.7e-3).
+with those weights. From prefill_rows (128 rows; 448 at group size 128 or per channel, where the wide kernel runs
+from 17, 640 on weights of 2^27 elements or more; with the rounded passes 257, 640 or 1024 by the weight's size) the
+op takes its prefill path instead (w4a16_dequant to x's dtype, then cuBLAS): held to one rounding of the product
+with the weights rounded to x's dtype, bit-equal to that product in torch, and to <= 4e-3 against the fp32 product
+(the weight's rounding to bf16 adds ~0.7e-3).
 """
 from __future__ import annotations
 
@@ -149,11 +150,25 @@ def wide_pass_rows(left: int, N: int, K: int, rounded: bool) -> int:
     return min(left, 128) if left >= 17 else left if left >= 9 and N * K >= 96 << 20 else 0
 
 
+def prefill_rows(N: int, K: int, G: int, rounded: bool) -> int:
+    """w4a16_gemm.h's w4a16_gemm_prefill_rows: rows from which the op takes its prefill path. rounded: bf16 x with
+    prefill=True (the rounded passes, at group size 128)."""
+    if G not in (128, -1):
+        return 128
+    if rounded and G == 128:
+        return 257 if N * K < 1 << 25 else 640 if N * K < 1 << 27 else 1024
+    return 640 if N * K >= 1 << 27 else 448
+
+
 def rounded_rows_of(M: int, rp, dtype, split_k: int = 0, prefill: bool = True) -> torch.Tensor:
-    """Which rows of an M-row call (below the prefill path) the op multiplies with the weights rounded to bf16: the
-    rows of its rounded passes (more than 128 rows), bf16 x at group size 128."""
+    """Which rows of an M-row call the op multiplies with the weights rounded to x's dtype: every row on the prefill
+    path, else the rows of its rounded passes (more than 128 rows; bf16 x at group size 128)."""
     mask = torch.zeros(M, dtype=torch.bool)
-    if split_k or not prefill or dtype != torch.bfloat16 or rp.group_size != 128:
+    if split_k or not prefill:
+        return mask
+    if M >= prefill_rows(rp.size_n, rp.size_k, rp.group_size, dtype == torch.bfloat16):
+        return ~mask
+    if dtype != torch.bfloat16 or rp.group_size != 128:
         return mask
     m0 = 0
     while p := wide_pass_rows(M - m0, rp.size_n, rp.size_k, True):
@@ -163,13 +178,13 @@ def rounded_rows_of(M: int, rp, dtype, split_k: int = 0, prefill: bool = True) -
 
 
 def check(x, rp, w, split_k=0, prefill=True):
-    """The op within one rounding of the fp32 product with the weights it multiplies (exact, or rounded once to bf16
-    in its rounded passes)."""
+    """The op within one rounding of the fp32 product with the weights it multiplies (exact, or rounded once to x's
+    dtype in its rounded passes and on its prefill path)."""
     y = torch.ops.cublade.w4a16_gemm(x, rp.packed, rp.group_size, rp.symmetric, rp.size_n, split_k, prefill)
     x2 = x.reshape(-1, x.shape[-1]).float()
     ref = x2 @ w.t()
     rounded = rounded_rows_of(x2.shape[0], rp, x.dtype, split_k, prefill).to(x.device)
-    ref[rounded] = x2[rounded] @ w.to(torch.bfloat16).float().t()
+    ref[rounded] = x2[rounded] @ w.to(x.dtype).float().t()
     assert y.shape == (*x.shape[:-1], rp.size_n) and y.dtype == x.dtype
     assert_one_rounding(y.reshape(-1, rp.size_n), ref, BAR)
     return y
@@ -178,7 +193,7 @@ def check(x, rp, w, split_k=0, prefill=True):
 @GPU
 def test_kernel_every_m_1_to_64_and_large():
     rp, w = gpu_case(272, 1024, 128, True)
-    for M in list(range(1, 65)) + [100, 127, 128, 200, 255, 319, 447]:  # from 17 the wide kernel (448: deq + mm)
+    for M in list(range(1, 65)) + [100, 127, 128, 200, 255, 319, 447]:  # from 17 the wide kernel (257: deq + mm)
         check(torch.randn(M, 1024, device="cuda").to(torch.bfloat16), rp, w)
     check(torch.randn(257, 1024, device="cuda").to(torch.bfloat16), rp, w, split_k=1)  # forced: 9 passes
 
@@ -245,25 +260,30 @@ def test_wide_kernel_takes_9_to_16_rows_on_large_weights(G, dtype):
 def test_wide_kernel_rounded_passes_from_192_rows(N, sym):
     """bf16 x at group size 128: from 192 rows the wide kernel runs passes of up to 256 rows on Int4PrescaledBatch
     (the weights rounded once to bf16 in the A fragments, 256 tokens on 2 warpgroups; stream-K where the tile groups
-    pair up, 200 rows, the split-K form, one split, where they do not, 150), the rest in exact passes; fp16 x and prefill=False keep every
-    pass exact. The rounded weights are w4a16_dequant's bf16 weights (the prefill path's), so those rows are held to
-    one rounding of the product with them."""
-    rp, w = gpu_case(N, 1024, 128, sym, seed=N)
-    wq = torch.ops.cublade.w4a16_dequant(rp.packed, 128, sym, N, 1024, torch.bfloat16)
-    torch.testing.assert_close(wq.float(), w.to(torch.bfloat16).float(), rtol=0, atol=0)
-    for M, dtype, prefill, rounded in [(191, torch.bfloat16, True, False), (192, torch.bfloat16, True, True),
-                                       (256, torch.bfloat16, True, True), (300, torch.bfloat16, True, True),
-                                       (384, torch.bfloat16, True, True), (256, torch.float16, True, False),
-                                       (300, torch.bfloat16, False, False)]:
-        x = torch.randn(M, 1024, device="cuda").to(dtype)
-        names = kernels_run(lambda: check(x, rp, w, prefill=prefill))
-        wide = [n for n in names if "wide_gemm_kernel" in n]
-        pre = [n for n in wide if "PrescaledBatch" in n]
-        assert bool(pre) == rounded and len(pre) <= 1, (M, dtype, prefill, wide)
-        if rounded:  # the first pass: 256 tokens, then the rest (44 or 128 rows) exact
-            assert re.search(r"PrescaledBatch<(true|false), 4>, 256, 2, 128,|PrescaledBatch\w+?Li256ELi2ELi128E", pre[0])
-            assert len(wide) == 1 + (M > ROUNDED_PASS_ROWS), (M, wide)
-            assert bool(stream_k(pre[0])) == (N == 200), (N, pre[0])
+    pair up, the split-K form where they do not), the rest in exact passes; fp16 x and prefill=False keep every pass
+    exact. The rounded weights are w4a16_dequant's bf16 weights (the prefill path's), so those rows are held to one
+    rounding of the product with them. A weight under 2^25 elements takes the prefill path from 257 rows, so the
+    calls of more than one pass run on one of 2^25 or more (K 8192, N 4224 or 4160: 66 or 65 tile groups)."""
+    small, mid = (N, 1024), (4224 if N == 200 else 4160, 8192)
+    cases = [(small, 191, torch.bfloat16, True, False), (small, 192, torch.bfloat16, True, True),
+             (small, 256, torch.bfloat16, True, True), (small, 256, torch.float16, True, False),
+             (small, 300, torch.bfloat16, False, False), (mid, 300, torch.bfloat16, True, True),
+             (mid, 384, torch.bfloat16, True, True)]
+    for (n, k), group in itertools.groupby(cases, key=lambda c: c[0]):
+        rp, w = gpu_case(n, k, 128, sym, seed=n)
+        wq = torch.ops.cublade.w4a16_dequant(rp.packed, 128, sym, n, k, torch.bfloat16)
+        torch.testing.assert_close(wq.float(), w.to(torch.bfloat16).float(), rtol=0, atol=0)
+        for _, M, dtype, prefill, rounded in group:
+            x = torch.randn(M, k, device="cuda").to(dtype)
+            names = kernels_run(lambda: check(x, rp, w, prefill=prefill))
+            wide = [name for name in names if "wide_gemm_kernel" in name]
+            pre = [name for name in wide if "PrescaledBatch" in name]
+            assert bool(pre) == rounded and len(pre) <= 1, (n, k, M, dtype, prefill, wide)
+            if rounded:  # the first pass: 256 tokens, then the rest (44 or 128 rows) exact
+                assert re.search(r"PrescaledBatch<(true|false), 4>, 256, 2, 128,|PrescaledBatch\w+?Li256ELi2ELi128E",
+                                 pre[0])
+                assert len(wide) == 1 + (M > ROUNDED_PASS_ROWS), (M, wide)
+                assert bool(stream_k(pre[0])) == (N == 200), (n, pre[0])
     rp, w = gpu_case(N, 1152, 128, sym, seed=N + 1)  # K past the blob's last whole chunk of 512
     check(torch.randn(256, 1152, device="cuda").to(torch.bfloat16), rp, w)
 
@@ -323,19 +343,24 @@ def test_large_m_dequantizes_then_runs_a_dense_gemm(dtype, G, rows):
 
 
 @GPU
-def test_prefill_path_from_448_rows_or_640_on_large_weights():
-    """At group size 128 the op runs its wide kernel (passes of 128 rows) up to 447 rows, and its prefill path
-    (w4a16_dequant, then cuBLAS) from 448; from 640 on weights of 2^27 elements or more (16384 x 8192 here), where
-    the kernel stays faster longer (benchmarks/tuning/prefill_switch.py). The kernels launched say which."""
-    for N, K, switch in [(200, 1024, 448), (16384, 8192, 640)]:
-        wp = torch.randint(-2**31, 2**31, (N, K // 8), dtype=torch.int32, device="cuda")
-        ws = (torch.rand(N, K // 128, device="cuda") * 0.01 + 0.002).to(torch.bfloat16)
-        rp = w4a16_repack(wp, ws, None, 128)
+def test_prefill_switch_by_weight_size_and_passes():
+    """At group size 128 the op runs its wide kernel below prefill_rows and its prefill path (w4a16_dequant, then
+    cuBLAS) from there: with bf16 x (the rounded passes of 256 rows) from 257 rows on weights under 2^25 elements
+    (200 x 1024 here), 640 under 2^27 (4160 x 8192), 1024 from 2^27 (16384 x 8192); with fp16 x (passes of 128, the
+    weights exact) from 448, 640 from 2^27 (benchmarks/tuning/prefill_switch.py). The kernels launched say which, and
+    the outputs hold to check()'s bars on both sides."""
+    for N, K, dtype, switch in [(200, 1024, torch.bfloat16, 257), (200, 1024, torch.float16, 448),
+                                (4160, 8192, torch.bfloat16, 640), (16384, 8192, torch.bfloat16, 1024),
+                                (16384, 8192, torch.float16, 640)]:
+        assert prefill_rows(N, K, 128, dtype == torch.bfloat16) == switch
+        rp, w = gpu_case(N, K, 128, True, seed=N)
         for M in (switch - 1, switch):
-            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-            names = kernels_run(lambda: torch.ops.cublade.w4a16_gemm(x, rp.packed, 128, True, N, 0))
+            x = torch.randn(M, K, device="cuda").to(dtype)
+            names = kernels_run(lambda: check(x, rp, w))
             ran = (any("w4a16_dequant_kernel" in n for n in names), any("wide_gemm_kernel" in n for n in names))
-            assert ran == (M >= switch, M < switch), (N, K, M, names)
+            assert ran == (M >= switch, M < switch), (N, K, dtype, M, names)
+        rp = w = None
+        torch.cuda.empty_cache()
 
 
 @GPU
