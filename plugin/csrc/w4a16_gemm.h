@@ -50,17 +50,20 @@ constexpr bool w4a16_gemm_wide_takes(int64_t group_size) { return group_size == 
 // Weights of this many elements or more (8192 x 16384) are "large" to the ops' rules below and in w4a16_gemm.cu.
 constexpr int64_t kLargeWeightElements = int64_t(1) << 27;
 
-// Weights of fewer elements than this (Llama-3-8B's qkv and o) are "small" to the rounded passes' prefill switch.
+// The rounded passes' prefill switch by the weight's elements: under 2^25 (Llama-3-8B's qkv and o), under 2^26
+// (its down, 4096x14336), more.
 constexpr int64_t kSmallWeightElements = int64_t(1) << 25;
+constexpr int64_t kMidWeightElements = int64_t(1) << 26;
 
 // Rows from which the torch ops run their prefill path (the weight dequantized to x's dtype, then one cuBLAS GEMM)
 // instead of their kernels, which take any rows. The prefill path pays for the dequant once; the kernels' passes each
 // re-read the weight. rounded: the call may take the rounded passes (bf16 x at group size 128, W4a16GemmArgs::rounded),
 // passes of up to 256 rows, which round the weights to bf16 as the prefill path does; otherwise passes of 128 with the
 // weights exact. Measured (benchmarks/tuning/prefill_switch.py, kernels' time / the prefill path's; docs/decisions.md,
-// "Prefill switch"): rounded, on 8192x28672 and 28672x8192 0.80-0.93 up to 768 rows, 0.94-1.00 at 1024; on 4096x14336
-// and 8192x10240 0.88-0.89 at 512, 0.95-1.02 at 640, 0.99-1.06 at 768; on 4096x4096 and 4096x6144 (small) 0.93-1.15 at
-// 256 (one pass) but 1.33-1.52 at 384 (a second pass costs as much as the first there: their grids are small).
+// "Prefill switch"): rounded, on 4096x4096 and 4096x6144 0.94-1.15 at 256 rows (one pass) but 1.11-1.70 from 320 (a
+// second pass costs about as much as the first there: their grids are small); on 4096x14336 0.87 at 512, 1.00 at 640,
+// 1.04 at 768; on 8192x10240 and 4096x28672 0.89-0.98 up to 768, 1.05-1.06 at 1024; on 8192x28672 and 28672x8192
+// 0.82-0.89 up to 768, 0.95-0.97 at 1024.
 // Exact passes of 128, on the first four: 0.77-0.84 at 320-384 rows, 0.95 at 512, 0.97-1.04 at 640 (large), 0.74-0.90
 // at 320, 0.89-1.03 at 448, 1.03-1.10 at 512 (the other two). MXFP8 on the large two 0.87-0.92 at 320-384, 0.68-0.98 at
 // 448, 1.06-1.07 at 512; on the small two 0.77-0.97 at 320, 0.99-1.03 at 384, 1.09-1.18 at 512. (cuBLAS is uneven
@@ -68,7 +71,7 @@ constexpr int64_t kSmallWeightElements = int64_t(1) << 25;
 constexpr int64_t w4a16_gemm_prefill_rows(int64_t group_size, int64_t N, int64_t K, bool rounded = false) {
   if (!w4a16_gemm_wide_takes(group_size)) return 128;
   if (rounded && group_size == 128)
-    return N * K < kSmallWeightElements ? 257 : N * K < kLargeWeightElements ? 640 : 1024;
+    return N * K < kSmallWeightElements ? 257 : N * K < kMidWeightElements ? 640 : 1024;
   return N * K >= kLargeWeightElements ? 640 : 448;
 }
 constexpr int64_t mxfp8_gemm_prefill_rows(int64_t N, int64_t K) { return N * K >= kLargeWeightElements ? 512 : 384; }

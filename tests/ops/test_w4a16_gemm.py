@@ -156,7 +156,7 @@ def prefill_rows(N: int, K: int, G: int, rounded: bool) -> int:
     if G not in (128, -1):
         return 128
     if rounded and G == 128:
-        return 257 if N * K < 1 << 25 else 640 if N * K < 1 << 27 else 1024
+        return 257 if N * K < 1 << 25 else 640 if N * K < 1 << 26 else 1024
     return 640 if N * K >= 1 << 27 else 448
 
 
@@ -346,7 +346,7 @@ def test_large_m_dequantizes_then_runs_a_dense_gemm(dtype, G, rows):
 def test_prefill_switch_by_weight_size_and_passes():
     """At group size 128 the op runs its wide kernel below prefill_rows and its prefill path (w4a16_dequant, then
     cuBLAS) from there: with bf16 x (the rounded passes of 256 rows) from 257 rows on weights under 2^25 elements
-    (200 x 1024 here), 640 under 2^27 (4160 x 8192), 1024 from 2^27 (16384 x 8192); with fp16 x (passes of 128, the
+    (200 x 1024 here), 640 under 2^26 (4160 x 8192), 1024 from 2^26 (16384 x 8192); with fp16 x (passes of 128, the
     weights exact) from 448, 640 from 2^27 (benchmarks/tuning/prefill_switch.py). The kernels launched say which, and
     the outputs hold to check()'s bars on both sides."""
     for N, K, dtype, switch in [(200, 1024, torch.bfloat16, 257), (200, 1024, torch.float16, 448),
