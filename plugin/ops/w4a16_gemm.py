@@ -13,7 +13,7 @@ the checkpoint layout into the kernel's.
   group size 128 or per channel (from 9 on weights of 2^27 elements or more) the wide kernel (wgmma, 16 to 128
   tokens per pass, a workspace for x; with bf16 x at group size 128, from 192 rows, passes of 256 tokens on the
   weights rounded once to bf16); from 128 rows (448 for those group sizes, 640 on weights of 2^27 elements or
-  more) the prefill path:
+  more; with the rounded passes 257 under 2^25 elements, 640 under 2^26, else 1024) the prefill path:
   `w4a16_dequant` to x's dtype, then a cuBLAS GEMM (the weights rounded once to x's dtype; the reference keeps
   them in fp32). `prefill=False` keeps every M on the kernels with the weights exact, whose numerics do not depend
   on M beyond fp32 summation order (batch-invariant serving). `split_k` (K splits per thread-block cluster, 1..8, which also forces

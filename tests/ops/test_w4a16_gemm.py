@@ -328,7 +328,7 @@ def test_wide_kernel_splits_k_on_small_grids(K, splits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("G,rows", [(64, 128), (128, 448)])
 def test_large_m_dequantizes_then_runs_a_dense_gemm(dtype, G, rows):
-    """From 128 rows (448 at group size 128 or per channel, which the wide kernel takes below that) the op
+    """From 128 rows (448 at group size 128 or per channel, 257 there with bf16 x on this small weight) the op
     dequantizes the weight to x's dtype (w4a16_dequant) and multiplies with cuBLAS: the same bits as that product
     in torch, and within the error of a dense GEMM on the rounded weight."""
     rp, w = gpu_case(200, 1024, G, False)

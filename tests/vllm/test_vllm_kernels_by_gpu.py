@@ -189,7 +189,7 @@ def test_w4a16_under_vllm_batch_invariant_stays_on_the_kernels(vllm_ctx, monkeyp
                                                              "batch size: VLLM_BATCH_INVARIANT=1)")
         monkeypatch.delenv("VLLM_BATCH_INVARIANT")
         assert choice(layer())[:2] == ("cublade-w4a16-gemm", "cublade's CUDA op w4a16_gemm (decode kernels; from "
-                                                             "448-640 tokens dequantize + cuBLAS)")
+                                                             "257-1024 tokens dequantize + cuBLAS)")
 
 
 def test_w4a16_without_cublade_on_hopper_runs_machete(vllm_ctx, monkeypatch):

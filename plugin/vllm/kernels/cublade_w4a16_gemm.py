@@ -19,8 +19,9 @@ class CubladeW4A16Gemm(LinearKernel):
     kernel's tile layout. The op runs decode batches on its streaming kernel (up to 16 tokens) and its wide
     wgmma kernel (from 17, at group size 128 or per channel; from 9 on weights of 2^27 elements or more; with bf16
     activations at group size 128, from 192 tokens in passes of 256 on the weights rounded once to bf16) and, from
-    448 tokens (640 on weights of 2^27 elements or more; 128 at other group sizes), dequantizes the weight and runs
-    a dense cuBLAS GEMM (the prefill path; a transient N x K weight in x's dtype per call).
+    257 to 1024 tokens by the weight's size (448-640 with fp16 activations or per channel; 128 at other group sizes),
+    dequantizes the weight and runs a dense cuBLAS GEMM (the prefill path; a transient N x K weight in x's dtype per
+    call).
     Sending large M to Machete instead would keep a second, Machete-layout copy of the weights (twice the
     memory W4A16 is there to save). Speeds against Machete/Marlin per M: docs/performance.md;
     `CUBLADE_DISABLED_KERNELS=cublade-w4a16-gemm` runs Machete/Marlin for every M instead.
@@ -42,7 +43,7 @@ class CubladeW4A16Gemm(LinearKernel):
             return False, why
         if batch_invariant():
             return True, "cublade's CUDA op w4a16_gemm (its kernels at every batch size: VLLM_BATCH_INVARIANT=1)"
-        return True, "cublade's CUDA op w4a16_gemm (decode kernels; from 448-640 tokens dequantize + cuBLAS)"
+        return True, "cublade's CUDA op w4a16_gemm (decode kernels; from 257-1024 tokens dequantize + cuBLAS)"
 
     def __init__(self, layer):
         super().__init__(layer)
