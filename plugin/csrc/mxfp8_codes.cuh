@@ -10,11 +10,7 @@ namespace cublade {
 namespace mxfp8 {
 namespace {  // one copy per translation unit (internal linkage, as the kernels instantiated with these)
 
-__device__ __forceinline__ uint32_t hmul2_bf16(uint32_t a, uint32_t b) {
-  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
-                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
+using lowbit::hmul2_bf16;
 
 // One word of a row's codes (K0, K0 + 2, K0 + 1, K0 + 3 in bytes 0..3) -> bf16 pairs (K0, K0 + 1) and (K0 + 2, K0 + 3),
 // each code * 2^-120: magnitudes to bits 4-10 / 20-26, signs to 15 / 31.
