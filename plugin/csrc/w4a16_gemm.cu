@@ -81,21 +81,20 @@ struct Int4Batch {
 // exact in fp32, so one HMUL2 rounds it as the fp32 dequant then the cast does), summed over all of K. It drops the
 // fold's second set of accumulators (`part`, NTOK / 2 registers a thread), which is what lets a pass of 256 tokens
 // run on 2 warpgroups (m64n256 mma's; the rounded passes, gemm_plan.cuh). bf16 only (a bf16 scale is not always
-// exact in fp16). STEPS: k-steps dequantized per issue, 8 (the batch) or 4 (one packet: 16 fragment registers live
-// under the mma's instead of 32, which 256 tokens need).
-template <bool ASYM, int STEPS = 8>
+// exact in fp16). One packet (4 k-steps) per issue: 16 fragment registers live under the mma's instead of a batch's
+// 32, which 256 tokens need.
+template <bool ASYM>
 struct Int4PrescaledBatch {
-  static_assert(STEPS == 8 || STEPS == 4, "a batch or one packet per issue");
   using T = __nv_bfloat16;
   using Rec = typename Int4Policy<T, 1, 128, ASYM>::Rec;
   static constexpr int kPacketBytes = 512;
   static constexpr int kBlobRecBytes = Int4Policy<T, 1, 128, ASYM>::kSBytes;
   static constexpr Scaling kScaling = Scaling::kNone;
   static constexpr bool kRowScale = false;
-  static constexpr int kSteps = STEPS;
-  // k-steps 8b + STEPS h .. + STEPS - 1 of the stage's packets of one tile
+  static constexpr int kSteps = 4;
+  // k-steps 8b + 4h .. 8b + 4h + 3 (packet 2b + h) of the stage's packets of one tile
   __device__ static void steps(const unsigned char* packets, const unsigned char* recs, int b, int h, int lane,
-                               uint32_t (&a)[STEPS][4]) {
+                               uint32_t (&a)[4][4]) {
     const Rec r = reinterpret_cast<const Rec*>(recs)[b * 8 + (lane >> 2)];
     uint32_t s2, b_lo = bias_pair<T>(8.0f), b_hi = b_lo;  // symmetric: z = 8
     if constexpr (ASYM) {
@@ -107,31 +106,18 @@ struct Int4PrescaledBatch {
     }
     // (s[row g], s[row g]) and (s[row g + 8], s[row g + 8]): the record's halves, each repeated
     const uint32_t s_lo = __byte_perm(s2, 0u, 0x1010), s_hi = __byte_perm(s2, 0u, 0x3232);
+    const uint4 q = lowbit::lds128(packets + (2 * b + h) * 512 + lane * 16);
+    dequant_int4<T>(q.x, b_lo, b_hi, a[0]);
+    dequant_int4<T>(q.y, b_lo, b_hi, a[1]);
+    dequant_int4<T>(q.z, b_lo, b_hi, a[2]);
+    dequant_int4<T>(q.w, b_lo, b_hi, a[3]);
 #pragma unroll
-    for (int pk = 0; pk < STEPS / 4; ++pk) {
-      const uint4 q = lowbit::lds128(packets + (2 * b + STEPS / 4 * h + pk) * 512 + lane * 16);
-      dequant_int4<T>(q.x, b_lo, b_hi, a[4 * pk + 0]);
-      dequant_int4<T>(q.y, b_lo, b_hi, a[4 * pk + 1]);
-      dequant_int4<T>(q.z, b_lo, b_hi, a[4 * pk + 2]);
-      dequant_int4<T>(q.w, b_lo, b_hi, a[4 * pk + 3]);
+    for (int k = 0; k < 4; ++k) {  // a[k][0], a[k][2]: row g; a[k][1], a[k][3]: row g + 8
+      a[k][0] = lowbit::hmul2_bf16(a[k][0], s_lo);
+      a[k][1] = lowbit::hmul2_bf16(a[k][1], s_hi);
+      a[k][2] = lowbit::hmul2_bf16(a[k][2], s_lo);
+      a[k][3] = lowbit::hmul2_bf16(a[k][3], s_hi);
     }
-#pragma unroll
-    for (int k = 0; k < STEPS; ++k) {  // a[k][0], a[k][2]: row g; a[k][1], a[k][3]: row g + 8
-      a[k][0] = mul2(a[k][0], s_lo);
-      a[k][1] = mul2(a[k][1], s_hi);
-      a[k][2] = mul2(a[k][2], s_lo);
-      a[k][3] = mul2(a[k][3], s_hi);
-    }
-  }
-  __device__ static void batch(const unsigned char* packets, const unsigned char* recs, int b, int lane,
-                               uint32_t (&a)[8][4], float&, float&) {
-    static_assert(STEPS == 8, "one packet per issue: steps()");
-    steps(packets, recs, b, 0, lane, a);
-  }
-  __device__ static uint32_t mul2(uint32_t u, uint32_t s) {
-    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&u),
-                                     *reinterpret_cast<const __nv_bfloat162*>(&s));
-    return *reinterpret_cast<const uint32_t*>(&r);
   }
 };
 
@@ -154,7 +140,7 @@ cudaError_t with_config(const PassPlan& p, Run&& run) {
 // The batches of a pass of NTOK tokens: the rounded passes' Int4PrescaledBatch (one packet per issue) above 128
 // tokens, Int4Batch (the weights exact) otherwise.
 template <typename T, int NTOK, int GS, bool ASYM>
-using PassBatch = std::conditional_t<(NTOK > kMaxPassRows), Int4PrescaledBatch<ASYM, 4>, Int4Batch<T, GS, ASYM>>;
+using PassBatch = std::conditional_t<(NTOK > kMaxPassRows), Int4PrescaledBatch<ASYM>, Int4Batch<T, GS, ASYM>>;
 
 // Whether a pass of NTOK tokens can run for T and GS (the rounded passes: bf16 at group size 128).
 template <typename T, int NTOK, int GS>
