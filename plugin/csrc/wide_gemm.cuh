@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kIssues; ++i) {
       const int b = i * kSteps / 8, h = i % (8 / kSteps);  // batch, and the part of it
-      uint32_t a[kSteps][4];  // the issue's k-steps
+      uint32_t a[kSteps][4];  // the k-steps issued together
       if constexpr (kSteps == 8) P::batch(tb, tb + Lay::kPacketBytes, b, lane, a, s_lo, s_hi);
       else P::steps(tb, tb + Lay::kPacketBytes, b, h, lane, a);
       const bool first = first_stage && i == 0, last = last_stage && i == kIssues - 1;
