@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import bench_us, rel_err, require_op  # noqa: E402
 
-# rows per wide pass: int4 with bf16 x at group size 128 runs rounded passes of 256 (wide::kRoundedPassRows, from 192
-# rows left, so slices of 256 run what one call of the op would), MXFP8 passes of 128 (wide::kMaxPassRows)
+# rows per wide pass: int4 with bf16 x at group size 128 runs rounded passes of up to 256 (wide::kRoundedPassRows, from
+# 160 rows left, so slices of 256 run what one call of the op would), MXFP8 passes of 128 (wide::kMaxPassRows)
 PASS = {"int4": 256, "mxfp8": 128}
 
 

@@ -32,12 +32,15 @@ constexpr int64_t kSmallPassMinWeights = int64_t(96) << 20;
 // Rounded passes (`rounded`: bf16 x at group size 128, and the op allowed to round the weights, as its prefill path
 // does): from kRoundedMinRows rows left, passes of up to 256 rows on Int4PrescaledBatch (w4a16_gemm.cu: the weights
 // rounded once to bf16 in the A fragments, so no fold's second accumulators, and 256 tokens fit 2 warpgroups with
-// quarter-chunk stages). Measured (w4a16_wide.cu, one H200, us, prep included; exact passes of 128 as the op ran
-// them / one rounded pass): M = 256 on 8192x28672 / 4096x14336 / 28672x8192 / 8192x10240 210.5 / 72.3 / 225.5 /
-// 97.6 against 177.5 / 60.3 / 179.7 / 76.2 (1.19-1.28x); M = 192 (exact 128 + 64) 175.8 / 60.2 / 177.7 / 84.3
-// against 169.9 / 58.5 / 173.3 / 73.8 (1.03-1.14x). A rounded pass costs about the same at 192 and 256 rows, so
-// fewer rows keep the exact passes.
-constexpr int64_t kRoundedMinRows = 192;
+// quarter-chunk stages), 192 tokens for up to 192 rows. Measured (w4a16_wide.cu, one H200, us, prep included; exact
+// passes of 128 as the op ran them / one rounded pass): M = 256 on 8192x28672 / 4096x14336 / 28672x8192 / 8192x10240
+// 210.5 / 72.3 / 225.5 / 97.6 against 177.5 / 60.3 / 179.7 / 76.2 (1.19-1.28x). At 160 / 192 rows one pass of 192
+// tokens on the schedule plan_pass picks (stream-K; 2 splits on 28672x8192) took 144.5 / 147.0, 50.2 / 51.5,
+// 151.8 / 154.5, 62.8 / 63.9, where the op ran exact passes at 160 (159.8, 57.6, 167.5, 79.3) and a 256-token pass at
+// 192 (170.8, 58.9, 173.8, 73.7): 1.10-1.26x. Below 160 rows (the exact 128 and a short last pass) not measured
+// against it.
+constexpr int64_t kRoundedMinRows = 160;
+constexpr int64_t kRoundedSmallPassRows = 192;  // a rounded pass of up to this many rows runs 192 tokens
 
 // Rows of the next wide pass when `left` rows remain (0: the streaming kernel takes them).
 constexpr int64_t pass_rows(int64_t left, int64_t N, int64_t K, bool rounded = false) {
@@ -47,7 +50,7 @@ constexpr int64_t pass_rows(int64_t left, int64_t N, int64_t K, bool rounded = f
                                                                    : 0;
 }
 
-// K per ring stage for a pass of `tokens`: quarter-chunk stages at 256 tokens, half-chunk stages from 96 (3 stages of
+// K per ring stage for a pass of `tokens`: quarter-chunk stages above 128 tokens (the rounded passes), half-chunk stages from 96 (3 stages of
 // 66 KB at 96, 2 of 82 KB at 128), whole chunks below.
 constexpr int stage_k(int tokens) { return tokens > 128 ? 128 : tokens >= 96 ? 256 : 512; }
 
@@ -72,11 +75,15 @@ inline PassPlan dense_plan(int tokens, int wg, int ks, int64_t K, int64_t N, int
                         static_cast<int>(ceil_div(K, ks)), sms)};
 }
 
-// Passes of more than 128 rows (rounded passes) run 256 tokens on 2 warpgroups; the schedule as for the others (on
-// the four shapes above it picked stream-K, or 2 K splits on 28672x8192, each within 1% of the best of 1, 2, 4 splits
-// and stream-K but on 4096x14336: 60.3 us against one split's 57.1).
+// Passes of more than 128 rows (rounded passes) run 192 tokens up to 192 rows, else 256, on 2 warpgroups; the
+// schedule as for the others (on the four shapes above it picked stream-K, or 2 K splits on 28672x8192, each within
+// 1% of the best of 1, 2, 4 splits and stream-K at 256 tokens but on 4096x14336: 60.3 us against one split's 57.1;
+// at 192 tokens within 5%: 4096x14336 50.2 against 48.5, 28672x8192 154.5 against stream-K's 147.1).
 inline PassPlan plan_pass(int64_t rows, int64_t K, int64_t N, int sms) {
-  if (rows > kMaxPassRows) return dense_plan(kRoundedPassRows, 2, stage_k(kRoundedPassRows), K, N, sms);
+  if (rows > kMaxPassRows) {
+    const int tokens = rows <= kRoundedSmallPassRows ? static_cast<int>(kRoundedSmallPassRows) : kRoundedPassRows;
+    return dense_plan(tokens, 2, stage_k(tokens), K, N, sms);
+  }
   const int tokens = ntok(rows);
   const int wg = tokens <= 32 && four_warpgroups(ceil_div(ceil_div(N, 64), 4), sms) ? 4 : 2;
   return dense_plan(tokens, wg, stage_k(tokens), K, N, sms);

@@ -127,6 +127,7 @@ cudaError_t with_config(const PassPlan& p, Run&& run) {
   const bool four = p.warpgroups == 4;
   switch (p.tokens) {
     case 256: return run(PassConfig<256, 2, stage_k(256)>{});
+    case 192: return run(PassConfig<192, 2, stage_k(192)>{});
     case 128: return run(PassConfig<128, 2, stage_k(128)>{});
     case 96: return run(PassConfig<96, 2, stage_k(96)>{});
     case 64: return run(PassConfig<64, 2, stage_k(64)>{});

@@ -89,7 +89,7 @@ size_t w4a16_gemm_workspace_bytes(int64_t M, int64_t K, int64_t N, int group_siz
 // (bf16 or fp16). split_k: K splits per cluster of the streaming kernel (>= 1 forces it), 0 = pick the kernel and
 // splits. workspace: w4a16_gemm_workspace_bytes(M, K, N, group_size, split_k, sms, rounded with bf16 x) bytes,
 // 16-byte aligned (null if 0). sms: the device's multiprocessor count. rounded: with bf16 x at group size 128, from
-// 192 rows the wide kernel may run passes of up to 256 rows that multiply the weights rounded once to bf16, as the
+// 160 rows the wide kernel may run passes of up to 256 rows that multiply the weights rounded once to bf16, as the
 // torch op's prefill path does (gemm_plan.cuh, wide::pass_rows); false keeps the weights exact at every M. As every
 // launcher (launchers.h): an argument struct and the stream.
 struct W4a16GemmArgs {

@@ -16,7 +16,7 @@ namespace {
 // weight once and runs a dense cuBLAS GEMM (the prefill path, as vLLM's AWQ method does from 256 tokens): the kernels
 // re-read the weights every 32 rows (streaming kernel), 128 rows (wide kernel, group size 128 or per channel) or 256
 // (its rounded passes). The prefill path's weights are rounded to x's dtype once, as are the wide kernel's rounded
-// passes (bf16 x at group size 128, from 192 rows: w4a16_gemm.h), where the other kernels keep them exact: `prefill` =
+// passes (bf16 x at group size 128, from 160 rows: w4a16_gemm.h), where the other kernels keep them exact: `prefill` =
 // false keeps every batch on the exact kernels (batch-invariant numerics).
 
 at::Tensor w4a16_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t group_size, bool symmetric,

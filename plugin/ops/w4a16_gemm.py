@@ -11,7 +11,7 @@ the checkpoint layout into the kernel's.
   Shapes the kernel takes: any M, any N, K % 8 == 0, K % group_size == 0, group_size in (32, 64, 128, -1); x
   bf16 or fp16. Up to 16 rows the streaming kernel (mma.sync, weights read once per 32 tokens); from 17 rows at
   group size 128 or per channel (from 9 on weights of 2^27 elements or more) the wide kernel (wgmma, 16 to 128
-  tokens per pass, a workspace for x; with bf16 x at group size 128, from 192 rows, passes of 256 tokens on the
+  tokens per pass, a workspace for x; with bf16 x at group size 128, from 160 rows, passes of 192 or 256 tokens on the
   weights rounded once to bf16); from 128 rows (448 for those group sizes, 640 on weights of 2^27 elements or
   more; with the rounded passes 257 under 2^25 elements, 640 under 2^26, else 1024) the prefill path:
   `w4a16_dequant` to x's dtype, then a cuBLAS GEMM (the weights rounded once to x's dtype; the reference keeps

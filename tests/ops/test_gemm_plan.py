@@ -33,8 +33,13 @@ W4A16 = [
     ("639 rows there still on the wide kernel", 639, 8192, 28672, " ".join(["128w2:sk"] * 5)),
 ]
 W4A16_ROUNDED = [
-    ("191 rows: the exact passes", 191, 8192, 28672, "128w2:sk 64w2:sk"),
-    ("from 192 rows one rounded pass of 256 tokens, stream-K on 8192x28672", 192, 8192, 28672, "256w2:sk"),
+    ("159 rows: the exact passes", 159, 8192, 28672, "128w2:sk 32w4:1"),
+    ("from 160 rows one rounded pass of 192 tokens, stream-K on 8192x28672", 160, 8192, 28672, "192w2:sk"),
+    ("192 rows: one pass of 192 tokens", 192, 8192, 28672, "192w2:sk"),
+    ("two K splits on 28672x8192 at 192 tokens", 160, 28672, 8192, "192w2:2"),
+    ("stream-K on 4096x14336 at 192 tokens", 192, 4096, 14336, "192w2:sk"),
+    ("from 193 rows 256 tokens", 193, 8192, 28672, "256w2:sk"),
+    ("448 rows: 256, then 192 rounded", 448, 8192, 28672, "256w2:sk 192w2:sk"),
     ("256 rows in one rounded pass", 256, 8192, 28672, "256w2:sk"),
     ("stream-K on 4096x14336", 256, 4096, 14336, "256w2:sk"),
     ("two K splits on 28672x8192", 256, 28672, 8192, "256w2:2"),

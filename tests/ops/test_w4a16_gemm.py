@@ -7,7 +7,7 @@ to one rounding of the fp32 product with the dequantized weights (|C - ref| <= 2
 <= 2e-3 (the accuracy bar; the final bf16 rounding alone is ~1.4e-3 on this metric, fp16's ~2e-4; on a few dozen
 outputs the mean is sample noise around that, 2.1e-3 was seen for 37). x is random but seeded per test. The
 kernels apply each group's scale to an fp32 partial sum, so the weights themselves are never rounded, except in the
-wide kernel's rounded passes (bf16 x at group size 128, from 192 rows, passes of up to 256: ROUNDED_MIN_ROWS), which
+wide kernel's rounded passes (bf16 x at group size 128, from 160 rows, passes of up to 256: ROUNDED_MIN_ROWS), which
 multiply the weights rounded once to bf16 (the prefill path's): their rows are held to one rounding of the product
 with those weights. From prefill_rows (128 rows; 448 at group size 128 or per channel, where the wide kernel runs
 from 17, 640 on weights of 2^27 elements or more; with the rounded passes 257, 640 or 1024 by the weight's size) the
@@ -139,8 +139,9 @@ def _seeded():
 
 
 # gemm_plan.cuh's kRoundedMinRows and kRoundedPassRows: with bf16 x at group size 128 (and prefill=True) the wide
-# kernel runs passes of up to 256 rows from 192 rows left, on the weights rounded once to bf16
-ROUNDED_MIN_ROWS, ROUNDED_PASS_ROWS = 192, 256
+# kernel runs passes of up to 256 rows from 160 rows left (192 tokens up to 192 rows), on the weights rounded once to
+# bf16
+ROUNDED_MIN_ROWS, ROUNDED_PASS_ROWS = 160, 256
 
 
 def wide_pass_rows(left: int, N: int, K: int, rounded: bool) -> int:
@@ -257,35 +258,43 @@ def test_wide_kernel_takes_9_to_16_rows_on_large_weights(G, dtype):
 @GPU
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("N", [200, 150])
-def test_wide_kernel_rounded_passes_from_192_rows(N, sym):
-    """bf16 x at group size 128: from 192 rows the wide kernel runs passes of up to 256 rows on Int4PrescaledBatch
-    (the weights rounded once to bf16 in the A fragments, 256 tokens on 2 warpgroups; stream-K where the tile groups
-    pair up, the split-K form where they do not), the rest in exact passes; fp16 x and prefill=False keep every pass
-    exact. The rounded weights are w4a16_dequant's bf16 weights (the prefill path's), so those rows are held to one
-    rounding of the product with them. A weight under 2^25 elements takes the prefill path from 257 rows, so the
-    calls of more than one pass run on one of 2^25 or more (K 8192, N 4224 or 4160: 66 or 65 tile groups)."""
+def test_wide_kernel_rounded_passes_from_160_rows(N, sym):
+    """bf16 x at group size 128: from 160 rows the wide kernel runs passes of up to 256 rows on Int4PrescaledBatch
+    (the weights rounded once to bf16 in the A fragments, 2 warpgroups: 192 tokens for a pass of up to 192 rows, else
+    256; stream-K where the tile groups pair up, the split-K form where they do not), the rest in exact passes; fp16 x
+    and prefill=False keep every pass exact. The rounded weights are w4a16_dequant's bf16 weights (the prefill path's),
+    so those rows are held to one rounding of the product with them. A weight under 2^25 elements takes the prefill
+    path from 257 rows, so the calls of more than one pass run on one of 2^25 or more (K 8192, N 4224 or 4160: 66 or
+    65 tile groups)."""
     small, mid = (N, 1024), (4224 if N == 200 else 4160, 8192)
-    cases = [(small, 191, torch.bfloat16, True, False), (small, 192, torch.bfloat16, True, True),
-             (small, 256, torch.bfloat16, True, True), (small, 256, torch.float16, True, False),
-             (small, 300, torch.bfloat16, False, False), (mid, 300, torch.bfloat16, True, True),
-             (mid, 384, torch.bfloat16, True, True)]
+    bf16, fp16 = torch.bfloat16, torch.float16
+    # (weight, M, dtype, prefill, the rounded passes' tokens in launch order, wide launches in all)
+    cases = [(small, 159, bf16, True, [], 2), (small, 160, bf16, True, [192], 1), (small, 192, bf16, True, [192], 1),
+             (small, 193, bf16, True, [256], 1), (small, 256, bf16, True, [256], 1), (small, 256, fp16, True, [], 2),
+             (small, 300, bf16, False, [], 3), (mid, 300, bf16, True, [256], 2), (mid, 384, bf16, True, [256], 2),
+             (mid, 448, bf16, True, [256, 192], 2)]
     for (n, k), group in itertools.groupby(cases, key=lambda c: c[0]):
         rp, w = gpu_case(n, k, 128, sym, seed=n)
         wq = torch.ops.cublade.w4a16_dequant(rp.packed, 128, sym, n, k, torch.bfloat16)
         torch.testing.assert_close(wq.float(), w.to(torch.bfloat16).float(), rtol=0, atol=0)
-        for _, M, dtype, prefill, rounded in group:
+        for _, M, dtype, prefill, tokens, launches in group:
             x = torch.randn(M, k, device="cuda").to(dtype)
             names = kernels_run(lambda: check(x, rp, w, prefill=prefill))
             wide = [name for name in names if "wide_gemm_kernel" in name]
             pre = [name for name in wide if "PrescaledBatch" in name]
-            assert bool(pre) == rounded and len(pre) <= 1, (n, k, M, dtype, prefill, wide)
-            if rounded:  # the first pass: 256 tokens, then the rest (44 or 128 rows) exact
-                assert re.search(r"PrescaledBatch<(true|false)>, 256, 2, 128,|PrescaledBatch\w+?Li256ELi2ELi128E",
-                                 pre[0])
-                assert len(wide) == 1 + (M > ROUNDED_PASS_ROWS), (M, wide)
-                assert bool(stream_k(pre[0])) == (N == 200), (n, pre[0])
+            assert [rounded_tokens(name) for name in pre] == tokens, (n, k, M, dtype, prefill, wide)
+            assert len(wide) == launches, (n, k, M, wide)
+            assert all(bool(stream_k(name)) == (N == 200) for name in pre), (n, pre)
     rp, w = gpu_case(N, 1152, 128, sym, seed=N + 1)  # K past the blob's last whole chunk of 512
     check(torch.randn(256, 1152, device="cuda").to(torch.bfloat16), rp, w)
+
+
+def rounded_tokens(kernel_name):
+    """The tokens of a rounded pass's wide_gemm_kernel launch (Int4PrescaledBatch, 2 warpgroups, stage K 128),
+    demangled or not."""
+    m = re.search(r"PrescaledBatch<(?:true|false)>, (\d+), 2, 128,|PrescaledBatch\w+?Li(\d+)ELi2ELi128E",
+                  kernel_name)
+    return int(m.group(1) or m.group(2)) if m else None
 
 
 def stream_k(kernel_name):

@@ -18,7 +18,7 @@ class CubladeW4A16Gemm(LinearKernel):
     """cublade's W4A16 GEMM (cublade.ops.w4a16_gemm) on weights repacked once by `w4a16_repack` into the
     kernel's tile layout. The op runs decode batches on its streaming kernel (up to 16 tokens) and its wide
     wgmma kernel (from 17, at group size 128 or per channel; from 9 on weights of 2^27 elements or more; with bf16
-    activations at group size 128, from 192 tokens in passes of 256 on the weights rounded once to bf16) and, from
+    activations at group size 128, from 160 tokens in passes of up to 256 on the weights rounded once to bf16) and, from
     257 to 1024 tokens by the weight's size (448-640 with fp16 activations or per channel; 128 at other group sizes),
     dequantizes the weight and runs a dense cuBLAS GEMM (the prefill path; a transient N x K weight in x's dtype per
     call).
