@@ -5,7 +5,7 @@ this script's measurements (docs/decisions.md, "Prefill switch").
     python benchmarks/tuning/prefill_switch.py [--ops int4,mxfp8] [--shapes 8192x28672,...] [--m 256,384,512,1024]
 
 For each op, shape and M this times, in one process, median us of triton's do_bench (L2 flushed before every call):
-  kernels   the op on successive slices of 256 rows (int4) or 128 (MXFP8), the passes its launcher makes below the
+  kernels   the op on successive slices of 256 rows, the passes its launcher makes below the
             switch (each slice is one call of the op, which runs its wide kernel there), then the last slice's rows;
   prefill   the op's prefill path: the dequant op to bf16 and torch's linear (what the op runs from the switch);
   op        the op on all M rows, as it chooses (the switch as built);
@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import bench_us, rel_err, require_op  # noqa: E402
 
 # rows per wide pass: int4 with bf16 x at group size 128 runs rounded passes of up to 256 (wide::kRoundedPassRows, from
-# 160 rows left, so slices of 256 run what one call of the op would), MXFP8 passes of 128 (wide::kMaxPassRows)
-PASS = {"int4": 256, "mxfp8": 128}
+# 160 rows left), MXFP8 passes of 256 from 192 rows left (wide::kMxfp8LargePassRows), so slices of 256 run what one
+# call of the op would
+PASS = {"int4": 256, "mxfp8": 256}
 
 
 def int4_case(K: int, N: int, dev):

@@ -89,10 +89,18 @@ inline PassPlan plan_pass(int64_t rows, int64_t K, int64_t N, int sms) {
   return dense_plan(tokens, wg, stage_k(tokens), K, N, sms);
 }
 
-// MXFP8: passes of up to 128 rows from kMxfp8WideMinRows (fewer left: the streaming kernel). Rows of the next pass
-// when `left` rows remain (0: the streaming kernel takes them).
+// MXFP8: passes of up to 128 rows from kMxfp8WideMinRows (fewer left: the streaming kernel), and from
+// kMxfp8LargePassMinRows left passes of up to 256 (256 tokens on 2 warpgroups, quarter-chunk stages, one packet per
+// issue: Mxfp8Steps in mxfp8_gemm.cu). MXFP8's weights are exact in bf16 either way (the passes differ only in fp32
+// summation order). The rows from which the 256-token pass runs are int4's rounded passes' (the same kernel shape:
+// 1.02-1.14x the passes of 128 at 192 rows, 1.19-1.28x at 256 and 512), not yet measured for MXFP8.
+constexpr int64_t kMxfp8LargePassMinRows = 192;
+constexpr int kMxfp8LargePassRows = 256;
+// Rows of the next pass when `left` rows remain (0: the streaming kernel takes them).
 constexpr int64_t mxfp8_pass_rows(int64_t left) {
-  return left >= kMxfp8WideMinRows ? std::min<int64_t>(left, kMaxPassRows) : 0;
+  return left >= kMxfp8LargePassMinRows ? std::min<int64_t>(left, kMxfp8LargePassRows)
+         : left >= kMxfp8WideMinRows    ? std::min<int64_t>(left, kMaxPassRows)
+                                        : 0;
 }
 
 // The MXFP8 wide kernel's configuration: half-chunk stages everywhere (a whole chunk of 1-byte codes is 33 KB a tile
@@ -100,9 +108,11 @@ constexpr int64_t mxfp8_pass_rows(int64_t left) {
 // 8192x28672 (benchmarks/tuning/mxfp8_sweep.cu) two warpgroups with stream-K run 78.4 / 85.8 us at 32 / 64 tokens
 // against four's 81.7 / 92.6 with stream-K, 83.3 / 92.5 with split-K (the other shapes' CTAs of four do not fill 3/4
 // of the SMs).
-constexpr int kMxfp8StageK = 256;  // K per ring stage: half a chunk
+constexpr int kMxfp8StageK = 256;  // K per ring stage: half a chunk (a quarter at 256 tokens, as int4's)
+constexpr int mxfp8_pass_tokens(int64_t rows) { return rows > kMaxPassRows ? kMxfp8LargePassRows : ntok(rows); }
 inline PassPlan mxfp8_plan_pass(int64_t rows, int64_t K, int64_t N, int sms) {
-  return dense_plan(ntok(rows), 2, kMxfp8StageK, K, N, sms);
+  const int tokens = mxfp8_pass_tokens(rows);
+  return dense_plan(tokens, 2, tokens > kMaxPassRows ? stage_k(tokens) : kMxfp8StageK, K, N, sms);
 }
 
 }  // namespace wide

@@ -60,10 +60,28 @@ struct Mxfp8Batch {
   }
 };
 
+// Passes of 256 tokens: one packet (4 k-steps) per issue, so 16 fragment registers are live under the mma's instead
+// of 32 (the 128 accumulators a thread of m64n256 leave no room for a batch's 32), as int4's rounded passes do.
+struct Mxfp8Steps : Mxfp8Batch {
+  static constexpr int kSteps = 4;
+  // k-steps 8b + 4h .. 8b + 4h + 3: packet 2b + h of the stage
+  __device__ static void steps(const unsigned char* packets, const unsigned char* recs, int b, int h, int lane,
+                               uint32_t (&a)[4][4]) {
+    const int j = 2 * b + h;
+    const unsigned char* q = packets + j * kPacketBytes + lane * 16;
+    dequant_packet(lowbit::lds128(q), lowbit::lds128(q + 512), recs, j, lane, a);
+  }
+};
+
+// The batches of a pass of NTOK tokens.
+template <int NTOK>
+using PassBatch = std::conditional_t<(NTOK > wide::kMaxPassRows), Mxfp8Steps, Mxfp8Batch>;
+
 // run(PassConfig<...>{}) for a pass's plan (gemm_plan.cuh: mxfp8_plan_pass).
 template <typename Run>
 cudaError_t with_config(const wide::PassPlan& p, Run&& run) {
   switch (p.tokens) {
+    case 256: return run(wide::PassConfig<256, 2, wide::stage_k(256)>{});
     case 128: return run(wide::PassConfig<128, 2, wide::kMxfp8StageK>{});
     case 96: return run(wide::PassConfig<96, 2, wide::kMxfp8StageK>{});
     case 64: return run(wide::PassConfig<64, 2, wide::kMxfp8StageK>{});
@@ -73,7 +91,7 @@ cudaError_t with_config(const wide::PassPlan& p, Run&& run) {
   }
 }
 
-// One wide pass over `rows` <= 128 rows of x.
+// One wide pass over `rows` <= 256 rows of x.
 cudaError_t launch_wide_pass(const void* x, int64_t x_stride, int rows, int K, const unsigned char* w, void* out,
                              int64_t out_stride, int N, void* workspace, int sms, cudaStream_t stream) {
   wide::Params prm = {};  // launch_kernel refuses rows > NTOK (one pass, no token windows)
@@ -83,7 +101,7 @@ cudaError_t launch_wide_pass(const void* x, int64_t x_stride, int rows, int K, c
   const wide::PassPlan plan = wide::mxfp8_plan_pass(rows, K, N, sms);
   return with_config(plan, [&](auto cfg) {
     using C = decltype(cfg);
-    return wide::launch_kernel<Mxfp8Batch, C::kTokens, C::kWarpgroups, C::kStageK, false>(
+    return wide::launch_kernel<PassBatch<C::kTokens>, C::kTokens, C::kWarpgroups, C::kStageK, false>(
         prm, x, x_stride, K, plan.schedule, 0, true, workspace, sms, stream);
   });
 }
@@ -91,9 +109,9 @@ cudaError_t launch_wide_pass(const void* x, int64_t x_stride, int rows, int K, c
 }  // namespace
 
 size_t mxfp8_gemm_workspace_bytes(int64_t M, int64_t K, int split_k, int sms) {
-  if (split_k != 0 || wide::mxfp8_pass_rows(M) == 0) return 0;
-  const int64_t m = std::min<int64_t>(M, wide::kMaxPassRows);  // one pass at a time
-  return static_cast<size_t>(wide::workspace_bytes(m, K, wide::ntok(m), false, sms));
+  const int64_t m = wide::mxfp8_pass_rows(M);  // one pass at a time, the first the largest
+  if (split_k != 0 || m == 0) return 0;
+  return static_cast<size_t>(wide::workspace_bytes(m, K, wide::mxfp8_pass_tokens(m), false, sms));
 }
 
 cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream) {
@@ -108,7 +126,8 @@ cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream) {
   const auto* w = static_cast<const unsigned char*>(a.packed);
   if (mxfp8_gemm_workspace_bytes(M, K, split_k, sms) > 0) {
     if (workspace == nullptr) return cudaErrorInvalidValue;
-    while (const int64_t rows = wide::mxfp8_pass_rows(M)) {  // passes of up to 128 rows; fewer than 17 left: streaming
+    // passes of up to 128 rows, of up to 256 from 192 rows left; fewer than 17 left: the streaming kernel
+    while (const int64_t rows = wide::mxfp8_pass_rows(M)) {
       const cudaError_t e = launch_wide_pass(x, x_stride, static_cast<int>(rows), static_cast<int>(K), w, out,
                                              out_stride, static_cast<int>(N), workspace, sms, stream);
       if (e != cudaSuccess) return e;

@@ -165,7 +165,7 @@ cudaError_t launch_fp4_gemm(const Fp4GemmArgs& a, cudaStream_t stream);
 // MXFP8 (mxfp8_gemm.cu): the same blob geometry with 1-byte codes, a tile block is 2048 int32 words of codes plus
 // 8 x 32 bytes of E8M0 exponent records.
 constexpr int kMxfp8RecordBytes = 8 * 32;
-constexpr int kMxfp8WideMinRows = 17;  // from this many rows the wide kernel (passes of up to 128), below streaming
+constexpr int kMxfp8WideMinRows = 17;  // from this many rows the wide kernel (gemm_plan.cuh), below streaming
 
 // Device workspace bytes launch_mxfp8_gemm needs (0: none): the wide kernel's re-laid-out x, one pass at a time, and
 // its stream-K flags and slots (as w4a16_gemm_workspace_bytes).

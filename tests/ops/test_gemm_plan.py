@@ -61,12 +61,16 @@ W4A16_ROUNDED = [
 MXFP8 = [
     ("1-16 rows on the streaming kernel", 16, 8192, 28672, "s"),
     ("from 17 rows the wide kernel, 2 warpgroups, stream-K on 8192x28672", 17, 8192, 28672, "32w2:sk"),
-    ("passes of 128", 256, 8192, 28672, "128w2:sk 128w2:sk"),
+    ("passes of 128 up to 191 rows", 191, 8192, 28672, "128w2:sk 64w2:sk"),
+    ("from 192 rows passes of 256 tokens (quarter-chunk stages), stream-K on 8192x28672", 192, 8192, 28672,
+     "256w2:sk"),
+    ("256 rows in one pass", 256, 8192, 28672, "256w2:sk"),
+    ("two K splits on 28672x8192 at 256 tokens", 256, 28672, 8192, "256w2:2"),
     ("stream-K on 8192x10240", 128, 8192, 10240, "128w2:sk"),
     ("split-K kept on 4096x14336", 128, 4096, 14336, "128w2:1"),
     ("split-K kept on 28672x8192 (two splits)", 128, 28672, 8192, "128w2:2"),
     ("the prefill path from 384 rows", 384, 4096, 14336, "prefill"),
-    ("383 rows still on the wide kernel", 383, 4096, 14336, "128w2:1 128w2:1 128w2:1"),
+    ("383 rows still on the wide kernel: 256, then 127", 383, 4096, 14336, "256w2:sk 128w2:1"),
     ("from 512 rows on weights of 2^27 elements or more", 512, 8192, 28672, "prefill"),
 ]
 

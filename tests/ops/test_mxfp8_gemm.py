@@ -220,6 +220,27 @@ def test_wide_kernel_stream_k_when_the_last_wave_is_short():
 
 
 @GPU
+@pytest.mark.parametrize("N", [200, 150])
+def test_wide_kernel_256_token_passes_from_192_rows(N):
+    """From 192 rows left the wide kernel runs passes of up to 256 rows (256 tokens on 2 warpgroups, one packet per
+    issue: Mxfp8Steps; stream-K where the tile groups pair up, 200 rows, the split-K form where they do not, 150), the
+    rest in passes of up to 128: within the bars (the weights are exact in bf16 on every pass), and stream-K the same
+    bits on every call."""
+    from profiling import kernels_run
+    packed, w = gpu_case(N, 1152, seed=N)  # K past the blob's last whole chunk of 512
+    for M, large, launches in [(191, 0, 2), (192, 1, 1), (256, 1, 1), (300, 1, 2), (383, 1, 2)]:
+        x = torch.randn(M, 1152, device="cuda").to(torch.bfloat16)
+        ys = []
+        names = [n for n in kernels_run(lambda: ys.append(check(x, packed, w))) if "wide_gemm_kernel" in n]
+        steps = [n for n in names if "Mxfp8Steps" in n]
+        assert len(steps) == large and len(names) == launches, (M, names)
+        sk = [bool(re.search(r"wide_gemm_kernel<.*, (false|true), true>\(|wide_gemm_kernel\w*Lb[01]ELb1EEEv", n))
+              for n in steps]
+        assert all(v == (N == 200) for v in sk), (N, steps)
+        assert torch.equal(ys[0], check(x, packed, w))
+
+
+@GPU
 def test_prefill_path_from_384_rows_or_512_on_large_weights():
     """The op runs its wide kernel up to 383 rows and its prefill path (mxfp8_dequant_packed, then cuBLAS) from 384;
     from 512 on weights of 2^27 elements or more (16384 x 8192 here). The kernels launched say which."""
