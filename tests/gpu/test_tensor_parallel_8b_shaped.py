@@ -1,0 +1,166 @@
+"""Tensor and expert parallelism on models whose shapes shard at TP = 2 and 4: a 2-layer Llama-3-8B-shaped model and
+a 1-layer Mixtral-8x7B-shaped one (random N(0, 0.02) weights, benchmarks/bench_e2e.py's make_source, with the bundled
+model's tokenizer: its 512 ids fit both vocabularies). The bundled model does not serve at TP = 4 (a rank would hold
+2 heads of dimension 16, which vLLM's FlashAttention 3 never returns from) and its o_proj splits a w4a16 g128 group
+at TP = 2; these shapes have neither problem.
+
+Each case serves one checkpoint at TP = 1 and at TP = N (or EP = N), each in an engine of its own, greedy, 32 tokens
+for 8 prompts. Recorded: how many of the 8 texts are identical (TP changes the order of the row-parallel sums, so on
+flat random logits a pick may flip and the text diverge after it). Asserted, teacher-forced so that one flip does not
+derail the rest: the TP = N engine's log-probabilities of the TP = 1 tokens (prompt_logprobs) rank that token first
+at >= 90% of the 256 positions, and differ from TP = 1's by <= 0.05 nats on average. A shard that splits the wrong
+rows, scales or zero points makes the logits unrelated (rank 1 at about 1 in 1000 positions on these random models).
+
+Needs as many GPUs as the case's N. About 40-70 s an engine; the TP = 1 run of a checkpoint is kept for its other
+cases. Split the run with -k to stay under 10 minutes a command, e.g. `-k "tp4 and (bf16 or w4a16-g128)"`.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from preset_models import REPO
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA GPUs (the device's nvidia-h100-x2 / -x4 kinds)")
+
+# name -> (preset or None for the bf16 source, preset overrides); fp8-static and the FP8 KV cache calibrate on the
+# first 10 stories of the evaluation text
+DENSE = {"bf16": (None, {}), "fp8-dynamic": ("fp8-dynamic", {}), "fp8-static": ("fp8-static", {}),
+         "mxfp8": ("mxfp8", {}), "w4a16-g128": ("w4a16", {}),
+         "w4a16-g128-asym": ("w4a16", {"symmetric": False}), "w4a16-g32": ("w4a16", {"group_size": 32}),
+         "w4a16-channel": ("w4a16", {"group_size": -1}), "fp8-kv": ("fp8-dynamic", {"kv_cache": "fp8"})}
+TPS = [n for n in (2, 4) if n <= GPUS]
+RANK1_MIN, MEAN_ABS_LOGPROB_MAX = 0.90, 0.05
+PROMPTS, NEW_TOKENS = 8, 32
+
+# An engine in a process of its own, as a file with a main guard (vLLM may start its TP workers by spawning)
+SCRIPT = textwrap.dedent('''
+    import json, sys
+    from vllm import LLM, SamplingParams
+
+
+    def main():
+        model, tp, ep, prompts, ref = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", json.loads(sys.argv[4]), sys.argv[5]
+        llm = LLM(model=model, tensor_parallel_size=tp, enable_expert_parallel=ep, enforce_eager=True, seed=0,
+                  gpu_memory_utilization=0.3, max_model_len=256)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+        seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+        texts = [o.outputs[0].text for o in outs]
+        # the reference run's sequences (or this run's own), scored token by token
+        ref_seqs = json.loads(open(ref).read())["seqs"] if ref != "-" else seqs
+        starts = [len(o.prompt_token_ids) for o in outs]
+        scored = llm.generate([{"prompt_token_ids": s} for s in ref_seqs],
+                              SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        logprobs, ranks = [], []
+        for o, s, start in zip(scored, ref_seqs, starts):
+            lp = [o.prompt_logprobs[i][s[i]] for i in range(start, len(s))]
+            logprobs.append([p.logprob for p in lp])
+            ranks.append([p.rank for p in lp])
+        print("RESULT " + json.dumps({"texts": texts, "seqs": seqs, "logprobs": logprobs, "ranks": ranks}), flush=True)
+
+
+    if __name__ == "__main__":
+        main()
+''').replace("NEW_TOKENS", str(NEW_TOKENS))
+
+
+def serve(model: Path, n: int, ep: bool, prompts: list[str], ref: Path | None, log: Path) -> dict:
+    """One engine at tensor-parallel size n: its greedy texts and sequences, and its log-probabilities and ranks of
+    `ref`'s sequences (of its own without `ref`)."""
+    script = log.with_name("engine.py")
+    script.write_text(SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(model), str(n), "1" if ep else "0", json.dumps(prompts),
+                        str(ref) if ref else "-"], capture_output=True, text=True, timeout=400, check=False)
+    log.write_text(r.stdout + r.stderr)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"engine at TP={n} failed ({log}): {r.stderr[-2000:]}"
+    return json.loads(lines[-1][7:])
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, padded_model_dir, script):
+    """sources(shape) -> a random-weight source of that bench_e2e shape ("8b": 2 layers, "mixtral": 1) with the
+    bundled model's tokenizer."""
+    bench = script(REPO / "benchmarks" / "bench_e2e.py")
+    made = {}
+
+    def get(shape: str) -> Path:
+        if shape not in made:
+            out = tmp_path_factory.mktemp(f"src-{shape}") / "model"
+            bench.make_source(out, {"8b": 2, "mixtral": 1}[shape], shape=shape)
+            torch.cuda.empty_cache()  # the engines that follow size their memory from what is free
+            for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+                shutil.copy2(padded_model_dir / f, out / f)
+            made[shape] = out
+        return made[shape]
+    return get
+
+
+@pytest.fixture(scope="module")
+def prompts(valid_text) -> list[str]:
+    """The openings (6 words) of the evaluation text's first sentences of more than 8 words."""
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", Path(valid_text).read_text()) if len(s.split()) > 8]
+    return [" ".join(s.split()[:6]) for s in sentences[:PROMPTS]]
+
+
+@pytest.fixture(scope="module")
+def tp1(tmp_path_factory, prompts):
+    """tp1(model) -> (the TP = 1 run's result, the file holding it), one engine per checkpoint."""
+    runs = {}
+
+    def get(model: Path):
+        if model not in runs:
+            d = tmp_path_factory.mktemp("tp1")
+            res = serve(model, 1, False, prompts, None, d / "engine.log")
+            (d / "result.json").write_text(json.dumps(res))
+            runs[model] = (res, d / "result.json")
+        return runs[model]
+    return get
+
+
+def compare(name: str, model: Path, n: int, ep: bool, prompts, tp1, tmp_path):
+    ref, ref_file = tp1(model)
+    got = serve(model, n, ep, prompts, ref_file, tmp_path / "engine.log")
+    same = sum(a == b for a, b in zip(ref["texts"], got["texts"]))
+    ranks = [r for rs in got["ranks"] for r in rs]
+    diffs = [abs(a - b) for la, lb in zip(ref["logprobs"], got["logprobs"]) for a, b in zip(la, lb)]
+    rank1, mean_diff = sum(r == 1 for r in ranks) / len(ranks), sum(diffs) / len(diffs)
+    mode = f"EP={n}" if ep else f"TP={n}"
+    print("RESULT " + json.dumps({"test": "tp-greedy", "model": name, "mode": mode, "same_texts": same,
+                                  "prompts": len(prompts), "rank1": rank1, "mean_abs_logprob_diff": mean_diff,
+                                  "max_abs_logprob_diff": max(diffs)}))
+    assert rank1 >= RANK1_MIN and mean_diff <= MEAN_ABS_LOGPROB_MAX, (
+        f"{name} {mode} against TP=1: TP=1's token ranked first at {rank1:.1%} of the positions (bar "
+        f"{RANK1_MIN:.0%}), mean |logprob difference| {mean_diff:.4f} (bar {MEAN_ABS_LOGPROB_MAX}); "
+        f"{same} of {len(prompts)} texts identical")
+
+
+@pytest.mark.parametrize("n", TPS, ids=lambda n: f"tp{n}")
+@pytest.mark.parametrize("name", list(DENSE))
+def test_llama_8b_shaped_at_tensor_parallel_size(name, n, sources, converted, valid_text, prompts, tp1, tmp_path):
+    preset, overrides = DENSE[name]
+    src = sources("8b")
+    if preset is None:
+        model = src
+    else:
+        if preset == "fp8-static" or overrides.get("kv_cache"):
+            overrides = {"calib_text": valid_text, "calib_lines": slice(0, 10), **overrides}
+        model = converted(preset, src=src, **overrides)
+    compare(name, model, n, False, prompts, tp1, tmp_path)
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+@pytest.mark.parametrize("n", TPS, ids=lambda n: f"x{n}")
+def test_mixtral_shaped_fp4_experts(n, ep, sources, converted, prompts, tp1, tmp_path):
+    """fp4-experts-fp8-dense on the Mixtral-shaped layer: experts split by the intermediate size (TP) or whole experts
+    per rank (EP; 8 experts over N ranks)."""
+    model = converted("fp4-experts-fp8-dense", src=sources("mixtral"))
+    compare("fp4-experts-fp8-dense (mixtral)", model, n, ep, prompts, tp1, tmp_path)
