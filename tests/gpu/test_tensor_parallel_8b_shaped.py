@@ -5,11 +5,12 @@ model's tokenizer: its 512 ids fit both vocabularies). The bundled model does no
 at TP = 2; these shapes have neither problem.
 
 Each case serves one checkpoint at TP = 1 and at TP = N (or EP = N), each in an engine of its own, greedy, 32 tokens
-for 8 prompts. Recorded: how many of the 8 texts are identical (TP changes the order of the row-parallel sums, so on
-flat random logits a pick may flip and the text diverge after it). Asserted, teacher-forced so that one flip does not
-derail the rest: the TP = N engine's log-probabilities of the TP = 1 tokens (prompt_logprobs) rank that token first
-at >= 90% of the 256 positions, and differ from TP = 1's by <= 0.05 nats on average. A shard that splits the wrong
-rows, scales or zero points makes the logits unrelated (rank 1 at about 1 in 1000 positions on these random models).
+for 8 prompts. Recorded: how many of the 8 continuations are identical (TP changes the order of the row-parallel
+sums, so on flat random logits a pick may flip and the continuation diverge after it). Asserted, teacher-forced so
+that one flip does not derail the rest: the TP = N engine's log-probabilities of the TP = 1 tokens (prompt_logprobs)
+rank that token first at >= 90% of the 256 positions, and differ from TP = 1's by <= 0.05 nats on average. A shard
+that splits the wrong rows, scales or zero points makes the logits unrelated (the token then ranks first almost
+nowhere among 128256).
 
 Needs as many GPUs as the case's N. About 40-70 s an engine; the TP = 1 run of a checkpoint is kept for its other
 cases. Split the run with -k to stay under 10 minutes a command, e.g. `-k "tp4 and (bf16 or w4a16-g128)"`.
@@ -48,23 +49,25 @@ SCRIPT = textwrap.dedent('''
 
 
     def main():
-        model, tp, ep, prompts, ref = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", json.loads(sys.argv[4]), sys.argv[5]
+        model, tp, ep = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+        prompts, ref = json.loads(sys.argv[4]), sys.argv[5]
         llm = LLM(model=model, tensor_parallel_size=tp, enable_expert_parallel=ep, enforce_eager=True, seed=0,
                   gpu_memory_utilization=0.3, max_model_len=256)
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+        # token ids only: most of a random model's picks are ids the small tokenizer does not have
+        greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
         seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
-        texts = [o.outputs[0].text for o in outs]
         # the reference run's sequences (or this run's own), scored token by token
         ref_seqs = json.loads(open(ref).read())["seqs"] if ref != "-" else seqs
         starts = [len(o.prompt_token_ids) for o in outs]
         scored = llm.generate([{"prompt_token_ids": s} for s in ref_seqs],
-                              SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+                              SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False), use_tqdm=False)
         logprobs, ranks = [], []
         for o, s, start in zip(scored, ref_seqs, starts):
             lp = [o.prompt_logprobs[i][s[i]] for i in range(start, len(s))]
             logprobs.append([p.logprob for p in lp])
             ranks.append([p.rank for p in lp])
-        print("RESULT " + json.dumps({"texts": texts, "seqs": seqs, "logprobs": logprobs, "ranks": ranks}), flush=True)
+        print("RESULT " + json.dumps({"seqs": seqs, "logprobs": logprobs, "ranks": ranks}), flush=True)
 
 
     if __name__ == "__main__":
@@ -73,8 +76,8 @@ SCRIPT = textwrap.dedent('''
 
 
 def serve(model: Path, n: int, ep: bool, prompts: list[str], ref: Path | None, log: Path) -> dict:
-    """One engine at tensor-parallel size n: its greedy texts and sequences, and its log-probabilities and ranks of
-    `ref`'s sequences (of its own without `ref`)."""
+    """One engine at tensor-parallel size n: its greedy sequences (prompt + 32 tokens), and its log-probabilities and
+    ranks of `ref`'s sequences (of its own without `ref`)."""
     script = log.with_name("engine.py")
     script.write_text(SCRIPT)
     r = subprocess.run([sys.executable, str(script), str(model), str(n), "1" if ep else "0", json.dumps(prompts),
@@ -129,18 +132,18 @@ def tp1(tmp_path_factory, prompts):
 def compare(name: str, model: Path, n: int, ep: bool, prompts, tp1, tmp_path):
     ref, ref_file = tp1(model)
     got = serve(model, n, ep, prompts, ref_file, tmp_path / "engine.log")
-    same = sum(a == b for a, b in zip(ref["texts"], got["texts"]))
+    same = sum(a == b for a, b in zip(ref["seqs"], got["seqs"]))
     ranks = [r for rs in got["ranks"] for r in rs]
     diffs = [abs(a - b) for la, lb in zip(ref["logprobs"], got["logprobs"]) for a, b in zip(la, lb)]
     rank1, mean_diff = sum(r == 1 for r in ranks) / len(ranks), sum(diffs) / len(diffs)
     mode = f"EP={n}" if ep else f"TP={n}"
-    print("RESULT " + json.dumps({"test": "tp-greedy", "model": name, "mode": mode, "same_texts": same,
+    print("RESULT " + json.dumps({"test": "tp-greedy", "model": name, "mode": mode, "same_continuations": same,
                                   "prompts": len(prompts), "rank1": rank1, "mean_abs_logprob_diff": mean_diff,
                                   "max_abs_logprob_diff": max(diffs)}))
     assert rank1 >= RANK1_MIN and mean_diff <= MEAN_ABS_LOGPROB_MAX, (
         f"{name} {mode} against TP=1: TP=1's token ranked first at {rank1:.1%} of the positions (bar "
         f"{RANK1_MIN:.0%}), mean |logprob difference| {mean_diff:.4f} (bar {MEAN_ABS_LOGPROB_MAX}); "
-        f"{same} of {len(prompts)} texts identical")
+        f"{same} of {len(prompts)} continuations identical")
 
 
 @pytest.mark.parametrize("n", TPS, ids=lambda n: f"tp{n}")
