@@ -10,8 +10,8 @@ For each op, shape and M this times, in one process, median us of triton's do_be
   prefill   the op's prefill path: the dequant op to bf16 and torch's linear (what the op runs from the switch);
   op        the op on all M rows, as it chooses (the switch as built);
 the ratio kernels / prefill (< 1: the kernels are faster), and op / the faster of the two (1.00: the switch chose well
-at this point; the two paths are timed apart, so about 1 +- 0.03 is a tie). Each op's outputs on the kernel path are checked
-against the prefill path's at M = 256 (mean |difference| / mean |prefill| under 4e-3: MXFP8 multiplies the same exact
+at this point; the two paths are timed apart, so about 1 +- 0.03 is a tie). Each op's outputs on the kernel path are
+checked against the prefill path's at M = 256 (mean |difference| / mean |prefill| under 4e-3: MXFP8 multiplies the same exact
 weights on both; int4's prefill path rounds the scaled weights to bf16, ~2e-3 against the exact product).
 """
 from __future__ import annotations

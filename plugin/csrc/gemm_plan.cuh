@@ -50,8 +50,8 @@ constexpr int64_t pass_rows(int64_t left, int64_t N, int64_t K, bool rounded = f
                                                                    : 0;
 }
 
-// K per ring stage for a pass of `tokens`: quarter-chunk stages above 128 tokens (the rounded passes), half-chunk stages from 96 (3 stages of
-// 66 KB at 96, 2 of 82 KB at 128), whole chunks below.
+// K per ring stage for a pass of `tokens`: quarter-chunk stages above 128 tokens (the rounded passes), half-chunk
+// stages from 96 (3 stages of 66 KB at 96, 2 of 82 KB at 128), whole chunks below.
 constexpr int stage_k(int tokens) { return tokens > 128 ? 128 : tokens >= 96 ? 256 : 512; }
 
 // A wide pass's plan: tokens per pass (wgmma N), consumer warpgroups per CTA, K per ring stage, and the schedule
@@ -92,8 +92,9 @@ inline PassPlan plan_pass(int64_t rows, int64_t K, int64_t N, int sms) {
 // MXFP8: passes of up to 128 rows from kMxfp8WideMinRows (fewer left: the streaming kernel), and from
 // kMxfp8LargePassMinRows left passes of up to 256 (256 tokens on 2 warpgroups, quarter-chunk stages, one packet per
 // issue: Mxfp8Steps in mxfp8_gemm.cu). MXFP8's weights are exact in bf16 either way (the passes differ only in fp32
-// summation order). The rows from which the 256-token pass runs are int4's rounded passes' (the same kernel shape:
-// 1.02-1.14x the passes of 128 at 192 rows, 1.19-1.28x at 256 and 512), not yet measured for MXFP8.
+// summation order). The rows from which the 256-token pass runs are those int4's rounded passes first had (the same
+// kernel shape). Measured for MXFP8 (bench_mxfp8_gemm.py, H200): at 256 rows 215.3 / 63.8 / 225.2 us on 8192x28672 /
+// 4096x14336 / 28672x8192 against 246.7 / 77.6 / 263.1 with the passes of 128 (1.15-1.22x; docs/decisions.md).
 constexpr int64_t kMxfp8LargePassMinRows = 192;
 constexpr int kMxfp8LargePassRows = 256;
 // Rows of the next pass when `left` rows remain (0: the streaming kernel takes them).

@@ -3,8 +3,8 @@ for the unquantized model and every preset, in vLLM's default compiled mode.
 
 vLLM's bf16 components (the unquantized lm_head GEMM, RMSNorm, attention's split heuristics) are not batch-invariant by
 default; cublade's quantization ops are (each row's depend on that row alone: tests/ops), and its GEMMs change only
-their fp32 summation order with the batch, except w4a16's prefill path and rounded passes (from 160 tokens), whose bf16 weights are
-rounded where the kernels keep them exact: 35 of 64 w4a16 texts differed without vLLM's switch (H200, 64 prompts,
+their fp32 summation order with the batch, except w4a16's prefill path and rounded passes (from 160 tokens), whose
+bf16 weights are rounded where the kernels keep them exact: 35 of 64 w4a16 texts differed without vLLM's switch (H200, 64 prompts,
 compiled; docs/accuracy.md#batch-invariance). Under VLLM_BATCH_INVARIANT=1 cublade-w4a16-gemm keeps every batch on its
 kernels. So the FP8 presets and w4a16 run here under VLLM_BATCH_INVARIANT=1 (the documented way to serve them
 batch-invariantly), the others without it.
