@@ -49,13 +49,15 @@ def ppl_vllm(model: Path, text: Path, tp: int, extra: list[str] = ()) -> float:
     return float(r.stdout.split("loss")[1].split()[0])
 
 
-def model_for(name, padded_model_dir, converted, valid_text) -> Path:
-    if DENSE[name] is None:
-        return padded_model_dir
-    preset, overrides = DENSE[name]
+def model_for(name, src, converted, valid_text, presets=DENSE) -> Path:
+    """`src` itself (bf16), or converted with presets[name]; fp8-static and the FP8 KV cache calibrate on the first 10
+    stories of the evaluation text."""
+    if presets[name] is None:
+        return src
+    preset, overrides = presets[name]
     if preset == "fp8-static" or overrides.get("kv_cache"):
         overrides = {"calib_text": valid_text, "calib_lines": slice(0, 10), **overrides}
-    return converted(preset, **overrides)
+    return converted(preset, src=src, **overrides)
 
 
 @pytest.mark.parametrize("tp", TPS, ids=lambda n: f"tp{n}")

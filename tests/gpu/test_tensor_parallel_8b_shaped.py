@@ -28,17 +28,13 @@ from pathlib import Path
 import pytest
 import torch
 from preset_models import REPO
+from test_tensor_parallel import DENSE as BUNDLED_DENSE
+from test_tensor_parallel import GPUS, TPS, model_for
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA GPUs (the device's nvidia-h100-x2 / -x4 kinds)")
 
-# name -> (preset or None for the bf16 source, preset overrides); fp8-static and the FP8 KV cache calibrate on the
-# first 10 stories of the evaluation text
-DENSE = {"bf16": (None, {}), "fp8-dynamic": ("fp8-dynamic", {}), "fp8-static": ("fp8-static", {}),
-         "mxfp8": ("mxfp8", {}), "w4a16-g128": ("w4a16", {}),
-         "w4a16-g128-asym": ("w4a16", {"symmetric": False}), "w4a16-g32": ("w4a16", {"group_size": 32}),
-         "w4a16-channel": ("w4a16", {"group_size": -1}), "fp8-kv": ("fp8-dynamic", {"kv_cache": "fp8"})}
-TPS = [n for n in (2, 4) if n <= GPUS]
+# the bundled model's presets, and w4a16 at g128, which these shapes shard
+DENSE = {**BUNDLED_DENSE, "w4a16-g128": ("w4a16", {}), "w4a16-g128-asym": ("w4a16", {"symmetric": False})}
 RANK1_MIN, MEAN_ABS_LOGPROB_MAX = 0.90, 0.05
 PROMPTS, NEW_TOKENS = 8, 32
 
@@ -149,15 +145,7 @@ def compare(name: str, model: Path, n: int, ep: bool, prompts, tp1, tmp_path):
 @pytest.mark.parametrize("n", TPS, ids=lambda n: f"tp{n}")
 @pytest.mark.parametrize("name", list(DENSE))
 def test_llama_8b_shaped_at_tensor_parallel_size(name, n, sources, converted, valid_text, prompts, tp1, tmp_path):
-    preset, overrides = DENSE[name]
-    src = sources("8b")
-    if preset is None:
-        model = src
-    else:
-        if preset == "fp8-static" or overrides.get("kv_cache"):
-            overrides = {"calib_text": valid_text, "calib_lines": slice(0, 10), **overrides}
-        model = converted(preset, src=src, **overrides)
-    compare(name, model, n, False, prompts, tp1, tmp_path)
+    compare(name, model_for(name, sources("8b"), converted, valid_text, DENSE), n, False, prompts, tp1, tmp_path)
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
