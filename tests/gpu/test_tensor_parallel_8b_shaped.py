@@ -12,6 +12,12 @@ rank that token first at >= 90% of the 256 positions, and differ from TP = 1's b
 that splits the wrong rows, scales or zero points makes the logits unrelated (the token then ranks first almost
 nowhere among 128256).
 
+Presets that quantize activations per token at run time (fp8-dynamic, fp8-kv) are held to vLLM's own online FP8 (per
+channel, per token) instead: a row-parallel rank scales its tokens over its own K / N inputs, so TP = N quantizes
+differently from TP = 1 in vLLM's FP8 as in cublade's (on this model vLLM's own: 71% ranked first, 0.122 nats at
+TP = 2, H200). Bars: first at >= vLLM's share - 5 points, difference <= vLLM's + 0.02 nats, vLLM's measured here on
+the same source.
+
 Needs as many GPUs as the case's N. About 40-70 s an engine; the TP = 1 run of a checkpoint is kept for its other
 cases. Split the run with -k to stay under 10 minutes a command, e.g. `-k "tp4 and (bf16 or w4a16-g128)"`.
 """
@@ -36,6 +42,9 @@ pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA GPUs (the
 # the bundled model's presets, and w4a16 at g128, which these shapes shard
 DENSE = {**BUNDLED_DENSE, "w4a16-g128": ("w4a16", {}), "w4a16-g128-asym": ("w4a16", {"symmetric": False})}
 RANK1_MIN, MEAN_ABS_LOGPROB_MAX = 0.90, 0.05
+DYNAMIC_FP8 = {"fp8-dynamic", "fp8-kv"}  # per-token activation scales: held to vLLM's own FP8 at the same TP
+VLLM_FP8 = "fp8_per_channel"  # vLLM's online FP8: weights per channel, activations per token
+RANK1_SLACK, MEAN_ABS_LOGPROB_SLACK = 0.05, 0.02
 PROMPTS, NEW_TOKENS = 8, 32
 
 # An engine in a process of its own, as a file with a main guard (vLLM may start its TP workers by spawning)
@@ -46,9 +55,10 @@ SCRIPT = textwrap.dedent('''
 
     def main():
         model, tp, ep = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-        prompts, ref = json.loads(sys.argv[4]), sys.argv[5]
+        prompts, ref, quantization = json.loads(sys.argv[4]), sys.argv[5], sys.argv[6]
         llm = LLM(model=model, tensor_parallel_size=tp, enable_expert_parallel=ep, enforce_eager=True, seed=0,
-                  gpu_memory_utilization=0.3, max_model_len=256)
+                  gpu_memory_utilization=0.3, max_model_len=256,
+                  quantization=None if quantization == "-" else quantization)
         # token ids only: most of a random model's picks are ids the small tokenizer does not have
         greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
@@ -71,13 +81,16 @@ SCRIPT = textwrap.dedent('''
 ''').replace("NEW_TOKENS", str(NEW_TOKENS))
 
 
-def serve(model: Path, n: int, ep: bool, prompts: list[str], ref: Path | None, log: Path) -> dict:
+def serve(model: Path, n: int, ep: bool, prompts: list[str], ref: Path | None, log: Path,
+          quantization: str | None = None) -> dict:
     """One engine at tensor-parallel size n: its greedy sequences (prompt + 32 tokens), and its log-probabilities and
-    ranks of `ref`'s sequences (of its own without `ref`)."""
+    ranks of `ref`'s sequences (of its own without `ref`). quantization: vLLM's --quantization (None: the
+    checkpoint's own)."""
     script = log.with_name("engine.py")
     script.write_text(SCRIPT)
     r = subprocess.run([sys.executable, str(script), str(model), str(n), "1" if ep else "0", json.dumps(prompts),
-                        str(ref) if ref else "-"], capture_output=True, text=True, timeout=400, check=False)
+                        str(ref) if ref else "-", quantization or "-"],
+                       capture_output=True, text=True, timeout=400, check=False)
     log.write_text(r.stdout + r.stderr)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, f"engine at TP={n} failed ({log}): {r.stderr[-2000:]}"
@@ -112,40 +125,68 @@ def prompts(valid_text) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tp1(tmp_path_factory, prompts):
-    """tp1(model) -> (the TP = 1 run's result, the file holding it), one engine per checkpoint."""
+    """tp1(model, quantization=None) -> (the TP = 1 run's result, the file holding it), one engine per checkpoint."""
     runs = {}
 
-    def get(model: Path):
-        if model not in runs:
+    def get(model: Path, quantization: str | None = None):
+        if (model, quantization) not in runs:
             d = tmp_path_factory.mktemp("tp1")
-            res = serve(model, 1, False, prompts, None, d / "engine.log")
+            res = serve(model, 1, False, prompts, None, d / "engine.log", quantization)
             (d / "result.json").write_text(json.dumps(res))
-            runs[model] = (res, d / "result.json")
-        return runs[model]
+            runs[model, quantization] = (res, d / "result.json")
+        return runs[model, quantization]
     return get
 
 
-def compare(name: str, model: Path, n: int, ep: bool, prompts, tp1, tmp_path):
-    ref, ref_file = tp1(model)
-    got = serve(model, n, ep, prompts, ref_file, tmp_path / "engine.log")
-    same = sum(a == b for a, b in zip(ref["seqs"], got["seqs"]))
+def against_tp1(model: Path, n: int, ep: bool, prompts, tp1, log: Path, quantization: str | None = None) -> dict:
+    """The TP = N (EP = N) engine against TP = 1 on one checkpoint: identical continuations, the share of positions
+    where TP = 1's token ranks first, and the mean / max |logprob difference| of TP = 1's tokens."""
+    ref, ref_file = tp1(model, quantization)
+    got = serve(model, n, ep, prompts, ref_file, log, quantization)
     ranks = [r for rs in got["ranks"] for r in rs]
     diffs = [abs(a - b) for la, lb in zip(ref["logprobs"], got["logprobs"]) for a, b in zip(la, lb)]
-    rank1, mean_diff = sum(r == 1 for r in ranks) / len(ranks), sum(diffs) / len(diffs)
+    return {"same_continuations": sum(a == b for a, b in zip(ref["seqs"], got["seqs"])), "prompts": len(prompts),
+            "rank1": sum(r == 1 for r in ranks) / len(ranks), "mean_abs_logprob_diff": sum(diffs) / len(diffs),
+            "max_abs_logprob_diff": max(diffs)}
+
+
+@pytest.fixture(scope="module")
+def vllm_fp8(sources, prompts, tp1, tmp_path_factory):
+    """vllm_fp8(n) -> vLLM's own online FP8 (VLLM_FP8) at TP = n against TP = 1 on the 8B-shaped source."""
+    runs = {}
+
+    def get(n: int) -> dict:
+        if n not in runs:
+            log = tmp_path_factory.mktemp(f"vllm-fp8-tp{n}") / "engine.log"
+            runs[n] = against_tp1(sources("8b"), n, False, prompts, tp1, log, VLLM_FP8)
+            print("RESULT " + json.dumps({"test": "tp-greedy", "model": f"vLLM {VLLM_FP8}", "mode": f"TP={n}",
+                                          **runs[n]}))
+        return runs[n]
+    return get
+
+
+def compare(name: str, model: Path, n: int, ep: bool, prompts, tp1, tmp_path, reference: dict | None = None):
+    """Assert the bars (RANK1_MIN / MEAN_ABS_LOGPROB_MAX, or `reference`'s own scores with the slack)."""
+    got = against_tp1(model, n, ep, prompts, tp1, tmp_path / "engine.log")
     mode = f"EP={n}" if ep else f"TP={n}"
-    print("RESULT " + json.dumps({"test": "tp-greedy", "model": name, "mode": mode, "same_continuations": same,
-                                  "prompts": len(prompts), "rank1": rank1, "mean_abs_logprob_diff": mean_diff,
-                                  "max_abs_logprob_diff": max(diffs)}))
-    assert rank1 >= RANK1_MIN and mean_diff <= MEAN_ABS_LOGPROB_MAX, (
+    print("RESULT " + json.dumps({"test": "tp-greedy", "model": name, "mode": mode, **got}))
+    rank1_min, mean_max = RANK1_MIN, MEAN_ABS_LOGPROB_MAX
+    if reference is not None:
+        rank1_min = min(rank1_min, reference["rank1"] - RANK1_SLACK)
+        mean_max = max(mean_max, reference["mean_abs_logprob_diff"] + MEAN_ABS_LOGPROB_SLACK)
+    rank1, mean_diff = got["rank1"], got["mean_abs_logprob_diff"]
+    assert rank1 >= rank1_min and mean_diff <= mean_max, (
         f"{name} {mode} against TP=1: TP=1's token ranked first at {rank1:.1%} of the positions (bar "
-        f"{RANK1_MIN:.0%}), mean |logprob difference| {mean_diff:.4f} (bar {MEAN_ABS_LOGPROB_MAX}); "
-        f"{same} of {len(prompts)} continuations identical")
+        f"{rank1_min:.0%}), mean |logprob difference| {mean_diff:.4f} (bar {mean_max:.3f}); "
+        f"{got['same_continuations']} of {len(prompts)} continuations identical")
 
 
 @pytest.mark.parametrize("n", TPS, ids=lambda n: f"tp{n}")
 @pytest.mark.parametrize("name", list(DENSE))
-def test_llama_8b_shaped_at_tensor_parallel_size(name, n, sources, converted, valid_text, prompts, tp1, tmp_path):
-    compare(name, model_for(name, sources("8b"), converted, valid_text, DENSE), n, False, prompts, tp1, tmp_path)
+def test_llama_8b_shaped_at_tensor_parallel_size(name, n, sources, converted, valid_text, prompts, tp1, vllm_fp8,
+                                                 tmp_path):
+    model = model_for(name, sources("8b"), converted, valid_text, DENSE)
+    compare(name, model, n, False, prompts, tp1, tmp_path, vllm_fp8(n) if name in DYNAMIC_FP8 else None)
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
