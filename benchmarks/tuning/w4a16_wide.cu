@@ -1,11 +1,12 @@
 // The wide W4A16 kernel (wgmma, w4a16_gemm.cu namespace wide) against the streaming kernel, on four Llama-70B-like
-// shapes (K x N: 8192x28672, 4096x14336, 28672x8192, 8192x10240), M = 1..512: checks both against a host reference
+// shapes (K x N: 8192x28672, 4096x14336, 28672x8192, 8192x10240; others with a third argument, e.g.
+// 4096x4096,4096x6144), M = 1..512: checks both against a host reference
 // on sampled rows, and times every configuration (kVariants: tokens per pass, warpgroups per CTA, K per stage, PDL;
 // x K splits 1 / 2 / 4, or "sk": stream-K) after do_bench's memset flush.
 // Stand-alone (CUDA runtime only), on the H200:
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc \
-//        benchmarks/tuning/w4a16_wide.cu -o /tmp/w4a16_wide && /tmp/w4a16_wide [REPS [M,M,...]]
+//        benchmarks/tuning/w4a16_wide.cu -o /tmp/w4a16_wide && /tmp/w4a16_wide [REPS [M,M,... [KxN,KxN,...]]]
 //
 // Weights: random codes, random bf16 scales in [2^-8, 2^-6) per group of 128 (symmetric). "ref err": over sampled
 // outputs, the largest |kernel - host| / (|host| / 128 + 2e-3 mean |host|) (host: the blob decoded, fp64 sums;
@@ -137,7 +138,22 @@ int main(int argc, char** argv) {
   std::printf("%-11s %3s %-8s %-14s %2s %9s %7s %s\n", "KxN", "M", "kernel", "variant", "S", "us", "TB/s", "ref err");
 
   struct Shape { int K, N; };
-  for (const Shape sh : {Shape{8192, 28672}, Shape{4096, 14336}, Shape{28672, 8192}, Shape{8192, 10240}}) {
+  std::vector<Shape> shapes = {{8192, 28672}, {4096, 14336}, {28672, 8192}, {8192, 10240}};
+  if (argc > 3) {  // KxN,KxN,...
+    shapes.clear();
+    for (const char* p = argv[3]; *p;) {
+      char* end;
+      const int K = int(std::strtol(p, &end, 10));
+      const int N = *end == 'x' ? int(std::strtol(end + 1, &end, 10)) : 0;
+      if (K < 128 || K % 128 != 0 || N < 64 || N % 64 != 0) {
+        std::fprintf(stderr, "shapes: KxN with K a multiple of 128 and N of 64, e.g. 4096x4096,4096x6144\n");
+        return 2;
+      }
+      shapes.push_back({K, N});
+      p = *end ? end + 1 : end;
+    }
+  }
+  for (const Shape sh : shapes) {
     const int K = sh.K, N = sh.N, max_m = 512;
     std::mt19937 rng(1234);
     std::uniform_real_distribution<float> Us(1.0f / 256, 1.0f / 64);
