@@ -1,5 +1,5 @@
 """Tensor and expert parallelism on GPUs: every preset of the bundled model (where its shapes shard: hidden 128,
-MLP 256, 8 heads / 4 KV heads), served by vLLM at TP = 2 (and 4 with four GPUs), scored with `cublade ppl --backend
+MLP 256, 8 heads / 4 KV heads), served by vLLM at TP = 2 (TP = 4 cases skip: NO_TP4), scored with `cublade ppl --backend
 vllm --tensor-parallel-size N` against the reference backend (within 0.5%, the bar of the one-GPU tests), and the
 MoE fixture's FP4 experts under TP and under expert parallelism.
 
@@ -33,6 +33,11 @@ DENSE = {"bf16": None, "fp8-dynamic": ("fp8-dynamic", {}), "fp8-static": ("fp8-s
          "w4a16-channel": ("w4a16", {"group_size": -1}), "fp8-kv": ("fp8-dynamic", {"kv_cache": "fp8"})}
 PPL_REL = 0.005
 TPS = [n for n in (2, 4) if n <= GPUS]
+# The bundled model and the MoE fixture at TP = 4: a rank holds 2 query heads / 1 KV head of dimension 16, and vLLM's
+# FlashAttention 3 never returns from the first forward (bf16 without any cublade layer alike; four H200s). TP = 4
+# runs on the 8B-shaped model instead (test_tensor_parallel_8b_shaped.py).
+NO_TP4 = "vLLM does not serve this model at TP = 4 (head dim 16 on FlashAttention 3 hangs; bf16 alike)"
+BUNDLED_TPS = [pytest.param(n, marks=pytest.mark.skip(reason=NO_TP4)) if n == 4 else n for n in TPS]
 
 
 def failure_summary(stderr: str) -> str:
@@ -44,7 +49,7 @@ def failure_summary(stderr: str) -> str:
 def ppl_vllm(model: Path, text: Path, tp: int, extra: list[str] = ()) -> float:
     r = subprocess.run([sys.executable, "-m", "cublade.cli", "ppl", str(model), "--text", str(text),
                         "--backend", "vllm", "--tensor-parallel-size", str(tp), *extra],
-                       capture_output=True, text=True, timeout=500)
+                       capture_output=True, text=True, timeout=500, check=False)
     assert r.returncode == 0, failure_summary(r.stderr)
     return float(r.stdout.split("loss")[1].split()[0])
 
@@ -60,7 +65,7 @@ def model_for(name, src, converted, valid_text, presets=DENSE) -> Path:
     return converted(preset, src=src, **overrides)
 
 
-@pytest.mark.parametrize("tp", TPS, ids=lambda n: f"tp{n}")
+@pytest.mark.parametrize("tp", BUNDLED_TPS, ids=lambda n: f"tp{n}")
 @pytest.mark.parametrize("name", list(DENSE))
 def test_ppl_at_tensor_parallel_size(name, tp, padded_model_dir, converted, valid_text):
     from cublade.ppl import evaluate
@@ -77,7 +82,7 @@ def moe_fp4(tmp_path_factory) -> Path:
     return moe_fp4_checkpoint(tmp_path_factory.mktemp("moe"))
 
 
-@pytest.mark.parametrize("tp", TPS, ids=lambda n: f"tp{n}")
+@pytest.mark.parametrize("tp", BUNDLED_TPS, ids=lambda n: f"tp{n}")
 def test_moe_fp4_experts_under_tensor_parallelism(moe_fp4, valid_text, tp):
     from cublade.ppl import evaluate
 
