@@ -35,7 +35,7 @@ import pytest
 import torch
 from preset_models import REPO
 from test_tensor_parallel import DENSE as BUNDLED_DENSE
-from test_tensor_parallel import GPUS, TPS, model_for
+from test_tensor_parallel import GPUS, TPS, failure_summary, model_for
 
 pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA GPUs (the device's nvidia-h100-x2 / -x4 kinds)")
 
@@ -93,7 +93,7 @@ def serve(model: Path, n: int, ep: bool, prompts: list[str], ref: Path | None, l
                        capture_output=True, text=True, timeout=400, check=False)
     log.write_text(r.stdout + r.stderr)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, f"engine at TP={n} failed ({log}): {r.stderr[-2000:]}"
+    assert r.returncode == 0 and lines, f"engine at TP={n} failed ({log}): {failure_summary(r.stderr)}"
     return json.loads(lines[-1][7:])
 
 
