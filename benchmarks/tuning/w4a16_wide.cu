@@ -12,11 +12,7 @@
 // outputs, the largest |kernel - host| / (|host| / 128 + 2e-3 mean |host|) (host: the blob decoded, fp64 sums;
 // for passes of more than 128 tokens, Int4PrescaledBatch's, the decoded weights rounded to bf16 first); <= 1 is "ok"
 // (one bf16 rounding of the output). Rows with "-" for variant and S: the production choices ("- rounded": with
-// W4a16GemmArgs::rounded, as the torch op runs bf16 x; "- exact": without). Rows "win" (from 129 rows up to 256):
-// the 128-token windows of M in one launch, one grid slice each (the experts' token-window kernel, every slice on
-// the same weights: CUBLADE_WIDE_SHARED_WEIGHTS), K splits 1 / 2 / 4: more CTAs on small weights than one pass of
-// 256 tokens, each window's weights read again from L2.
-#define CUBLADE_WIDE_SHARED_WEIGHTS
+// W4a16GemmArgs::rounded, as the torch op runs bf16 x; "- exact": without).
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
 #include "int4_problem.cuh"
@@ -99,20 +95,6 @@ bool applies(const Variant& v, int M) {
          (M > 128 && (v.ntok == 96 || v.ntok == 192 || v.ntok == 256));
 }
 
-// M rows as windows of 128 tokens in one launch: offsets [0, 128, 256, ...] as "experts" that all read the one weight
-// (offsets: device int32 [windows + 1]); the token-window kernel (kWindows), exact int4 batches, S K splits.
-cudaError_t run_windows(int S, const bf16* x, int M, int K, const void* blob, bf16* out, int N, const int* offsets,
-                        void* ws, int sms, cudaStream_t st) {
-  cublade::wide::Params prm = {};
-  prm.w = static_cast<const unsigned char*>(blob);
-  prm.offsets = offsets;
-  prm.experts = (M + 127) / 128;
-  prm.M = M; prm.N = N;
-  prm.out = out; prm.out_stride = N;
-  using B = cublade::wide::PassBatch<bf16, 128, kGS, false>;
-  return cublade::wide::launch_kernel<B, 128, 2, 256, true>(prm, x, K, K, S, 0, true, ws, sms, st);
-}
-
 template <int NTOK, int WG, int KS>
 cudaError_t run_config(bool pdl, int S, const bf16* x, int M, int K, const void* blob, bf16* out, int N, void* ws,
                        int sms, cudaStream_t st) {
@@ -192,15 +174,6 @@ int main(int argc, char** argv) {
       wrows_pre.push_back(wrows.back());
       for (double& w : wrows_pre.back()) w = bf16_bits_to_float(float_to_bf16_bits(float(w)));
     }
-    int* offsets = nullptr;  // the "win" rows' windows of 128 tokens, and their own workspace for x
-    void* ws_win = nullptr;
-    {
-      std::vector<int> h;
-      for (int r = 0; r <= 512; r += 128) h.push_back(r);
-      CK(cudaMalloc(&offsets, h.size() * sizeof(int)));
-      CK(cudaMemcpy(offsets, h.data(), h.size() * sizeof(int), cudaMemcpyHostToDevice));
-      CK(cudaMalloc(&ws_win, cublade::wide::x_workspace_bytes(256, K, 128, true)));
-    }
     for (const int M : ms) {
       std::vector<double> want(rows.size() * M), want_pre(rows.size() * M);
       double mean = 0;
@@ -269,21 +242,6 @@ int main(int argc, char** argv) {
           row("wide", v.name().c_str(), S, f, v.pre() ? all_pre : none_pre);
         }
       }
-      if (M > 128 && M <= 256) {  // the 128-token windows in one launch (offsets: the last window ends at M)
-        std::vector<int> h;
-        for (int r = 0; r < M; r += 128) h.push_back(r);
-        h.push_back(M);
-        CK(cudaMemcpy(offsets, h.data(), h.size() * sizeof(int), cudaMemcpyHostToDevice));
-        for (const int S : {1, 2, 4}) {
-          if (chunks < 2 * S) continue;
-          const auto f = [&, S] { return run_windows(S, x, M, K, blob, out, N, offsets, ws_win, sms, st); };
-          if (f() != cudaSuccess) {
-            CK(cudaGetLastError());
-            continue;
-          }
-          row("wide", "win n128 wg2", S, f, none_pre);
-        }
-      }
       {  // the x prep alone (part of every wide row), at the production pass size
         const int nt = cublade::wide::ntok(std::min(M, cublade::wide::kMaxPassRows));
         const int64_t units = int64_t(chunks) * nt * 64;
@@ -296,8 +254,6 @@ int main(int argc, char** argv) {
                     harness::time_us(prep, flush.memset, reps, st));
       }
     }
-    CK(cudaFree(offsets));
-    CK(cudaFree(ws_win));
   }
   std::printf("done\n");
   return 0;

@@ -260,12 +260,7 @@ __global__ void __launch_bounds__(Regs<WG, kWindows>::kThreads, 1)
   }
   const int64_t expert_bytes = static_cast<int64_t>(prm.groups) * prm.blob_chunks * lowbit::kGroupTiles *
                                Lay::kBlobTileBytes;
-#ifdef CUBLADE_WIDE_SHARED_WEIGHTS  // tuning builds only: every slice reads expert 0 (a dense GEMM's token windows)
-  const unsigned char* wexp = prm.w;
-  (void)expert_bytes;
-#else
   const unsigned char* wexp = prm.w + e * expert_bytes;
-#endif
   const int npass = kWindows ? (r1 - r0 / 8 * 8 + NTOK - 1) / NTOK : 1;  // windows of NTOK tokens from 8 (r0 / 8)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + lowbit::kMaxStages;
