@@ -7,12 +7,17 @@ prompts at each concurrency; output tokens/s, median TTFT and median TPOT per co
     python benchmarks/bench_serve.py report FILE [FILE ...]          # the table of earlier runs' JSON lines
 
 Each server is compiled with CUDA graphs (vLLM's defaults), holds up to the largest concurrency, and is stopped before
-the next starts. The random dataset draws token ids from the bundled stories tokenizer (512 ids, all inside the
-model's 128256), which the server uses too (`--tokenizer`); every request generates exactly --output-len tokens
-(`--ignore-eos`; ids the tokenizer lacks decode to no text, without an error). Prompts per concurrency: 4x the
-concurrency, at least 32. A configuration whose server does not
-start, or a client run that fails, is reported with the log's last lines and the rest goes on. Runs one
-configuration at a time: split a long list over several commands with the same --json, then `report` it.
+the next starts (also when the run is stopped with SIGTERM, e.g. by `timeout`). Prompts and their tokenizer: the
+random dataset samples token ids, decodes them to text and sends the text, which the server encodes again. A
+sentencepiece tokenizer does not give the same ids back for random ids (with the bundled stories tokenizer 13 of 32
+prompts of 512 ids came back as 1054-1470 tokens and were refused by the server), so the run writes a word-level
+tokenizer of its own into WORKDIR/tokenizer-words: ids 3-511 are the words "w3" ... "w511" (all inside the model's
+128256), joined by spaces, so every prompt is exactly --input-len tokens on both sides; generated ids beyond 511
+decode to no text. Every request generates exactly --output-len tokens (`--ignore-eos`). Prompts per concurrency: 4x
+the concurrency, at least 32. A row with failed requests is marked in the table (its throughput does not measure the
+full load). A configuration whose server does not start, or a client run that fails, is reported with the log's last
+lines and the rest goes on. Runs one configuration at a time: split a long list over several commands with the same
+--json, then `report` it.
 """
 from __future__ import annotations
 
@@ -32,11 +37,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import CONFIGS  # noqa: E402  (the same configurations as the decode-step bench)
 
 REPO = Path(__file__).resolve().parent.parent
-TOKENIZER = REPO / "fixtures" / "models" / "stories260K-hf"
+WORDS = 512  # the prompt tokenizer's ids; the model's vocabulary is 128256
 START_TIMEOUT_S = 900  # a compiled 8B-shaped engine, Humming's JIT included
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "completed", "failed")
 PAIRS = [("cublade-w4a16", "vllm-w4a16"), ("cublade-w4a16", "vllm-w4a16-humming"), ("cublade-fp8", "vllm-fp8"),
          ("cublade-mxfp8", "vllm-mxfp8")]
+
+
+def write_word_tokenizer(path: Path) -> Path:
+    """A word-level tokenizer whose decode -> encode gives the same ids back: "<unk>" 0, "<s>" 1, "</s>" 2, then
+    "w3" ... "w511", split on whitespace. Written once; returns path."""
+    if not (path / "tokenizer.json").exists():
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, WORDS)}}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(cleanup=False)  # tokens joined by single spaces
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                eos_token="</s>").save_pretrained(path)
+    return path
 
 
 def free_port() -> int:
@@ -49,20 +70,20 @@ def tail(path: Path, n: int = 25) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
 
 
-def server_command(model: Path, port: int, quantization: str | None, backend: str | None, max_seqs: int,
-                   max_len: int, tp: int) -> list[str]:
+def server_command(model: Path, tokenizer: Path, port: int, quantization: str | None, backend: str | None,
+                   max_seqs: int, max_len: int, tp: int) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--port", str(port),
-            "--host", "127.0.0.1", "--served-model-name", "m", "--tokenizer", str(TOKENIZER),
+            "--host", "127.0.0.1", "--served-model-name", "m", "--tokenizer", str(tokenizer),
             "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs), "--gpu-memory-utilization", "0.85",
             "--tensor-parallel-size", str(tp)] + \
         (["--quantization", quantization] if quantization else []) + \
         (["--attention-backend", backend] if backend else [])
 
 
-def client_command(port: int, concurrency: int, prompts: int, input_len: int, output_len: int, result: Path
-                   ) -> list[str]:
+def client_command(tokenizer: Path, port: int, concurrency: int, prompts: int, input_len: int, output_len: int,
+                   result: Path) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
-            "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer", str(TOKENIZER),
+            "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer", str(tokenizer),
             "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
             str(output_len), "--ignore-eos", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
             "--percentile-metrics", "ttft,tpot,itl", "--seed", "0", "--save-result", "--result-dir",
@@ -103,9 +124,9 @@ def run_config(work: Path, name: str, args) -> dict:
     """{concurrency: metrics} for one configuration (empty when its server did not start)."""
     sub, quant, extra_env, backend = CONFIGS[name]
     port = free_port()
-    # the random dataset's text may re-tokenize to a few more tokens than asked: room for them
-    cmd = server_command(work / sub, port, quant, backend, max(args.concurrency), args.input_len +
-                         args.output_len + 256, args.tensor_parallel_size)
+    tokenizer = write_word_tokenizer(work / "tokenizer-words")
+    cmd = server_command(work / sub, tokenizer, port, quant, backend, max(args.concurrency),
+                         args.input_len + args.output_len, args.tensor_parallel_size)
     log = work / f"serve-{name}.log"
     print(f"{name}: {work / sub}" + (f" --quantization {quant}" if quant else "") +
           "".join(f" {k}={v}" for k, v in extra_env.items()) + f" (log {log})", flush=True)
@@ -121,7 +142,8 @@ def run_config(work: Path, name: str, args) -> dict:
             result.unlink(missing_ok=True)
             client_log = work / f"serve-{name}-c{c}-client.log"
             with open(client_log, "w") as out:
-                r = subprocess.run(client_command(port, c, max(4 * c, 32), args.input_len, args.output_len, result),
+                r = subprocess.run(client_command(tokenizer, port, c, max(4 * c, 32), args.input_len,
+                                                  args.output_len, result),
                                    stdout=out, stderr=subprocess.STDOUT)
             if r.returncode != 0 or not result.exists():
                 print(f"  concurrency {c}: client failed (exit {r.returncode}); last lines of {client_log}:\n"
@@ -133,7 +155,15 @@ def run_config(work: Path, name: str, args) -> dict:
             print(f"  concurrency {c}: {m['output_throughput']:.0f} output tok/s, median TTFT "
                   f"{m['median_ttft_ms']:.1f} ms, median TPOT {m['median_tpot_ms']:.2f} ms "
                   f"({m['completed']} completed, {m['failed']} failed)", flush=True)
+            if m["failed"]:
+                print(f"  concurrency {c}: {m['failed']} requests failed: the row does not measure the full load; "
+                      f"see {client_log}", flush=True)
     return rows
+
+
+def cell(m: dict) -> str:
+    text = f"{m['output_throughput']:.0f} / {m['median_ttft_ms']:.0f} / {m['median_tpot_ms']:.2f}"
+    return text + (f" ({m['failed']} of {m['completed'] + m['failed']} failed)" if m.get("failed") else "")
 
 
 def report(runs: list[dict]) -> None:
@@ -154,8 +184,7 @@ def report(runs: list[dict]) -> None:
     print("| config | " + " | ".join(f"concurrency {c}" for c in levels) + " |")
     print("|---|" + "---:|" * len(levels))
     for name, rows in results.items():
-        cells = [(f"{rows[c]['output_throughput']:.0f} / {rows[c]['median_ttft_ms']:.0f} / "
-                  f"{rows[c]['median_tpot_ms']:.2f}") if c in rows else "—" for c in levels]
+        cells = [cell(rows[c]) if c in rows else "—" for c in levels]
         print(f"| {name} | " + " | ".join(cells) + " |")
     pairs = PAIRS + [(n, "bf16") for n in results if n != "bf16"]
     print("\noutput tokens/s, ours / baseline's:")
@@ -204,6 +233,8 @@ def main() -> None:
     q = sub.add_parser("report", help="print the table of earlier runs (their --json files)")
     q.add_argument("files", nargs="+")
     args = p.parse_args()
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the running server's context stops it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     {"run": cmd_run, "report": cmd_report}[args.cmd](args)
 
 

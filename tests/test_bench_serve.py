@@ -1,8 +1,15 @@
-"""benchmarks/bench_serve.py without a GPU: the server and client commands it runs (vLLM's own CLI, the bundled
-tokenizer, fixed-length random requests), the table and ratios it prints from its JSON lines, and its refusals."""
+"""benchmarks/bench_serve.py without a GPU: its prompt tokenizer (vLLM's random prompts come back at exactly the
+asked length), the server and client commands it runs (vLLM's own CLI, fixed-length random requests), the table and
+ratios it prints from its JSON lines (rows with failed requests marked), and its refusals."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -15,32 +22,46 @@ def bench(script):
     return script(REPO / "benchmarks" / "bench_serve.py")
 
 
-def test_tokenizer_ids_fit_the_8b_vocabulary(bench):
-    vocab = json.loads((bench.TOKENIZER / "tokenizer.json").read_text())["model"]["vocab"]
-    assert len(vocab) == 512 < 128256
+def test_word_tokenizer_gives_vllm_random_prompts_back_at_their_length(bench, tmp_path):
+    path = bench.write_word_tokenizer(tmp_path / "tok")
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    assert len(vocab) == 512 and max(vocab.values()) < 128256  # inside the 8B-shaped model's vocabulary
+    datasets = pytest.importorskip("vllm.benchmarks.datasets.datasets")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    requests = datasets.RandomDataset(random_seed=0).sample(tokenizer=tok, num_requests=64, input_len=512,
+                                                            output_len=256)
+    # the client's count and the server's encoding of the text it is sent
+    assert {r.prompt_len for r in requests} == {512}
+    assert {len(tok(r.prompt).input_ids) for r in requests} == {512}
+    assert tok.decode([5, 100_000, 6]) == "w5 w6"  # a generated id beyond the words decodes to no text
 
 
 def test_commands(bench, tmp_path):
-    srv = bench.server_command(tmp_path / "cublade-w4a16", 8123, None, None, 256, 832, 1)
+    tok = tmp_path / "tokenizer-words"
+    srv = bench.server_command(tmp_path / "cublade-w4a16", tok, 8123, None, None, 256, 768, 1)
     assert srv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", str(tmp_path / "cublade-w4a16")]
-    assert srv[srv.index("--tokenizer") + 1] == str(bench.TOKENIZER)
+    assert srv[srv.index("--tokenizer") + 1] == str(tok)
+    assert srv[srv.index("--max-model-len") + 1] == "768"
     assert srv[srv.index("--max-num-seqs") + 1] == "256" and "--quantization" not in srv
     assert "--enforce-eager" not in srv  # compiled, CUDA graphs: as served
-    srv = bench.server_command(tmp_path / "src", 8123, "fp8_per_channel", "CUSTOM", 16, 832, 2)
+    srv = bench.server_command(tmp_path / "src", tok, 8123, "fp8_per_channel", "CUSTOM", 16, 768, 2)
     assert srv[srv.index("--quantization") + 1] == "fp8_per_channel"
     assert srv[srv.index("--attention-backend") + 1] == "CUSTOM"
     assert srv[srv.index("--tensor-parallel-size") + 1] == "2"
-    cli = bench.client_command(8123, 64, 256, 512, 256, tmp_path / "r.json")
+    cli = bench.client_command(tok, 8123, 64, 256, 512, 256, tmp_path / "r.json")
     assert cli[3:5] == ["bench", "serve"] and "--ignore-eos" in cli
+    assert cli[cli.index("--tokenizer") + 1] == str(tok)
     for flag, value in (("--dataset-name", "random"), ("--random-input-len", "512"), ("--random-output-len", "256"),
                         ("--max-concurrency", "64"), ("--num-prompts", "256"), ("--result-dir", str(tmp_path)),
                         ("--result-filename", "r.json"), ("--base-url", "http://127.0.0.1:8123")):
         assert cli[cli.index(flag) + 1] == value, flag
 
 
-def rows(tps, ttft=50.0, tpot=5.0):
-    return {str(c): {"output_throughput": t, "median_ttft_ms": ttft, "median_tpot_ms": tpot, "completed": 32,
-                     "failed": 0} for c, t in tps.items()}
+def rows(tps, ttft=50.0, tpot=5.0, failed=0):
+    return {str(c): {"output_throughput": t, "median_ttft_ms": ttft, "median_tpot_ms": tpot, "completed": 32 - failed,
+                     "failed": failed} for c, t in tps.items()}
 
 
 def test_report_table_and_ratios(bench, capsys):
@@ -55,6 +76,11 @@ def test_report_table_and_ratios(bench, capsys):
     assert "cublade-w4a16 vs vllm-w4a16: c=1 2.50x, c=64 0.50x" in out
     assert "cublade-w4a16 vs bf16: c=1 1.25x, c=64 0.80x" in out
     assert "vllm-w4a16-humming" not in out  # no such rows: no ratio
+
+
+def test_report_marks_rows_with_failed_requests(bench, capsys):
+    bench.report([{"input_len": 512, "output_len": 256, "configs": {"bf16": rows({1: 199.0}, failed=13)}}])
+    assert "| bf16 | 199 / 50 / 5.00 (13 of 32 failed) |" in capsys.readouterr().out
 
 
 def test_report_from_files(bench, tmp_path, capsys, monkeypatch):
@@ -72,3 +98,29 @@ def test_refusals(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench.sys, "argv", ["bench_serve.py", "run", str(tmp_path), "cublade-w4a16"])
     with pytest.raises(SystemExit, match=r"no cublade-w4a16; run `bench_e2e.py make"):
         bench.main()
+
+
+def test_sigterm_stops_the_server(tmp_path):
+    """`timeout` stops a run with SIGTERM: the server it started (its own process group) must go with it, or it holds
+    the GPU's memory for whatever runs next."""
+    (tmp_path / "src").mkdir()
+    pidfile = tmp_path / "server.pid"
+    fake_server = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO / 'benchmarks')!r})
+        import bench_serve
+        bench_serve.server_command = lambda *a: [sys.executable, "-c", {fake_server!r}, "--port", "1"]
+        sys.argv = ["bench_serve.py", "run", {str(tmp_path)!r}, "bf16"]
+        bench_serve.main()
+    """))
+    run = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while not (pidfile.exists() and pidfile.read_text()) and time.time() < deadline:
+        time.sleep(0.2)
+    server_pid = int(pidfile.read_text())
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) == 143, run.stdout.read()
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)
