@@ -12,11 +12,16 @@ rank that token first at >= 90% of the 256 positions, and differ from TP = 1's b
 that splits the wrong rows, scales or zero points makes the logits unrelated (the token then ranks first almost
 nowhere among 128256).
 
-Presets that quantize activations per token at run time (fp8-dynamic, fp8-kv, and the Mixtral layer's FP8
-attention) are held to vLLM's own online FP8 (per channel, per token) instead: a row-parallel rank scales its tokens
-over its own K / N inputs, so TP = N quantizes differently from TP = 1 in vLLM's FP8 as in cublade's (on the 8B-shaped
-model vLLM's own: 71% ranked first, 0.122 nats at TP = 2, H200). Bars: first at >= vLLM's share - 5 points,
-difference <= vLLM's + 0.02 nats, vLLM's measured in the same run on the 8B-shaped source.
+FP8 activations take other bars: TP = N rounds each row-parallel partial sum to bf16 before the all-reduce, a
+difference of bf16 size in the next layer's input, and rounding to E4M3 (steps of 2^-3 relative against bf16's 2^-8)
+turns some of those into whole-step differences. scripts/tp_fp8_study.py simulates the layers' numerics on CPU on
+this model, TP = 2 against TP = 1, ranked first / mean |difference|: bf16 93.4% / 0.011, fp8-static 84.8% / 0.062,
+fp8-dynamic 72.3% / 0.106; at TP = 4 94.9% / 0.012, 86.3% / 0.066, 74.2% / 0.110 (H200, vLLM, TP = 2: bf16 96.5% /
+0.011, cublade fp8-static 82.8% / 0.065, fp8-dynamic 74.2% / 0.109, vLLM's own online FP8 71.1% / 0.122). So fp8-static (one calibrated scale, the same on every rank) is held to
+>= 75% / <= 0.08, and the presets that also scale per token at run time (fp8-dynamic, fp8-kv, and the Mixtral layer's
+FP8 attention: a row-parallel rank scales its tokens over its own K inputs) to vLLM's own online FP8 (per channel, per
+token) at the same TP: first at >= vLLM's share - 5 points, difference <= vLLM's + 0.02 nats, vLLM's measured in the
+same run on the 8B-shaped source.
 
 Needs as many GPUs as the case's N. About 40-70 s an engine; the TP = 1 run of a checkpoint is kept for its other
 cases. Split the run with -k to stay under 10 minutes a command, e.g. `-k "tp4 and (bf16 or w4a16-g128)"`.
@@ -42,6 +47,7 @@ pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA GPUs (the
 # the bundled model's presets, and w4a16 at g128, which these shapes shard
 DENSE = {**BUNDLED_DENSE, "w4a16-g128": ("w4a16", {}), "w4a16-g128-asym": ("w4a16", {"symmetric": False})}
 RANK1_MIN, MEAN_ABS_LOGPROB_MAX = 0.90, 0.05
+BARS = {"fp8-static": (0.75, 0.08)}  # FP8 activations with one scale: the simulation's 84.8-86.3% / 0.062-0.066
 DYNAMIC_FP8 = {"fp8-dynamic", "fp8-kv"}  # per-token activation scales: held to vLLM's own FP8 at the same TP
 VLLM_FP8 = "fp8_per_channel"  # vLLM's online FP8: weights per channel, activations per token
 RANK1_SLACK, MEAN_ABS_LOGPROB_SLACK = 0.05, 0.02
@@ -166,11 +172,12 @@ def vllm_fp8(sources, prompts, tp1, tmp_path_factory):
 
 
 def compare(name: str, model: Path, n: int, ep: bool, prompts, tp1, tmp_path, reference: dict | None = None):
-    """Assert the bars (RANK1_MIN / MEAN_ABS_LOGPROB_MAX, or `reference`'s own scores with the slack)."""
+    """Assert the bars (BARS[name], else RANK1_MIN / MEAN_ABS_LOGPROB_MAX; or `reference`'s own scores with the
+    slack)."""
     got = against_tp1(model, n, ep, prompts, tp1, tmp_path / "engine.log")
     mode = f"EP={n}" if ep else f"TP={n}"
     print("RESULT " + json.dumps({"test": "tp-greedy", "model": name, "mode": mode, **got}))
-    rank1_min, mean_max = RANK1_MIN, MEAN_ABS_LOGPROB_MAX
+    rank1_min, mean_max = BARS.get(name, (RANK1_MIN, MEAN_ABS_LOGPROB_MAX))
     if reference is not None:
         rank1_min = min(rank1_min, reference["rank1"] - RANK1_SLACK)
         mean_max = max(mean_max, reference["mean_abs_logprob_diff"] + MEAN_ABS_LOGPROB_SLACK)
