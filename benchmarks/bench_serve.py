@@ -213,6 +213,9 @@ def cmd_run(args) -> None:
 
 
 def cmd_report(args) -> None:
+    missing = [f for f in args.files if not Path(f).is_file()]
+    if missing:
+        raise SystemExit(f"no such file: {', '.join(missing)} (bench_serve.py run ... --json FILE writes one)")
     runs = [json.loads(line) for path in args.files for line in Path(path).read_text().splitlines() if line.strip()]
     report(runs)
 

@@ -7,6 +7,13 @@
 #   ppl      cublade ppl --backend vllm vs the reference backend; the MoE fixture served and scored
 #   tuning   the stand-alone sweeps of benchmarks/tuning (no vLLM needed): quant kernels, W4A16 small-M GEMV,
 #            W4A16 occupancy (tiles per warp x splits x ring stages), W4A16 pipeline (copies alone vs a plain read)
+#   model    the 32-layer Llama-3-8B-shaped model and its w4a16 / fp8-dynamic conversions in $E2E (default /tmp/e2e;
+#            about 3 minutes on 32 cores), for bench_e2e.py and bench_serve.py
+#   serve-bench LANE ...  benchmarks/bench_serve.py, one lane per GPU (lane i on GPU i, side by side), a lane a
+#            comma-separated list of configurations run one after another, each appending to $OUT/serve.jsonl;
+#            then the table of all of them. E.g. `serve-bench cublade-w4a16,bf16 vllm-w4a16,vllm-w4a16-humming` on
+#            two GPUs (a compiled 8B-shaped server starts in 110-175 s, Humming's JIT included; each stays well
+#            under 10 minutes with two configurations a lane, SERVE_TIMEOUT seconds at most, default 570).
 # Logs and JSON results go under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +26,7 @@ pytest_run() {  # name, timeout, pytest args...
   echo "$name: rc=$? $(grep -E '^[0-9]+ (passed|failed|skipped)|(passed|failed).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -20
 }
-case "${1:?phase: kernels | serve | serve2 | ppl | tuning}" in
+case "${1:?phase: kernels | serve | serve2 | ppl | tuning | model | serve-bench}" in
   kernels) CUBLADE_TEST_TIMEOUT=${CUBLADE_TEST_TIMEOUT:-300} bash scripts/device_check.sh ;;
   serve)   pytest_run serve 560 tests/gpu/test_serve.py -k "answers or baseline or greedy" ;;
   serve2)  pytest_run serve2 560 tests/gpu/test_serve.py -k "compiled or kv_cache or compressed" ;;
@@ -31,5 +38,25 @@ case "${1:?phase: kernels | serve | serve2 | ppl | tuning}" in
              timeout 240 "/tmp/$h" > "$OUT/$h.txt" 2>&1
              echo "$h: rc=$?"; grep -E "^BEST|fastest|FAIL" "$OUT/$h.txt" | head -20
            done ;;
+  model)   E2E=${E2E:-/tmp/e2e}
+           if ! python3 -c "import cublade" 2>/dev/null; then  # the converter needs no CUDA build
+             CUBLADE_BUILD_EXT=0 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site .
+           fi
+           python3 benchmarks/bench_e2e.py make "$E2E" --layers 32 --presets w4a16,fp8-dynamic > "$OUT/make.log" 2>&1
+           echo "model: rc=$? $(grep -E 'in [0-9]+ s$' "$OUT/make.log" | tr '\n' ';')" ;;
+  serve-bench)
+           shift
+           [ $# -gt 0 ] || { echo "serve-bench: give one lane (comma-separated configurations) per GPU" >&2; exit 2; }
+           E2E=${E2E:-/tmp/e2e} gpu=0
+           for lane in "$@"; do
+             # timeout sends SIGTERM, on which bench_serve.py stops its server before it exits
+             CUDA_VISIBLE_DEVICES=$gpu timeout "${SERVE_TIMEOUT:-570}" bash -c '
+               for c in ${1//,/ }; do
+                 python3 benchmarks/bench_serve.py run "$2" "$c" --json "$3/serve.jsonl"
+               done' lane "$lane" "$E2E" "$OUT" > "$OUT/serve-lane$gpu.log" 2>&1 &
+             gpu=$((gpu + 1))
+           done
+           wait
+           python3 benchmarks/bench_serve.py report "$OUT/serve.jsonl" | tee "$OUT/serve-report.md" ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

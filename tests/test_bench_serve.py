@@ -95,6 +95,9 @@ def test_refusals(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench.sys, "argv", ["bench_serve.py", "run", str(tmp_path), "no-such-config"])
     with pytest.raises(SystemExit, match=r"unknown configuration\(s\) \['no-such-config'\]; known: bf16, "):
         bench.main()
+    monkeypatch.setattr(bench.sys, "argv", ["bench_serve.py", "report", str(tmp_path / "none.jsonl")])
+    with pytest.raises(SystemExit, match=r"no such file: .*none.jsonl \(bench_serve.py run ... --json FILE"):
+        bench.main()
     monkeypatch.setattr(bench.sys, "argv", ["bench_serve.py", "run", str(tmp_path), "cublade-w4a16"])
     with pytest.raises(SystemExit, match=r"no cublade-w4a16; run `bench_e2e.py make"):
         bench.main()
