@@ -7,6 +7,8 @@
 #   ppl      cublade ppl --backend vllm vs the reference backend; the MoE fixture served and scored
 #   tuning   the stand-alone sweeps of benchmarks/tuning (no vLLM needed): quant kernels, W4A16 small-M GEMV,
 #            W4A16 occupancy (tiles per warp x splits x ring stages), W4A16 pipeline (copies alone vs a plain read)
+#   tp SEL   tests/gpu/test_tensor_parallel_8b_shaped.py -k SEL on the machine's GPUs (2 or 4), at most TP_TIMEOUT
+#            seconds (default 570; 40-70 s an engine: e.g. "tp2 and (bf16 or w4a16-g128)", "x2")
 #   model    the 32-layer Llama-3-8B-shaped model and its w4a16 / fp8-dynamic conversions in $E2E (default /tmp/e2e;
 #            about 3 minutes on 32 cores), for bench_e2e.py and bench_serve.py
 #   serve-bench LANE ...  benchmarks/bench_serve.py, one lane per GPU (lane i on GPU i, side by side), a lane a
@@ -26,7 +28,7 @@ pytest_run() {  # name, timeout, pytest args...
   echo "$name: rc=$? $(grep -E '^[0-9]+ (passed|failed|skipped)|(passed|failed).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -20
 }
-case "${1:?phase: kernels | serve | serve2 | ppl | tuning | model | serve-bench}" in
+case "${1:?phase: kernels | serve | serve2 | ppl | tuning | tp | model | serve-bench}" in
   kernels) CUBLADE_TEST_TIMEOUT=${CUBLADE_TEST_TIMEOUT:-300} bash scripts/device_check.sh ;;
   serve)   pytest_run serve 560 tests/gpu/test_serve.py -k "answers or baseline or greedy" ;;
   serve2)  pytest_run serve2 560 tests/gpu/test_serve.py -k "compiled or kv_cache or compressed" ;;
@@ -38,6 +40,8 @@ case "${1:?phase: kernels | serve | serve2 | ppl | tuning | model | serve-bench}
              timeout 240 "/tmp/$h" > "$OUT/$h.txt" 2>&1
              echo "$h: rc=$?"; grep -E "^BEST|fastest|FAIL" "$OUT/$h.txt" | head -20
            done ;;
+  tp)      pytest_run tp "${TP_TIMEOUT:-570}" -s tests/gpu/test_tensor_parallel_8b_shaped.py -k "${2:?tp: a -k selection}"
+           grep "^RESULT" "$OUT/tp.log" ;;
   model)   E2E=${E2E:-/tmp/e2e}
            if ! python3 -c "import cublade" 2>/dev/null; then  # the converter needs no CUDA build
              CUBLADE_BUILD_EXT=0 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site .
