@@ -89,6 +89,7 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
         f"{k}LinearKernel" for k in ("CutlassW4A8", "Machete", "AllSpark", "Marlin", "Conch", "Exllama",
                                      "TritonW4A16"))}, None),
     "cublade-w4a16": ("cublade-w4a16", None, {}, None),
+    "cublade-w4a16-lm-head": ("cublade-w4a16-lm-head", None, {}, None),
     "cublade-w4a16-fp8": ("cublade-w4a16", None, {"CUBLADE_W4A16_PREFILL": "fp8"}, None),
     "cublade-fp8-kv-vllm": ("cublade-fp8-kv-nearest", None, {}, None),
     "cublade-fp8-kv": ("cublade-fp8-kv-nearest", None, {}, "CUSTOM"),
@@ -104,7 +105,8 @@ MIXTRAL_8X7B = dict(LLAMA3_8B, architectures=["MixtralForCausalLM"], model_type=
                     bos_token_id=1, eos_token_id=2)
 SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B, "mixtral": MIXTRAL_8X7B}
 DENSE_PRESETS, MOE_PRESETS = ("fp8-dynamic", "mxfp8", "w4a16"), ("fp4-experts-fp8-dense",)
-PRESETS = DENSE_PRESETS + MOE_PRESETS
+LM_HEAD = "-lm-head"  # a preset name with this suffix: the preset, with `--quantize-lm-head`
+PRESETS = DENSE_PRESETS + MOE_PRESETS + ("w4a16" + LM_HEAD,)
 DEFAULT_PRESETS = {"8b": DENSE_PRESETS, "70b": DENSE_PRESETS, "mixtral": MOE_PRESETS}  # per --shape
 KV_SCALE = 0.02  # K and V of these random weights are about N(0, 1.3): abs-max about 9 = 448 * 0.02
 
@@ -234,8 +236,9 @@ def cmd_make(args) -> None:
         if out.exists():
             continue
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "cublade.cli", "convert", str(src), str(out), "--scheme", preset],
-                       check=True)
+        scheme = preset.removesuffix(LM_HEAD)
+        subprocess.run([sys.executable, "-m", "cublade.cli", "convert", str(src), str(out), "--scheme", scheme,
+                        *(["--quantize-lm-head"] if preset != scheme else [])], check=True)
         print(f"{preset}: {out} in {time.perf_counter() - t0:.0f} s", flush=True)
     if "w4a16" in presets and not (work / "ct-w4a16").exists():
         make_ct_w4a16(work / "cublade-w4a16", work / "ct-w4a16")
@@ -431,7 +434,8 @@ def report(results: dict, batches: list[int]) -> None:
              ("cublade-w4a16-fp8", "cublade-w4a16"), ("cublade-w4a16", "vllm-w4a16-humming"),
              ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),
              ("cublade-w4a16", "vllm-w4a16-marlin"), ("cublade-fp8-kv", "cublade-fp8-kv-vllm"),
-             ("cublade-fp8-kv-qa", "cublade-fp8-kv-vllm"), ("cublade-fp8-kv-qa", "cublade-fp8-kv")] + [
+             ("cublade-fp8-kv-qa", "cublade-fp8-kv-vllm"), ("cublade-fp8-kv-qa", "cublade-fp8-kv"),
+             ("cublade-w4a16-lm-head", "cublade-w4a16"), ("cublade-w4a16-lm-head", "vllm-w4a16")] + [
                  (n, "bf16") for n in results if n != "bf16"]
     print("\nspeed-up, decode step (baseline's time / ours):")
     for ours, base in pairs:

@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave these modules unquantized (repeatable): a module name or a regular expression "
                    "matched against the whole name (llm-compressor's 're:' prefix is accepted), e.g. "
                    "--ignore lm_head --ignore 're:.*layers\\.0\\..*'; added to the preset's ignore list")
+    c.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize the output projection (lm_head) too, with the scheme of the rule that matches it; "
+                   "the presets leave it unquantized (on the bundled model it adds 0.036 to w4a16's loss, a fifth "
+                   "of the other layers' cost; on Llama-3-8B it is 1 GB of bf16 read every decode step). Refused "
+                   "for models whose lm_head is tied to the embeddings")
     c.add_argument("--allow-quantized-router", action="store_true",
                    help="let a custom policy quantize MoE routers (refused by default: top-k routing is "
                    "sensitive to small logit changes, and vLLM's Mixtral cannot serve a quantized router)")
@@ -263,6 +268,8 @@ def _convert(args) -> int:
             for field, option in SCHEME_OPTIONS.items():
                 msg = re.sub(rf"\b{field}\b", option, msg)
             raise ValueError(msg) from None
+    if args.quantize_lm_head:
+        policy = policy.with_lm_head()
     if args.ignore:
         policy = policy.with_ignore(*_ignore_patterns(args.src, args.ignore))
     t0 = time.time()

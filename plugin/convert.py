@@ -26,8 +26,9 @@ from cublade.config import Policy, UnsupportedShape, to_quantization_config
 from cublade.config import compressed_tensors as ct_format
 from cublade.config.experts import ExpertLayout
 from cublade.config.format import QuantMethod
-from cublade.convert_checks import (check_layers_complete, check_output_target, check_quantizes_something,
-                                    check_source_values, check_values, clean_after_killed_runs, output_lock, say)
+from cublade.convert_checks import (check_layers_complete, check_lm_head, check_output_target,
+                                    check_quantizes_something, check_source_values, check_values,
+                                    clean_after_killed_runs, output_lock, say)
 from cublade.convert_experts import check_router_policy, expert_tensor_infos, expert_tensors
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -267,6 +268,7 @@ def _convert_locked(src, out, policy: Policy, *, overwrite: bool = False,
     check_router_policy(policy, layout, allow_quantized_router, plan.linear_modules)
     check_layers_complete((name for name, _, _ in plan.tensors), cfg)
     check_quantizes_something(plan, policy, policy.kv_cache is not None)
+    check_lm_head(plan, policy, cfg)
     if out_layout is not None:  # the format's own rules, and a config it can write, before anything is written
         out_layout.check_plan(plan, skip_unsupported, experts=layout is not None)
         out_layout.config(policy, plan.quantize, plan.linear_modules)

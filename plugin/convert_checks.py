@@ -219,6 +219,17 @@ def check_source_values(src: Path, kept_dtype) -> None:
 
 # ---- options -------------------------------------------------------------------------------------------------
 
+def check_lm_head(plan, policy, cfg: dict) -> None:
+    """A quantized lm_head must be a matrix of its own: with tie_word_embeddings vLLM computes the logits from the
+    embedding's unquantized weights (and the checkpoint often has no lm_head tensor at all)."""
+    tied = cfg.get("tie_word_embeddings", False) or cfg.get("text_config", {}).get("tie_word_embeddings", False)
+    heads = [m for m in plan.quantize if m.rsplit(".", 1)[-1] == "lm_head"]
+    if tied and (heads or policy.scheme_for("lm_head") is not None):
+        raise ValueError(f"{heads[0] if heads else 'lm_head'}: tied to the input embeddings (tie_word_embeddings "
+                         f"in config.json), so it cannot be quantized on its own; leave it unquantized (the "
+                         f"presets' default)")
+
+
 def check_quantizes_something(plan, policy, kv_cache: bool) -> None:
     """A conversion that quantizes no layer writes a copy with a quantization_config that describes nothing: the
     options that led there are a mistake."""

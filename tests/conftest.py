@@ -2,6 +2,7 @@
 of the padded model, converted once per test run and cached per (preset, options)."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,24 @@ def converted(tmp_path_factory, padded_model_dir):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def untied_model_dir(tmp_path_factory, padded_model_dir) -> Path:
+    """The padded bundled model with its output projection as a matrix of its own (a copy of the tied embeddings,
+    tie_word_embeddings false), so that lm_head can be quantized."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("untied") / "model"
+    shutil.copytree(padded_model_dir, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}, indent=1))
+    return out
 
 
 @pytest.fixture

@@ -198,6 +198,10 @@ def test_check_values_across_chunks(monkeypatch):
     (["--scheme", "mxfp8", "--group-size", "64"], "has no scheme with option(s) --group-size"),
     (["--scheme", "fp8-dynamic", "--kv-rounding", "query-aware"], "--kv-rounding query-aware sets how the FP8 KV "
                                                                    "cache is written; it needs --kv-cache fp8"),
+    (["--scheme", "w4a16", "--quantize-lm-head", "--format", "compressed-tensors"], "--format compressed-tensors: a "
+     "quantized lm_head cannot be written in this format"),
+    (["--scheme", "w4a16", "--quantize-lm-head"], "lm_head: tied to the input embeddings (tie_word_embeddings in "
+                                                   "config.json), so it cannot be quantized on its own"),
 ])
 def test_convert_options_that_make_no_sense(capsys, padded_model_dir, tmp_path, opts, says):
     line = _one_line(capsys, "convert", padded_model_dir, tmp_path / "out", *opts)

@@ -106,3 +106,15 @@ def test_option_errors_are_one_line(argv, needle, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and "--help` lists the options" in err, err
+
+
+def test_quantize_lm_head(tmp_path, untied_model_dir):
+    r = _cli("convert", untied_model_dir, tmp_path / "out", "--scheme", "w4a16", "--quantize-lm-head")
+    assert r.returncode == 0, r.stderr
+    t = load_all(tmp_path / "out")
+    assert "lm_head.weight" not in t and t["lm_head.weight_packed"].dtype == torch.int32
+    assert t["model.embed_tokens.weight"].dtype == torch.float32  # the embeddings stay as they are
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert parse_quantization_config(qc).scheme_for("lm_head") is not None
+    r = _cli("convert", untied_model_dir, tmp_path / "plain", "--scheme", "w4a16")  # the presets' default
+    assert r.returncode == 0 and "lm_head.weight" in load_all(tmp_path / "plain")

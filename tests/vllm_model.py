@@ -92,4 +92,9 @@ def vllm_logits(model, ids: torch.Tensor, kv_fp8: bool = False) -> torch.Tensor:
         x = layer.post_attention_layernorm.forward_native(h)
         h = h + (_mixtral_moe(layer.block_sparse_moe, x) if hasattr(layer, "block_sparse_moe")
                  else _dense_mlp(layer.mlp, x))
-    return m.norm.forward_native(h) @ model.lm_head.weight.t()
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    h, head = m.norm.forward_native(h), model.lm_head
+    if not isinstance(head.quant_method, UnquantizedEmbeddingMethod):  # as vLLM's LogitsProcessor calls it
+        return head.quant_method.apply(head, h)[:, :head.org_vocab_size]
+    return h @ head.weight.t()

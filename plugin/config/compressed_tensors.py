@@ -174,6 +174,10 @@ def check_expressible(policy: Policy) -> None:
         if type(scheme) in why:
             raise ValueError(f"--format {CT_METHOD}: scheme {name!r} ({scheme.describe()}) cannot be written in "
                              f"this format: {why[type(scheme)]}; use --format {QuantMethod.CUBLADE.value}")
+    if policy.scheme_for("lm_head") is not None:
+        raise ValueError(f"--format {CT_METHOD}: a quantized lm_head cannot be written in this format (vLLM's "
+                         f"compressed-tensors method quantizes linear layers only, not the output projection); drop "
+                         f"--quantize-lm-head or use --format {QuantMethod.CUBLADE.value}")
     if policy.kv_cache is not None and policy.kv_cache.rounding is not KVRounding.NEAREST:
         raise ValueError(f"--format {CT_METHOD}: --kv-rounding {policy.kv_cache.rounding} cannot be written in this "
                          f"format (its kv_cache_scheme has no rounding mode; vLLM rounds K to nearest); use --format "

@@ -12,7 +12,9 @@ from cublade.config.schemes import (FP4Scheme, Fp8Scheme, KVCacheScheme, KVRound
 
 # Embeddings, the LM head and MoE routers stay in full precision: they are small, and the router's
 # top-k is sensitive to small logit changes. `.*\.gate` is Mixtral's router; `gate_proj` does not match it.
-DEFAULT_IGNORE = (r".*embed_tokens", r"(.*\.)?lm_head", r".*\.gate", r".*\.router")
+# The LM head is quantized on request (Policy.with_lm_head, `cublade convert --quantize-lm-head`).
+LM_HEAD = r"(.*\.)?lm_head"
+DEFAULT_IGNORE = (r".*embed_tokens", LM_HEAD, r".*\.gate", r".*\.router")
 # Names of the expert linears: Mixtral `experts.{e}.w1/w2/w3`, fused `experts.gate_up_proj/down_proj`.
 EXPERT_PATTERN = r".*\.experts(\.\d+)?\.(w1|w2|w3|gate_up_proj|down_proj|gate_proj|up_proj)"
 ROUTER_PATTERNS = (r".*\.gate", r".*\.router")
@@ -71,6 +73,11 @@ class Policy:
 
     def with_ignore(self, *extra: str) -> Policy:
         return dataclasses.replace(self, ignore=tuple(self.ignore) + tuple(extra))
+
+    def with_lm_head(self) -> Policy:
+        """The policy with the output projection (`lm_head`) off the ignore list, so the rule that matches it
+        quantizes it (the presets leave it unquantized)."""
+        return dataclasses.replace(self, ignore=tuple(p for p in self.ignore if p != LM_HEAD))
 
     def to_dict(self) -> dict:
         return {

@@ -22,6 +22,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from cublade.config import QUANT_METHOD, Policy, Scheme, parse_quantization_config
 from cublade.config.compressed_tensors import CT_METHOD, KV_CACHE_ARGS, policy_from_compressed_tensors
@@ -118,6 +119,13 @@ class CubladeConfig(QuantizationConfig):
             from cublade.vllm.linear import CubladeLinearMethod
 
             return CubladeLinearMethod(scheme, prefix, self.shard_names(prefix), self.source)
+        if isinstance(layer, ParallelLMHead):  # quantized only where the checkpoint's policy says so
+            scheme = self.policy.scheme_for(prefix)
+            if scheme is None:
+                return None  # vLLM's unquantized lm_head
+            from cublade.vllm.linear import CubladeLMHeadMethod
+
+            return CubladeLMHeadMethod(scheme, prefix, [prefix], self.source)
         if isinstance(layer, Attention):
             if self.policy.kv_cache is None:
                 return None

@@ -276,3 +276,21 @@ class CubladeLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel.apply(layer, x, bias)
+
+
+class CubladeLMHeadMethod(CubladeLinearMethod):
+    """The output projection (vLLM's ParallelLMHead: the vocabulary's rows split over the ranks, each rank's part
+    padded to a multiple of 64 rows) on the scheme's linear kernels; vLLM's LogitsProcessor calls apply(). The
+    checkpoint holds the vocabulary's rows only: vLLM's loader fills the padding rows with zeros (weights and
+    scales), and the logits of those rows are dropped before sampling."""
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        if layer.num_added_embeddings:
+            raise ValueError(f"{self.prefix}: a quantized lm_head with added vocabulary rows (LoRA extra vocab) is "
+                             f"not supported")
+        # What the linear method reads from a LinearBase: the checkpoint's rows and the input size
+        layer.output_size, layer.input_size = layer.org_vocab_size, input_size
+        super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                               params_dtype, **extra_weight_attrs)

@@ -416,3 +416,24 @@ def test_ppl_vllm_within_accuracy_bars(ppl, name):
     v, _ = ppl(name)
     base, _ = ppl("unquantized")
     assert v - base <= BARS[name], f"{name}: vllm loss {v:.4f} vs unquantized {base:.4f}: d {v - base:+.4f}"
+
+
+@pytest.mark.parametrize("name", ["w4a16", "fp8-dynamic", "mxfp8"])
+def test_ppl_vllm_with_quantized_lm_head(plugin_installed, untied_model_dir, valid_text, logs, tmp_path, name):
+    """`cublade convert --quantize-lm-head` (on the bundled model with its lm_head untied): vLLM's ParallelLMHead
+    runs the scheme's GPU kernel, within PPL_REL of the reference backend on the same checkpoint. On CPU the same
+    path matches the reference (tests/vllm/test_vllm_model.py; the layer bit for bit:
+    tests/vllm/test_vllm_linear.py)."""
+    import math
+
+    from cublade.config import preset
+    from cublade.convert import convert
+    from cublade.ppl import evaluate
+
+    ckpt = tmp_path / name
+    convert(untied_model_dir, ckpt, preset(name).with_lm_head())
+    v = ppl_vllm(ckpt, valid_text, logs, f"{name}-lm-head")
+    r = evaluate(ckpt, valid_text, backend="reference").loss
+    record(test="ppl-lm-head", model=name, vllm_loss=v, reference_loss=r)
+    ratio = math.exp(v) / math.exp(r)
+    assert abs(ratio - 1) <= PPL_REL, f"{name}: vllm ppl {math.exp(v):.4f} vs reference {math.exp(r):.4f} ({ratio:.4f})"

@@ -326,3 +326,34 @@ def test_fp8_fuse_quantizes_with_torch_ops_while_compiling(monkeypatch, activati
     monkeypatch.setenv("CUBLADE_FP8_FUSE", "yes")
     with pytest.raises(ValueError, match=r"CUBLADE_FP8_FUSE='yes': expected 0 or 1"):
         VllmCutlassScaledMM(layer)
+
+
+@pytest.mark.parametrize("scheme", [W4A16Scheme(128, True), W4A16Scheme(32, False), Fp8Scheme("channel",
+                         "dynamic-token"), Fp8Scheme("tensor", "static-tensor"), MXFP8Scheme("rceil")],
+                         ids=lambda s: s.describe())
+def test_lm_head_with_vocabulary_padding(vllm_ctx, scheme):
+    """A quantized lm_head in vLLM's ParallelLMHead: 200 vocabulary rows padded to 256 (vLLM pads to 64). The
+    checkpoint's 200 rows load through vLLM's own vocabulary loader, the padding rows hold zeros, and the first 200
+    logits equal the reference linear's bit for bit."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from cublade.vllm.linear import CubladeLMHeadMethod
+
+    vocab, K = 200, 128
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    w = torch.randn(vocab, K, generator=torch.Generator().manual_seed(2)) * 0.05
+    tensors = quantized(scheme, {"lm_head": w}, x)["lm_head"]
+    cfg = single_scheme_config(scheme, lm_head=True)
+    head = ParallelLMHead(vocab, K, params_dtype=torch.bfloat16, quant_config=cfg, prefix="lm_head")
+    assert isinstance(head.quant_method, CubladeLMHeadMethod) and head.num_embeddings_padded == 256
+    for suffix, t in tensors.items():
+        param = getattr(head, suffix)
+        param.weight_loader(param, t)
+    head.quant_method.process_weights_after_loading(head)
+    y = head.quant_method.apply(head, x)
+    assert y.shape == (5, 256) and not y[:, vocab:].any()  # the padding rows: zero logits, dropped by vLLM
+    assert torch.equal(y[:, :vocab], scheme.linear_ref(x, tensors))
+    bad = {**tensors, "weight_scale": tensors["weight_scale"][:-1]}
+    with pytest.raises(ValueError, match="lm_head.weight_scale: shape"):
+        fresh = ParallelLMHead(vocab, K, params_dtype=torch.bfloat16, quant_config=cfg, prefix="lm_head")
+        fresh.weight_scale.weight_loader(fresh.weight_scale, bad["weight_scale"])

@@ -90,6 +90,26 @@ def test_converted_checkpoint_through_vllm_matches_reference(vllm_dist, cpu_atte
                 assert m.input_scale.item() == want, (n, m.input_scale.item(), want)
 
 
+@pytest.mark.parametrize("name", ["w4a16", "fp8-dynamic", "mxfp8"])
+def test_quantized_lm_head_through_vllm_matches_reference(vllm_dist, cpu_attention, untied_model_dir, valid_text,
+                                                          tmp_path, name):
+    """--quantize-lm-head: vLLM's ParallelLMHead (vocabulary rows padded to 64, the padding's logits dropped) runs
+    the scheme's linear method on the checkpoint's quantized lm_head, as the reference does."""
+    from cublade.config import preset
+    from cublade.convert import convert
+    from cublade.vllm.linear import CubladeLMHeadMethod
+
+    ckpt = tmp_path / name
+    convert(untied_model_dir, ckpt, preset(name).with_lm_head())
+    stored = load_file(str(ckpt / "model.safetensors"))
+    assert "lm_head.weight_scale" in stored  # quantized on disk
+    model, loss_vllm, loss_ref, rel = compare(ckpt, valid_text)
+    assert isinstance(model.lm_head.quant_method, CubladeLMHeadMethod)
+    assert abs(loss_vllm - loss_ref) < 1e-4, (loss_vllm, loss_ref)
+    assert rel < 1e-5, rel
+    assert 1.0 < loss_ref < 3.0
+
+
 def with_kv_scales(src, dst, scales: dict[int, tuple[float, float]], **kv_cache):
     """A copy of a converted checkpoint with kv_cache fp8 (and the given kv_cache fields) and the given per-layer
     (k_scale, v_scale)."""

@@ -40,11 +40,12 @@ KINDS = {
 }
 
 
-def single_scheme_config(scheme: Scheme, source_qc: dict | None = None):
+def single_scheme_config(scheme: Scheme, source_qc: dict | None = None, lm_head: bool = False):
+    """vLLM's config object for a checkpoint with one scheme on every layer (and on lm_head with lm_head=True)."""
     from cublade.vllm.config import CubladeConfig
 
-    qc = source_qc or to_quantization_config(Policy(preset="test", schemes=(("s", scheme),),
-                                                    rules=(Rule(r".*", "s"),)))
+    policy = Policy(preset="test", schemes=(("s", scheme),), rules=(Rule(r".*", "s"),))
+    qc = source_qc or to_quantization_config(policy.with_lm_head() if lm_head else policy)
     return CubladeConfig.from_config(qc)
 
 
