@@ -3,7 +3,9 @@ the full checkpoint tensors through vLLM's loaders, which shard them. Column-par
 each rank's output columns equal the single-process reference's, bit for bit. Row-parallel (down_proj): each
 rank holds a K slice (its weight columns, group scales, zero points, MX block scales; per-channel scales
 replicated), and the all-reduced output equals the sum of the references over the two K slices (within bf16
-rounding of the partial sums: 1e-2 relative; measured 2.1e-3 to 2.2e-3)."""
+rounding of the partial sums: 1e-2 relative; measured 2.1e-3 to 2.2e-3). A quantized lm_head (vLLM's
+ParallelLMHead, 200 vocabulary rows padded to 256) splits the vocabulary: each rank's rows of the logits equal the
+reference's bit for bit, its padding rows are zero."""
 from __future__ import annotations
 
 import pytest
@@ -16,6 +18,16 @@ from cublade.config import Fp8Scheme, MXFP8Scheme, W4A16Scheme
 SCHEMES = [Fp8Scheme("tensor", "dynamic-token"), Fp8Scheme("channel", "static-tensor"), W4A16Scheme(64, False),
            W4A16Scheme(-1, True), MXFP8Scheme()]
 TP = 2
+VOCAB = 200  # lm_head rows: padded to 256, 128 a rank
+
+
+def lm_head_inputs(scheme):
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(3), dtype=torch.float32).to(torch.bfloat16)
+    w = torch.randn(VOCAB, 128, generator=torch.Generator().manual_seed(6), dtype=torch.float32) * 0.05
+    tensors = scheme.quantize(w)
+    if getattr(scheme, "static", False):
+        tensors["input_scale"] = (x.float().abs().amax() / 448.0).reshape(1)
+    return x, tensors
 
 
 def inputs(scheme, kind):
@@ -49,6 +61,17 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
                 layer.quant_method.process_weights_after_loading(layer)
                 xin = x if name != "down" else x.chunk(TP, dim=-1)[rank]  # row-parallel takes its K slice
                 results[i, name] = layer(xin)[0]
+            from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+            x, tensors = lm_head_inputs(scheme)
+            head = ParallelLMHead(VOCAB, 128, params_dtype=torch.bfloat16, prefix="lm_head",
+                                  quant_config=single_scheme_config(scheme, lm_head=True))
+            for suffix, t in tensors.items():
+                getattr(head, suffix).weight_loader(getattr(head, suffix), t)
+            head.quant_method.process_weights_after_loading(head)
+            idx = head.shard_indices
+            results[i, "lm_head"] = (head.quant_method.apply(head, x), idx.org_vocab_start_index,
+                                     idx.org_vocab_end_index)
         for name, build in REFUSED.items():  # layers whose per-rank shape breaks a sharding rule
             try:
                 build()
@@ -151,6 +174,15 @@ def test_tensor_parallel_2(tmp_path):
                 for r in range(TP):
                     assert rel_err(ranks[r][i, name], ref) < 1e-2, (scheme.describe(), r)
                 assert torch.equal(ranks[0][i, name], ranks[1][i, name])  # all-reduced
+        x, tensors = lm_head_inputs(scheme)
+        ref = scheme.linear_ref(x, tensors)
+        starts = []
+        for r in range(TP):
+            y, start, end = ranks[r][i, "lm_head"]
+            assert y.shape == (4, 128) and torch.equal(y[:, :end - start], ref[:, start:end]), (scheme.describe(), r)
+            assert not y[:, end - start:].any()
+            starts.append((start, end))
+        assert starts == [(0, 128), (128, VOCAB)]
     for r in range(TP):  # vLLM's per-rank sizes reach the rules: the same one-line error on each rank
         assert {k: ranks[r].get(k) for k in REFUSALS} == REFUSALS
 
