@@ -41,7 +41,8 @@ case "${1:?phase: kernels | serve | serve2 | ppl | tuning | tp | model | serve-b
              timeout 240 "/tmp/$h" > "$OUT/$h.txt" 2>&1
              echo "$h: rc=$?"; grep -E "^BEST|fastest|FAIL" "$OUT/$h.txt" | head -20
            done ;;
-  tp)      pytest_run tp "${TP_TIMEOUT:-570}" -s tests/gpu/test_tensor_parallel_8b_shaped.py -k "${2:?tp: a -k selection}"
+  tp)      pytest_run tp "${TP_TIMEOUT:-570}" -s tests/gpu/test_tensor_parallel_8b_shaped.py \
+             -k "${2:?tp: a -k selection}"
            grep -o "RESULT {.*}" "$OUT/tp.log" ;;
   model)   E2E=${E2E:-/tmp/e2e}
            if ! python3 -c "import cublade" 2>/dev/null; then  # the converter needs no CUDA build
