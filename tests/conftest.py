@@ -55,21 +55,23 @@ def fixture_builder():
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory, padded_model_dir):
-    """converted(preset, src=None, **overrides) -> directory of `src` (the padded model by default) converted with
-    that preset."""
+    """converted(preset, src=None, lm_head=False, **overrides) -> directory of `src` (the padded model by default)
+    converted with that preset (and its lm_head quantized too with lm_head=True: `--quantize-lm-head`)."""
     from cublade.config import preset as make_preset
     from cublade.convert import convert
 
     cache: dict = {}
 
-    def get(preset: str, src: Path | None = None, **overrides) -> Path:
+    def get(preset: str, src: Path | None = None, lm_head: bool = False, **overrides) -> Path:
         src = src or padded_model_dir
         convert_kwargs = {k: overrides.pop(k) for k in ("calib_text", "calib_tokens", "calib_lines")
                           if k in overrides}
-        key = (preset, str(src), tuple(sorted(overrides.items())), tuple(sorted(map(str, convert_kwargs.items()))))
+        key = (preset, str(src), lm_head, tuple(sorted(overrides.items())),
+               tuple(sorted(map(str, convert_kwargs.items()))))
         if key not in cache:
             out = tmp_path_factory.mktemp("ckpt") / preset
-            convert(src, out, make_preset(preset, **overrides), **convert_kwargs)
+            policy = make_preset(preset, **overrides)
+            convert(src, out, policy.with_lm_head() if lm_head else policy, **convert_kwargs)
             cache[key] = out
         return cache[key]
 

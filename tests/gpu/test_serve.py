@@ -419,19 +419,16 @@ def test_ppl_vllm_within_accuracy_bars(ppl, name):
 
 
 @pytest.mark.parametrize("name", ["w4a16", "fp8-dynamic", "mxfp8"])
-def test_ppl_vllm_with_quantized_lm_head(plugin_installed, untied_model_dir, valid_text, logs, tmp_path, name):
+def test_ppl_vllm_with_quantized_lm_head(plugin_installed, untied_model_dir, converted, valid_text, logs, name):
     """`cublade convert --quantize-lm-head` (on the bundled model with its lm_head untied): vLLM's ParallelLMHead
     runs the scheme's GPU kernel, within PPL_REL of the reference backend on the same checkpoint. On CPU the same
     path matches the reference (tests/vllm/test_vllm_model.py; the layer bit for bit:
     tests/vllm/test_vllm_linear.py)."""
     import math
 
-    from cublade.config import preset
-    from cublade.convert import convert
     from cublade.ppl import evaluate
 
-    ckpt = tmp_path / name
-    convert(untied_model_dir, ckpt, preset(name).with_lm_head())
+    ckpt = converted(name, src=untied_model_dir, lm_head=True)
     v = ppl_vllm(ckpt, valid_text, logs, f"{name}-lm-head")
     r = evaluate(ckpt, valid_text, backend="reference").loss
     record(test="ppl-lm-head", model=name, vllm_loss=v, reference_loss=r)

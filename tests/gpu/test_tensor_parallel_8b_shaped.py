@@ -44,8 +44,9 @@ from test_tensor_parallel import GPUS, TPS, failure_summary, model_for
 
 pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA GPUs (the device's nvidia-h100-x2 / -x4 kinds)")
 
-# the bundled model's presets, and w4a16 at g128, which these shapes shard
-DENSE = {**BUNDLED_DENSE, "w4a16-g128": ("w4a16", {}), "w4a16-g128-asym": ("w4a16", {"symmetric": False})}
+# the bundled model's presets, w4a16 at g128, which these shapes shard, and w4a16 with its lm_head quantized
+DENSE = {**BUNDLED_DENSE, "w4a16-g128": ("w4a16", {}), "w4a16-g128-asym": ("w4a16", {"symmetric": False}),
+         "w4a16-g128-lm-head": ("w4a16", {"lm_head": True})}  # the lm_head's vocabulary split over the ranks
 RANK1_MIN, MEAN_ABS_LOGPROB_MAX = 0.90, 0.05
 BARS = {"fp8-static": (0.75, 0.08)}  # FP8 activations with one scale: the simulation's 84.8-86.3% / 0.062-0.066
 DYNAMIC_FP8 = {"fp8-dynamic", "fp8-kv"}  # per-token activation scales: held to vLLM's own FP8 at the same TP
