@@ -100,11 +100,10 @@ def logprobs(model, ids: torch.Tensor, last: int = 0) -> torch.Tensor:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size simulated (default 2)")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--schemes", default="bf16,fp8-static,fp8-dynamic")
+    p.add_argument("--prompts", type=int, default=8, help="openings of the evaluation text's sentences (default 8)")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    p.add_argument("--schemes", default="bf16,fp8-static,fp8-dynamic", help="comma-separated, of the default's")
     args = p.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     from bench_e2e import make_source
     from transformers import AutoTokenizer
 
