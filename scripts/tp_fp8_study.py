@@ -104,6 +104,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     p.add_argument("--schemes", default="bf16,fp8-static,fp8-dynamic", help="comma-separated, of the default's")
     args = p.parse_args()
+    unknown = set(args.schemes.split(",")) - {"bf16", "fp8-static", "fp8-dynamic"}
+    if unknown or args.tp < 2:
+        p.error(f"--schemes: unknown {sorted(unknown)}" if unknown else "--tp: 2 or more")
     from bench_e2e import make_source
     from transformers import AutoTokenizer
 
