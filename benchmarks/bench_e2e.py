@@ -81,6 +81,7 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-fp8": ("cublade-fp8-dynamic", None, {}, None),
     "cublade-fp8-fuse": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_FUSE": "1"}, None),
     "cublade-fp8-gemm": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1"}, None),
+    "cublade-fp8-lm-head": ("cublade-fp8-dynamic-lm-head", None, {}, None),
     "vllm-mxfp8": ("src", "mxfp8", {}, None),
     "cublade-mxfp8": ("cublade-mxfp8", None, {}, None),
     "vllm-w4a16": ("ct-w4a16", None, {}, None),
@@ -106,7 +107,7 @@ MIXTRAL_8X7B = dict(LLAMA3_8B, architectures=["MixtralForCausalLM"], model_type=
 SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B, "mixtral": MIXTRAL_8X7B}
 DENSE_PRESETS, MOE_PRESETS = ("fp8-dynamic", "mxfp8", "w4a16"), ("fp4-experts-fp8-dense",)
 LM_HEAD = "-lm-head"  # a preset name with this suffix: the preset, with `--quantize-lm-head`
-PRESETS = DENSE_PRESETS + MOE_PRESETS + ("w4a16" + LM_HEAD,)
+PRESETS = DENSE_PRESETS + MOE_PRESETS + ("w4a16" + LM_HEAD, "fp8-dynamic" + LM_HEAD)
 DEFAULT_PRESETS = {"8b": DENSE_PRESETS, "70b": DENSE_PRESETS, "mixtral": MOE_PRESETS}  # per --shape
 KV_SCALE = 0.02  # K and V of these random weights are about N(0, 1.3): abs-max about 9 = 448 * 0.02
 
@@ -435,7 +436,8 @@ def report(results: dict, batches: list[int]) -> None:
              ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),
              ("cublade-w4a16", "vllm-w4a16-marlin"), ("cublade-fp8-kv", "cublade-fp8-kv-vllm"),
              ("cublade-fp8-kv-qa", "cublade-fp8-kv-vllm"), ("cublade-fp8-kv-qa", "cublade-fp8-kv"),
-             ("cublade-w4a16-lm-head", "cublade-w4a16"), ("cublade-w4a16-lm-head", "vllm-w4a16")] + [
+             ("cublade-w4a16-lm-head", "cublade-w4a16"), ("cublade-w4a16-lm-head", "vllm-w4a16"),
+             ("cublade-fp8-lm-head", "cublade-fp8"), ("cublade-fp8-lm-head", "vllm-fp8")] + [
                  (n, "bf16") for n in results if n != "bf16"]
     print("\nspeed-up, decode step (baseline's time / ours):")
     for ours, base in pairs:

@@ -10,7 +10,7 @@
 #   tp SEL   tests/gpu/test_tensor_parallel_8b_shaped.py -k SEL on the machine's GPUs (2 or 4), at most TP_TIMEOUT
 #            seconds (default 570; 40-70 s an engine: e.g. "tp2 and (bf16 or w4a16-g128)", "x2")
 #   model    the 32-layer Llama-3-8B-shaped model and its conversions ($E2E_PRESETS, default w4a16, fp8-dynamic and
-#            w4a16-lm-head) in $E2E (default /tmp/e2e; about 5 minutes on 32 cores), for bench_e2e.py and
+#            both with --quantize-lm-head) in $E2E (default /tmp/e2e; about 6 minutes on 32 cores), for bench_e2e.py and
 #            bench_serve.py
 #   serve-bench LANE ...  benchmarks/bench_serve.py, one lane per GPU (lane i on GPU i, side by side), a lane a
 #            comma-separated list of configurations run one after another, each appending to $OUT/serve.jsonl;
@@ -49,7 +49,7 @@ case "${1:?phase: kernels | serve | serve2 | ppl | tuning | tp | model | serve-b
              CUBLADE_BUILD_EXT=0 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site .
            fi
            python3 benchmarks/bench_e2e.py make "$E2E" --layers 32 \
-             --presets "${E2E_PRESETS:-w4a16,fp8-dynamic,w4a16-lm-head}" > "$OUT/make.log" 2>&1
+             --presets "${E2E_PRESETS:-w4a16,fp8-dynamic,w4a16-lm-head,fp8-dynamic-lm-head}" > "$OUT/make.log" 2>&1
            echo "model: rc=$? $(grep -E 'in [0-9]+ s$' "$OUT/make.log" | tr '\n' ';')" ;;
   serve-bench)
            shift

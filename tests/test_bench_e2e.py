@@ -136,17 +136,22 @@ def test_report_flags_step_times_whose_reps_spread(bench_e2e, capsys):
     assert "cublade-w4a16 vs vllm-w4a16: B=1 0.93x, B=16 1.11x" in out
 
 
-def test_make_w4a16_with_the_lm_head_quantized(bench_e2e, tmp_path, monkeypatch):
-    """make --presets w4a16-lm-head (shrunk to hidden 128, vocab 512): the w4a16 conversion with
-    `--quantize-lm-head`, served as configuration cublade-w4a16-lm-head."""
+def test_make_with_the_lm_head_quantized(bench_e2e, tmp_path, monkeypatch):
+    """make --presets w4a16-lm-head,fp8-dynamic-lm-head (shrunk to hidden 128, vocab 512): the conversions with
+    `--quantize-lm-head`, served as configurations cublade-w4a16-lm-head and cublade-fp8-lm-head."""
     import argparse
 
     small = dict(bench_e2e.LLAMA3_8B, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=512)
     monkeypatch.setitem(bench_e2e.SHAPES, "8b", small)
-    bench_e2e.cmd_make(argparse.Namespace(workdir=str(tmp_path), layers=1, shape="8b", presets=["w4a16-lm-head"]))
+    bench_e2e.cmd_make(argparse.Namespace(workdir=str(tmp_path), layers=1, shape="8b",
+                                          presets=["w4a16-lm-head", "fp8-dynamic-lm-head"]))
     out = tmp_path / "cublade-w4a16-lm-head"
     assert bench_e2e.CONFIGS["cublade-w4a16-lm-head"][0] == out.name
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "lm_head.weight_packed" in index and "lm_head.weight" not in index
     assert "model.embed_tokens.weight" in index
+    out = tmp_path / "cublade-fp8-dynamic-lm-head"
+    assert bench_e2e.CONFIGS["cublade-fp8-lm-head"][0] == out.name
+    assert "lm_head.weight_scale" in json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not (tmp_path / "cublade-fp8-kv-nearest").exists()  # the FP8 KV variants come with fp8-dynamic only
