@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from accuracy import rel_err
-from vllm_layers import KINDS, load, random_weights, reference, single_scheme_config
+from vllm_layers import KINDS, lm_head, load, random_weights, reference, single_scheme_config
 
 from cublade.config import Fp8Scheme, MXFP8Scheme, W4A16Scheme
 
@@ -343,17 +343,13 @@ def test_lm_head_with_vocabulary_padding(vllm_ctx, scheme):
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     w = torch.randn(vocab, K, generator=torch.Generator().manual_seed(2)) * 0.05
     tensors = quantized(scheme, {"lm_head": w}, x)["lm_head"]
-    cfg = single_scheme_config(scheme, lm_head=True)
-    head = ParallelLMHead(vocab, K, params_dtype=torch.bfloat16, quant_config=cfg, prefix="lm_head")
+    head = lm_head(scheme, vocab, K, tensors)
     assert isinstance(head.quant_method, CubladeLMHeadMethod) and head.num_embeddings_padded == 256
-    for suffix, t in tensors.items():
-        param = getattr(head, suffix)
-        param.weight_loader(param, t)
-    head.quant_method.process_weights_after_loading(head)
     y = head.quant_method.apply(head, x)
     assert y.shape == (5, 256) and not y[:, vocab:].any()  # the padding rows: zero logits, dropped by vLLM
     assert torch.equal(y[:, :vocab], scheme.linear_ref(x, tensors))
     bad = {**tensors, "weight_scale": tensors["weight_scale"][:-1]}
     with pytest.raises(ValueError, match="lm_head.weight_scale: shape"):
-        fresh = ParallelLMHead(vocab, K, params_dtype=torch.bfloat16, quant_config=cfg, prefix="lm_head")
+        fresh = ParallelLMHead(vocab, K, params_dtype=torch.bfloat16, prefix="lm_head",
+                               quant_config=single_scheme_config(scheme, lm_head=True))
         fresh.weight_scale.weight_loader(fresh.weight_scale, bad["weight_scale"])

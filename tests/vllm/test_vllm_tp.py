@@ -42,7 +42,7 @@ def inputs(scheme, kind):
 def worker(rank: int, init_method: str, out_dir: str) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm_layers import load, single_scheme_config
+    from vllm_layers import lm_head, load, single_scheme_config
     from vllm_model import cpu_vllm_config
 
     import cublade.vllm
@@ -61,14 +61,8 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
                 layer.quant_method.process_weights_after_loading(layer)
                 xin = x if name != "down" else x.chunk(TP, dim=-1)[rank]  # row-parallel takes its K slice
                 results[i, name] = layer(xin)[0]
-            from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
             x, tensors = lm_head_inputs(scheme)
-            head = ParallelLMHead(VOCAB, 128, params_dtype=torch.bfloat16, prefix="lm_head",
-                                  quant_config=single_scheme_config(scheme, lm_head=True))
-            for suffix, t in tensors.items():
-                getattr(head, suffix).weight_loader(getattr(head, suffix), t)
-            head.quant_method.process_weights_after_loading(head)
+            head = lm_head(scheme, VOCAB, 128, tensors)
             idx = head.shard_indices
             results[i, "lm_head"] = (head.quant_method.apply(head, x), idx.org_vocab_start_index,
                                      idx.org_vocab_end_index)

@@ -73,6 +73,20 @@ def load(layer, kind: LayerKind, tensors: dict[str, dict[str, torch.Tensor]], sk
                 param.weight_loader(param, t, shard_id)
 
 
+def lm_head(scheme: Scheme, vocab: int, K: int, tensors: dict[str, torch.Tensor]):
+    """vLLM's ParallelLMHead of `vocab` rows (padded to 64) with the scheme on lm_head, its checkpoint tensors loaded
+    through vLLM's vocabulary loader and processed."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    head = ParallelLMHead(vocab, K, params_dtype=torch.bfloat16, prefix="lm_head",
+                          quant_config=single_scheme_config(scheme, lm_head=True))
+    for suffix, t in tensors.items():
+        param = getattr(head, suffix)
+        param.weight_loader(param, t)
+    head.quant_method.process_weights_after_loading(head)
+    return head
+
+
 def reference(scheme: Scheme, kind: LayerKind, tensors, x: torch.Tensor) -> torch.Tensor:
     """What the layer must compute: each checkpoint module's reference linear, concatenated."""
     return torch.cat([scheme.linear_ref(x, tensors[module]) for _, module, _ in kind.shards], dim=-1)
