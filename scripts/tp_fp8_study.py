@@ -31,38 +31,31 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cublade.numerics.fp8 import dynamic_scale, fp8_dequant, fp8_quant_weight, quantize_per_tensor, quantize_per_token
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-E4M3_MAX = 448.0
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
-def e4m3(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
-
-
 class SimLinear(torch.nn.Module):
-    """A projection with a scheme's numerics at TP = self.tp (row-parallel layers split K between the ranks)."""
+    """A projection with a scheme's numerics at TP = self.tp (row-parallel layers split K between the ranks), in
+    cublade's FP8 math (cublade.numerics.fp8): weights per channel, activations per token or with one static scale."""
 
     def __init__(self, weight: torch.Tensor, scheme: str, row_parallel: bool):
         super().__init__()
         self.scheme, self.row_parallel, self.tp = scheme, row_parallel, 1
-        w = weight.float()
-        if scheme != "bf16":
-            scale = w.abs().amax(dim=1, keepdim=True) / E4M3_MAX
-            w = e4m3(w / scale) * scale
-        self.w = w
+        self.w = weight.float() if scheme == "bf16" else fp8_dequant(*fp8_quant_weight(weight))
         self.input_amax = torch.zeros(())  # fp8-static: the calibration's abs-max
         self.calibrating = False
 
     def quant(self, x: torch.Tensor) -> torch.Tensor:
+        """The activations as the layer's GEMM sees them (quantized and scaled back)."""
         if self.scheme == "bf16":
             return x
         if self.scheme == "fp8-static":
-            scale = self.input_amax / E4M3_MAX
-        else:
-            scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
-        return e4m3(x / scale) * scale
+            return fp8_dequant(*quantize_per_tensor(x, dynamic_scale(self.input_amax)))
+        return fp8_dequant(*quantize_per_token(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()

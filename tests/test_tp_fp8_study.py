@@ -44,4 +44,3 @@ def test_fp8_scales_per_rank(study):
     assert torch.equal(static.quant(x[:, 128:]), q[:, 128:])  # one scale, whatever the rank holds
     dynamic = study.SimLinear(w, "fp8-dynamic", row_parallel=True)
     assert not torch.equal(dynamic.quant(x[:, 128:]), dynamic.quant(x)[:, 128:])  # a rank's own per-token scale
-    assert torch.equal(study.e4m3(torch.tensor([1000.0, 1.0])), torch.tensor([448.0, 1.0]))

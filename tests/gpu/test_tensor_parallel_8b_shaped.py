@@ -15,12 +15,13 @@ nowhere among 128256).
 FP8 activations take other bars: TP = N rounds each row-parallel partial sum to bf16 before the all-reduce, a
 difference of bf16 size in the next layer's input, and rounding to E4M3 (steps of 2^-3 relative against bf16's 2^-8)
 turns some of those into whole-step differences. scripts/tp_fp8_study.py simulates the layers' numerics on CPU on
-this model, TP = 2 against TP = 1, ranked first / mean |difference|: bf16 93.4% / 0.011, fp8-static 84.8% / 0.062,
-fp8-dynamic 72.3% / 0.106; at TP = 4 94.9% / 0.012, 86.3% / 0.066, 74.2% / 0.110 (H200, vLLM, TP = 2: bf16 96.5% /
-0.011, cublade fp8-static 82.8% / 0.065, fp8-dynamic 74.2% / 0.109, vLLM's own online FP8 71.1% / 0.122). So fp8-static (one calibrated scale, the same on every rank) is held to
->= 75% / <= 0.08, and the presets that also scale per token at run time (fp8-dynamic, fp8-kv, and the Mixtral layer's
-FP8 attention: a row-parallel rank scales its tokens over its own K inputs) to vLLM's own online FP8 (per channel, per
-token) at the same TP: first at >= vLLM's share - 5 points, difference <= vLLM's + 0.02 nats, vLLM's measured in the
+this model (cublade's FP8 math), TP = 2 against TP = 1, ranked first / mean |difference|: bf16 93.4% / 0.011,
+fp8-static 86.3% / 0.063, fp8-dynamic 78.5% / 0.104; at TP = 4 94.9% / 0.012, 82.8% / 0.061, 82.0% / 0.114 (H200,
+vLLM, TP = 2: bf16 96.5% / 0.011, cublade fp8-static 82.8% / 0.065, fp8-dynamic 74.2% / 0.109, vLLM's own online
+FP8 71.1% / 0.122). So fp8-static (one calibrated scale, the same on every rank) is held to >= 75% / <= 0.08, and the
+presets that also scale per token at run time (fp8-dynamic, fp8-kv, and the Mixtral layer's FP8 attention: a
+row-parallel rank scales its tokens over its own K inputs) to vLLM's own online FP8 (per channel, per token) at the
+same TP: first at >= vLLM's share - 5 points, difference <= vLLM's + 0.02 nats, vLLM's measured in the
 same run on the 8B-shaped source.
 
 Needs as many GPUs as the case's N. About 40-70 s an engine; the TP = 1 run of a checkpoint is kept for its other
@@ -48,7 +49,7 @@ pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA GPUs (the
 DENSE = {**BUNDLED_DENSE, "w4a16-g128": ("w4a16", {}), "w4a16-g128-asym": ("w4a16", {"symmetric": False}),
          "w4a16-g128-lm-head": ("w4a16", {"lm_head": True})}  # the lm_head's vocabulary split over the ranks
 RANK1_MIN, MEAN_ABS_LOGPROB_MAX = 0.90, 0.05
-BARS = {"fp8-static": (0.75, 0.08)}  # FP8 activations with one scale: the simulation's 84.8-86.3% / 0.062-0.066
+BARS = {"fp8-static": (0.75, 0.08)}  # FP8 activations with one scale: the simulation's 82.8-86.3% / 0.061-0.063
 DYNAMIC_FP8 = {"fp8-dynamic", "fp8-kv"}  # per-token activation scales: held to vLLM's own FP8 at the same TP
 VLLM_FP8 = "fp8_per_channel"  # vLLM's online FP8: weights per channel, activations per token
 RANK1_SLACK, MEAN_ABS_LOGPROB_SLACK = 0.05, 0.02
