@@ -152,6 +152,10 @@ def run_config(work: Path, name: str, args) -> dict:
             data = json.loads(result.read_text())
             rows[c] = {k: data.get(k) for k in METRICS}
             m = rows[c]
+            if args.json:  # one line a concurrency: a run stopped later keeps the rows it finished
+                with open(args.json, "a") as f:
+                    f.write(json.dumps({"input_len": args.input_len, "output_len": args.output_len,
+                                        "configs": {name: {c: m}}}) + "\n")
             print(f"  concurrency {c}: {m['output_throughput']:.0f} output tok/s, median TTFT "
                   f"{m['median_ttft_ms']:.1f} ms, median TPOT {m['median_tpot_ms']:.2f} ms "
                   f"({m['completed']} completed, {m['failed']} failed)", flush=True)
@@ -206,9 +210,6 @@ def cmd_run(args) -> None:
         raise SystemExit(f"{work}: no {', '.join(missing)}; run `bench_e2e.py make {work}` first")
     run = {"input_len": args.input_len, "output_len": args.output_len, "concurrency": args.concurrency,
            "configs": {name: run_config(work, name, args) for name in args.configs}}
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(run) + "\n")
     report([run])
 
 
@@ -232,7 +233,7 @@ def main() -> None:
     r.add_argument("--input-len", type=int, default=512, help="prompt tokens per request (default 512)")
     r.add_argument("--output-len", type=int, default=256, help="output tokens per request (default 256)")
     r.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per server (default 1)")
-    r.add_argument("--json", help="append the results as one JSON line to this file")
+    r.add_argument("--json", help="append each concurrency's result as one JSON line to this file, as it finishes")
     q = sub.add_parser("report", help="print the table of earlier runs (their --json files)")
     q.add_argument("files", nargs="+")
     args = p.parse_args()

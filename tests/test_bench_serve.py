@@ -3,6 +3,7 @@ asked length), the server and client commands it runs (vLLM's own CLI, fixed-len
 ratios it prints from its JSON lines (rows with failed requests marked), and its refusals."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -127,3 +128,29 @@ def test_sigterm_stops_the_server(tmp_path):
     assert run.wait(timeout=60) == 143, run.stdout.read()
     with pytest.raises(ProcessLookupError):
         os.kill(server_pid, 0)
+
+
+def test_each_concurrency_is_written_as_it_finishes(bench, tmp_path, monkeypatch):
+    """A lane stopped by `timeout` in its second concurrency keeps the first one's row in --json."""
+    (tmp_path / "src").mkdir()
+    out = tmp_path / "serve.jsonl"
+
+    @contextlib.contextmanager
+    def up(cmd, env, log):
+        yield object()
+
+    def client(cmd, stdout, stderr):
+        if cmd[cmd.index("--max-concurrency") + 1] == "16":
+            raise KeyboardInterrupt  # what SIGTERM's handler unwinds as
+        result = Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+        result.write_text(json.dumps(rows({1: 321.0})["1"]))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bench, "server", up)
+    monkeypatch.setattr(bench.subprocess, "run", client)
+    monkeypatch.setattr(bench.sys, "argv", ["bench_serve.py", "run", str(tmp_path), "bf16", "--concurrency",
+                                            "1,16", "--json", str(out)])
+    with pytest.raises(KeyboardInterrupt):
+        bench.main()
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines == [{"input_len": 512, "output_len": 256, "configs": {"bf16": {"1": rows({1: 321.0})["1"]}}}]
