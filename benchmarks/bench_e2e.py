@@ -36,14 +36,16 @@ kernels of different rounding part ways within a few tokens even on the same qua
 
     python benchmarks/bench_e2e.py make WORKDIR [--shape 8b|70b] [--layers N] [--presets w4a16,...]   # (CPU ok)
     python benchmarks/bench_e2e.py run WORKDIR [CONFIG ...] [--batches 1,16,64] [--tensor-parallel-size N] [--json FILE]
-    python benchmarks/bench_e2e.py profile WORKDIR [CONFIG ...] [--batches 1] [--steps 32]
+    python benchmarks/bench_e2e.py profile WORKDIR [CONFIG ...] [--batches 1] [--steps 32] [--prefill]
 
 `profile` runs each configuration's engine in-process under torch.profiler (CUDA kernels only, CUDA graphs
 included) over a generate of 1 + S tokens and one of 1 token, and prints where a decode step's GPU time goes: the
 difference of the two, per kernel and per kind of kernel (cublade's GEMMs, vLLM's and cuBLAS's GEMMs, activation
 quantization, attention, Inductor's fused elementwise kernels, ...), each divided by S, next to the step time
 measured by the same pairs without the profiler (--reps of them, in the same in-process engine); what the kernels do
-not cover is time the GPU waits (launch gaps, host work).
+not cover is time the GPU waits (launch gaps, host work). `profile --prefill` profiles the 1-token generate
+instead: the B prompts' forward (B x P tokens, not CUDA-graphed, as a server's prompt chunks run), its wall time
+the median of --reps.
 
 --shape 70b makes a Llama-3-70B-shaped model instead (hidden 8192, MLP 28672, 64 heads / 8 KV heads, vocab 128256;
 80 layers in the real one: --layers picks how many, e.g. 8 where memory or time asks). --presets limits the
@@ -252,9 +254,10 @@ def cmd_make(args) -> None:
 
 def measure(model: str, quantization: str | None, batches: list[int], prompt: int, steps: int, reps: int,
             attention_backend: str | None = None, tensor_parallel_size: int = 1, profile: bool = False,
-            expert_parallel: bool = False) -> dict:
+            expert_parallel: bool = False, prefill: bool = False) -> dict:
     """Runs in the configuration's own process: one engine, every batch size. profile: the engine in this process,
-    and each batch size's kernel times per step (kernel_profile) instead of timed pairs."""
+    and each batch size's kernel times per step (kernel_profile; prefill: of the prompts' forward) instead of timed
+    pairs."""
     if profile:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, for torch.profiler
     from vllm import LLM, SamplingParams
@@ -284,7 +287,7 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
 
         first_tokens = timed(steps + 1)[1][:16]  # warm-up
         if profile:
-            rows.append({"batch": b, **kernel_profile(timed, steps, reps)})
+            rows.append({"batch": b, **kernel_profile(timed, steps, reps, prefill)})
             continue
         steps_ms, short_ms = [], []
         for _ in range(reps):
@@ -312,10 +315,11 @@ KERNEL_KINDS = (
 )
 
 
-def kernel_profile(timed, steps: int, reps: int) -> dict:
+def kernel_profile(timed, steps: int, reps: int, prefill: bool = False) -> dict:
     """GPU time per decode step by kernel: torch.profiler over a generate of 1 + steps tokens minus one of 1 token,
     divided by steps. Returns the step time (the median of `reps` such pairs run without the profiler, which
-    slows the host), the kernels' sum, the time per kind of kernel and the kernels that take the most."""
+    slows the host), the kernels' sum, the time per kind of kernel and the kernels that take the most. prefill: the
+    same of the 1-token generate alone (the prompts' forward and one sampling), its time the median of `reps`."""
     from torch.profiler import ProfilerActivity, profile
 
     def kernels(n: int) -> tuple[float, dict[str, list[float]]]:
@@ -329,9 +333,13 @@ def kernel_profile(timed, steps: int, reps: int) -> dict:
                 t[1] += 1
         return dt, per
 
-    step_s = statistics.median((timed(steps + 1)[0] - timed(1)[0]) / steps for _ in range(reps))
-    _, long_k = kernels(steps + 1)
-    _, short_k = kernels(1)
+    if prefill:
+        step_s = statistics.median(timed(1)[0] for _ in range(reps))
+        long_k, short_k, steps = kernels(1)[1], {}, 1
+    else:
+        step_s = statistics.median((timed(steps + 1)[0] - timed(1)[0]) / steps for _ in range(reps))
+        _, long_k = kernels(steps + 1)
+        _, short_k = kernels(1)
     per_step = {}
     for name, (us, calls) in long_k.items():
         s_us, s_calls = short_k.get(name, (0.0, 0.0))
@@ -346,22 +354,25 @@ def kernel_profile(timed, steps: int, reps: int) -> dict:
             "kinds_us": kinds, "top": [(n[:160], us, calls) for n, (us, calls) in top]}
 
 
-def print_profile(name: str, rows: list[dict]) -> None:
+def print_profile(name: str, rows: list[dict], prefill: bool = False) -> None:
     for r in rows:
         step_us, kern_us = r["step_ms"] * 1e3, r["kernels_ms"] * 1e3
-        print(f"\n{name}, B={r['batch']}: step {step_us:.0f} us, kernels {kern_us:.0f} us "
+        what = "the prompts' forward" if prefill else "step"
+        print(f"\n{name}, B={r['batch']}: {what} {step_us:.0f} us, kernels {kern_us:.0f} us "
               f"({kern_us / step_us:.0%}), GPU idle {step_us - kern_us:.0f} us")
-        print("| kind | us per step | % of step |\n|---|---:|---:|")
+        unit = "us" if prefill else "us per step"
+        print(f"| kind | {unit} | % of {what} |\n|---|---:|---:|")
         for kind, us in sorted(r["kinds_us"].items(), key=lambda kv: -kv[1]):
             print(f"| {kind} | {us:.1f} | {us / step_us:.1%} |")
-        print("| kernel | us per step | launches per step |\n|---|---:|---:|")
+        print(f"| kernel | {unit} | launches{'' if prefill else ' per step'} |\n|---|---:|---:|")
         for kname, us, calls in r["top"]:
             print(f"| `{kname}` | {us:.1f} | {calls:.0f} |")
 
 
 def cmd_measure(args) -> None:
     res = measure(args.model, args.quantization, args.batches, args.prompt, args.steps, args.reps,
-                  args.attention_backend, args.tensor_parallel_size, args.profile, args.enable_expert_parallel)
+                  args.attention_backend, args.tensor_parallel_size, args.profile, args.enable_expert_parallel,
+                  args.prefill)
     Path(args.result).write_text(json.dumps(res))
 
 
@@ -386,7 +397,8 @@ def cmd_run(args) -> None:
                "--tensor-parallel-size", str(args.tensor_parallel_size)] \
             + (["--enable-expert-parallel"] if args.enable_expert_parallel else []) \
             + (["--quantization", quant] if quant else []) + (["--attention-backend", backend] if backend else []) \
-            + (["--profile"] if args.cmd == "profile" else [])
+            + (["--profile"] if args.cmd == "profile" else []) \
+            + (["--prefill"] if getattr(args, "prefill", False) else [])
         log = work / f"log-{name}.txt"
         print(f"{name}: {work / sub}" + (f" --quantization {quant}" if quant else "") +
               (f" --attention-backend {backend}" if backend else "") +
@@ -399,7 +411,7 @@ def cmd_run(args) -> None:
             continue
         results[name] = json.loads(result.read_text())
         if args.cmd == "profile":
-            print_profile(name, results[name]["rows"])
+            print_profile(name, results[name]["rows"], args.prefill)
             continue
         kernels = sorted({line.split("] ", 1)[-1].strip()[:200] for line in log.read_text(errors="replace").splitlines()
                           if re.search(r"Using \w+Kernel|cublade: .* run on |KV-cache write runs", line)})
@@ -479,6 +491,9 @@ def main() -> None:
     me.add_argument("--attention-backend")
     me.add_argument("--result", required=True)
     me.add_argument("--profile", action="store_true", help="kernel times per step (the profile command)")
+    for q in (pr, me):
+        q.add_argument("--prefill", action="store_true",
+                       help="profile the prompts' forward (B x --prompt tokens) instead of a decode step")
     args = p.parse_args()
     {"make": cmd_make, "run": cmd_run, "profile": cmd_run, "measure": cmd_measure}[args.cmd](args)
 

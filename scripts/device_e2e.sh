@@ -16,7 +16,10 @@
 #            comma-separated list of configurations run one after another, each appending to $OUT/serve.jsonl;
 #            then the table of all of them. E.g. `serve-bench cublade-w4a16,bf16 vllm-w4a16,vllm-w4a16-humming` on
 #            two GPUs (a compiled 8B-shaped server starts in 110-175 s, Humming's JIT included; each stays well
-#            under 10 minutes with two configurations a lane, SERVE_TIMEOUT seconds at most, default 570).
+#            under 10 minutes with two configurations a lane, SERVE_TIMEOUT seconds at most, default 570; a lane that
+#            runs out keeps the concurrencies it finished). The servers' and clients' logs and vLLM's result files go
+#            to $OUT/serve-logs; the kernel choices they name are printed. SERVE_ARGS: more bench_serve.py run
+#            arguments, e.g. "--concurrency 256".
 # Logs and JSON results go under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,11 +62,13 @@ case "${1:?phase: kernels | serve | serve2 | ppl | tuning | tp | model | serve-b
              # timeout sends SIGTERM, on which bench_serve.py stops its server before it exits
              CUDA_VISIBLE_DEVICES=$gpu timeout "${SERVE_TIMEOUT:-570}" bash -c '
                for c in ${1//,/ }; do
-                 python3 benchmarks/bench_serve.py run "$2" "$c" --json "$3/serve.jsonl"
-               done' lane "$lane" "$E2E" "$OUT" > "$OUT/serve-lane$gpu.log" 2>&1 &
+                 python3 benchmarks/bench_serve.py run "$2" "$c" --json "$3/serve.jsonl" $4
+               done' lane "$lane" "$E2E" "$OUT" "${SERVE_ARGS:-}" > "$OUT/serve-lane$gpu.log" 2>&1 &
              gpu=$((gpu + 1))
            done
            wait
+           mkdir -p "$OUT/serve-logs" && cp "$E2E"/serve-*.log "$E2E"/serve-*.json "$OUT/serve-logs/" 2>/dev/null
+           grep -ho "Using [A-Za-z0-9]*Kernel[^.]*\|cublade: .* run on [a-z0-9-]*" "$OUT"/serve-logs/serve-*.log 2>/dev/null | sort | uniq -c
            python3 benchmarks/bench_serve.py report "$OUT/serve.jsonl" | tee "$OUT/serve-report.md" ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

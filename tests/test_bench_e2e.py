@@ -155,3 +155,40 @@ def test_make_with_the_lm_head_quantized(bench_e2e, tmp_path, monkeypatch):
     assert bench_e2e.CONFIGS["cublade-fp8-lm-head"][0] == out.name
     assert "lm_head.weight_scale" in json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert not (tmp_path / "cublade-fp8-kv-nearest").exists()  # the FP8 KV variants come with fp8-dynamic only
+
+
+class _Event:
+    def __init__(self, name, us):
+        import torch
+
+        self.name, self.device_time_total, self.device_type = name, us, torch.autograd.DeviceType.CUDA
+
+
+def test_kernel_profile_of_a_decode_step_and_of_the_prompts(bench_e2e, monkeypatch):
+    """A decode step's kernels are the long generate's less the 1-token one's, per step; with prefill the 1-token
+    generate's kernels are the whole answer. (torch.profiler stood in for: each generate of n tokens launches one
+    prefill GEMM of 900 us and n - 1 decode GEMMs of 10 us.)"""
+    import contextlib
+
+    import torch.profiler
+
+    last = {}
+
+    def timed(n):
+        last["n"] = n
+        return 0.001 * n, []
+
+    class Prof:
+        def events(self):  # of the generate run inside the profile
+            return [_Event("nvjet_prefill", 900.0)] + [_Event("nvjet_decode", 10.0)] * (last["n"] - 1)
+
+    @contextlib.contextmanager
+    def fake_profile(activities):
+        yield Prof()
+
+    monkeypatch.setattr(torch.profiler, "profile", fake_profile)
+    decode = bench_e2e.kernel_profile(timed, steps=4, reps=1)
+    assert decode["top"] == [("nvjet_decode", 10.0, 1.0)] and decode["kernels_ms"] == pytest.approx(0.010)
+    assert decode["step_ms"] == pytest.approx(1.0)
+    prefill = bench_e2e.kernel_profile(timed, steps=4, reps=1, prefill=True)
+    assert prefill["top"] == [("nvjet_prefill", 900.0, 1.0)] and prefill["step_ms"] == pytest.approx(1.0)
