@@ -442,7 +442,8 @@ def report(results: dict, batches: list[int]) -> None:
              for name, res in results.items() for r in res["rows"] if r["spread_ms"] > NOISY * r["step_ms"]]
     if noisy:
         print(f"\nreps spread over {NOISY:.0%} of their median (more --reps to settle): " + ", ".join(noisy))
-    pairs = [("cublade-fp4-moe", "vllm-marlin-moe"), ("cublade-fp8", "vllm-fp8"), ("cublade-fp8-fuse", "vllm-fp8"), ("cublade-fp8-fuse", "cublade-fp8"),
+    pairs = [("cublade-fp4-moe", "vllm-marlin-moe"), ("cublade-fp8", "vllm-fp8"), ("cublade-fp8-fuse", "vllm-fp8"),
+             ("cublade-fp8-fuse", "cublade-fp8"),
              ("cublade-fp8-gemm", "cublade-fp8"), ("cublade-fp8-gemm", "vllm-fp8"),
              ("cublade-w4a16-fp8", "cublade-w4a16"), ("cublade-w4a16", "vllm-w4a16-humming"),
              ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),

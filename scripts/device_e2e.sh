@@ -68,7 +68,8 @@ case "${1:?phase: kernels | serve | serve2 | ppl | tuning | tp | model | serve-b
            done
            wait
            mkdir -p "$OUT/serve-logs" && cp "$E2E"/serve-*.log "$E2E"/serve-*.json "$OUT/serve-logs/" 2>/dev/null
-           grep -ho "Using [A-Za-z0-9]*Kernel[^.]*\|cublade: .* run on [a-z0-9-]*" "$OUT"/serve-logs/serve-*.log 2>/dev/null | sort | uniq -c
+           grep -ho "Using [A-Za-z0-9]*Kernel[^.]*\|cublade: .* run on [a-z0-9-]*" "$OUT"/serve-logs/serve-*.log \
+             2>/dev/null | sort | uniq -c
            python3 benchmarks/bench_serve.py report "$OUT/serve.jsonl" | tee "$OUT/serve-report.md" ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

@@ -124,8 +124,9 @@ def test_make_mixtral_shape_writes_the_moe_source_and_its_fp4_conversion(bench_e
 def test_report_flags_step_times_whose_reps_spread(bench_e2e, capsys):
     """The report names every step time whose reps spread over NOISY of their median, so a ratio built on one is not
     read as settled (a TP = 2 run gave 0.26 ms of spread on a 1.85 ms step)."""
-    row = lambda b, step, spread: {"batch": b, "step_ms": step, "tok_s": b / step * 1e3, "spread_ms": spread,  # noqa: E731
-                                   "prefill_ms": 5.0}
+    def row(b, step, spread):
+        return {"batch": b, "step_ms": step, "tok_s": b / step * 1e3, "spread_ms": spread, "prefill_ms": 5.0}
+
     results = {"cublade-w4a16": {"rows": [row(1, 1.845, 0.261), row(16, 1.711, 0.05)]},
                "vllm-w4a16": {"rows": [row(1, 1.713, 0.067), row(16, 1.901, 0.126)]}}
     bench_e2e.report(results, [1, 16])
