@@ -1,11 +1,12 @@
-"""Tensor parallelism 2 on CPU: two gloo processes build the same vLLM layers with cublade's config and load
-the full checkpoint tensors through vLLM's loaders, which shard them. Column-parallel layers (QKV, gate_up):
+"""Tensor parallelism 2 and 4 on CPU: 2 or 4 gloo processes build the same vLLM layers with cublade's config and
+load the full checkpoint tensors through vLLM's loaders, which shard them. Column-parallel layers (QKV, gate_up):
 each rank's output columns equal the single-process reference's, bit for bit. Row-parallel (down_proj): each
 rank holds a K slice (its weight columns, group scales, zero points, MX block scales; per-channel scales
-replicated), and the all-reduced output equals the sum of the references over the two K slices (within bf16
-rounding of the partial sums: 1e-2 relative; measured 2.1e-3 to 2.2e-3). A quantized lm_head (vLLM's
+replicated), and the all-reduced output equals the sum of the references over the K slices (within bf16
+rounding of the partial sums: 1e-2 relative; measured 2.1e-3 to 2.2e-3 at 2 ranks). A quantized lm_head (vLLM's
 ParallelLMHead, 200 vocabulary rows padded to 256) splits the vocabulary: each rank's rows of the logits equal the
-reference's bit for bit, its padding rows are zero."""
+reference's bit for bit, its padding rows are zero (at 4 ranks the last holds 8 rows and 56 of padding). At 4 ranks
+each rank's down_proj K is 64, one group of the g64 scheme and 2 MX blocks."""
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,7 @@ from cublade.config import Fp8Scheme, MXFP8Scheme, W4A16Scheme
 
 SCHEMES = [Fp8Scheme("tensor", "dynamic-token"), Fp8Scheme("channel", "static-tensor"), W4A16Scheme(64, False),
            W4A16Scheme(-1, True), MXFP8Scheme()]
-TP = 2
-VOCAB = 200  # lm_head rows: padded to 256, 128 a rank
+VOCAB, PADDED = 200, 256  # lm_head rows, and as vLLM pads them (to a multiple of 64)
 
 
 def lm_head_inputs(scheme):
@@ -39,7 +39,7 @@ def inputs(scheme, kind):
     return x, tensors
 
 
-def worker(rank: int, init_method: str, out_dir: str) -> None:
+def worker(rank: int, tp: int, init_method: str, out_dir: str) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm_layers import lm_head, load, single_scheme_config
@@ -49,8 +49,8 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
 
     cublade.vllm.register()
     with set_current_vllm_config(cpu_vllm_config()):
-        init_distributed_environment(TP, rank, init_method, rank, "gloo")
-        initialize_model_parallel(TP, 1)
+        init_distributed_environment(tp, rank, init_method, rank, "gloo")
+        initialize_model_parallel(tp, 1)
         torch.set_default_dtype(torch.bfloat16)
         results = {}
         for i, scheme in enumerate(SCHEMES):
@@ -59,14 +59,14 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
                 layer = kind.build(single_scheme_config(scheme))
                 load(layer, kind, tensors)
                 layer.quant_method.process_weights_after_loading(layer)
-                xin = x if name != "down" else x.chunk(TP, dim=-1)[rank]  # row-parallel takes its K slice
+                xin = x if name != "down" else x.chunk(tp, dim=-1)[rank]  # row-parallel takes its K slice
                 results[i, name] = layer(xin)[0]
             x, tensors = lm_head_inputs(scheme)
             head = lm_head(scheme, VOCAB, 128, tensors)
             idx = head.shard_indices
             results[i, "lm_head"] = (head.quant_method.apply(head, x), idx.org_vocab_start_index,
                                      idx.org_vocab_end_index)
-        for name, build in REFUSED.items():  # layers whose per-rank shape breaks a sharding rule
+        for name, build in REFUSED.items() if tp == 2 else ():  # layers whose per-rank shape breaks a rule
             try:
                 build()
             except ValueError as e:
@@ -146,39 +146,42 @@ REFUSALS = {
 }
 
 
-def test_tensor_parallel_2(tmp_path):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel(tmp_path, tp):
     import torch.multiprocessing as mp
     from vllm_model import dist_init_method
 
-    mp.spawn(worker, args=(dist_init_method(tmp_path), str(tmp_path)), nprocs=TP, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(TP)]
+    mp.spawn(worker, args=(tp, dist_init_method(tmp_path), str(tmp_path)), nprocs=tp, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp)]
     for i, scheme in enumerate(SCHEMES):
         for name, kind in KINDS.items():
             x, tensors = inputs(scheme, kind)
             if name != "down":
                 # vLLM splits each shard (q/k/v, gate/up) by rank along its rows
-                refs = [scheme.linear_ref(x, tensors[m]).chunk(TP, dim=-1) for _, m, _ in kind.shards]
-                for r in range(TP):
+                refs = [scheme.linear_ref(x, tensors[m]).chunk(tp, dim=-1) for _, m, _ in kind.shards]
+                for r in range(tp):
                     expect = torch.cat([ref[r] for ref in refs], dim=-1)
                     assert torch.equal(ranks[r][i, name], expect), (scheme.describe(), name, r)
             else:
-                K = kind.K // TP
+                K = kind.K // tp
                 ref = sum(scheme.linear_ref(x[:, r * K:(r + 1) * K].float(), slice_k(scheme, t, r, K)).float()
-                          for r in range(TP) for t in [tensors[kind.shards[0][1]]])
-                for r in range(TP):
+                          for r in range(tp) for t in [tensors[kind.shards[0][1]]])
+                for r in range(tp):
                     assert rel_err(ranks[r][i, name], ref) < 1e-2, (scheme.describe(), r)
-                assert torch.equal(ranks[0][i, name], ranks[1][i, name])  # all-reduced
+                    assert torch.equal(ranks[r][i, name], ranks[0][i, name])  # all-reduced
         x, tensors = lm_head_inputs(scheme)
         ref = scheme.linear_ref(x, tensors)
         starts = []
-        for r in range(TP):
+        rows = PADDED // tp
+        for r in range(tp):
             y, start, end = ranks[r][i, "lm_head"]
-            assert y.shape == (4, 128) and torch.equal(y[:, :end - start], ref[:, start:end]), (scheme.describe(), r)
+            assert y.shape == (4, rows) and torch.equal(y[:, :end - start], ref[:, start:end]), (scheme.describe(), r)
             assert not y[:, end - start:].any()
             starts.append((start, end))
-        assert starts == [(0, 128), (128, VOCAB)]
-    for r in range(TP):  # vLLM's per-rank sizes reach the rules: the same one-line error on each rank
-        assert {k: ranks[r].get(k) for k in REFUSALS} == REFUSALS
+        assert starts == [(r * rows, min((r + 1) * rows, VOCAB)) for r in range(tp)]
+    if tp == 2:
+        for r in range(tp):  # vLLM's per-rank sizes reach the rules: the same one-line error on each rank
+            assert {k: ranks[r].get(k) for k in REFUSALS} == REFUSALS
 
 
 def slice_k(scheme, t: dict[str, torch.Tensor], r: int, K: int) -> dict[str, torch.Tensor]:
