@@ -1,5 +1,5 @@
-"""One rank of the tensor-parallel MoE test (test_moe_vllm.py::test_tensor_parallel_2): builds the FusedMoE
-layer with cublade's FP4 method at TP=2 on CPU (gloo), loads the full checkpoint block (vLLM's loader takes this
+"""One rank of the tensor-parallel MoE test (test_moe_vllm.py::test_tensor_parallel): builds the FusedMoE
+layer with cublade's FP4 method at TP = 2 or 4 on CPU (gloo), loads the full checkpoint block (vLLM's loader takes this
 rank's rows of w1/w3 and columns of w2, packed bytes and scales alike), runs the layer (vLLM all-reduces) and
 saves the output."""
 from __future__ import annotations
@@ -33,8 +33,8 @@ def run(rank: int, world: int, init_method: str, jobs: list[tuple[str, str, str]
         y = forward(cfg, layer, x, x @ router(Path(ckpt)).t())
         if rank == 0:
             torch.save(y, out)
-    # An intermediate size whose per-rank share breaks the mxfp4 block rule (96 over 2 ranks: 48): each rank's
-    # one-line error, beside the outputs.
+    # An intermediate size whose per-rank share breaks the mxfp4 block rule (96 over 2 ranks: 48; over 4: 24): each
+    # rank's one-line error, beside the outputs.
     from cublade.config.schemes import UnsupportedShape
 
     try:

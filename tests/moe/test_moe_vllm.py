@@ -356,10 +356,11 @@ def test_cublade_kernel_grouping_on_cpu(vllm_cpu, ckpt, fmt):
     assert (got.float() - want.float()).abs().max() < 0.05 * want.float().abs().max()
 
 
-def test_tensor_parallel_2(converted, moe_fixture, tmp_path):
-    """TP=2 in two gloo processes: each rank holds half of every expert's intermediate rows (w1/w3 rows, w2
-    packed columns and their scales, cut by vLLM's loader; nvfp4 global scales whole); the all-reduced output
-    equals the TP=1 reference experts up to fp32 summation order (w2's K is summed in two halves)."""
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel(converted, moe_fixture, tmp_path, tp):
+    """TP = 2 and 4 in as many gloo processes: each rank holds 1/tp of every expert's intermediate rows (w1/w3 rows,
+    w2 packed columns and their scales, cut by vLLM's loader; nvfp4 global scales whole); the all-reduced output
+    equals the TP=1 reference experts up to fp32 summation order (w2's K is summed in tp parts)."""
     import os
     import subprocess
     import sys
@@ -373,9 +374,9 @@ def test_tensor_parallel_2(converted, moe_fixture, tmp_path):
     jobs = [a for f, c in ckpts.items() for a in (str(c), f, str(tmp_path / f"{f}.pt"))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
     worker = [sys.executable, str(here / "moe_tp_worker.py")]
-    procs = [subprocess.Popen([*worker, str(r), "2", dist_init_method(tmp_path), *jobs],
+    procs = [subprocess.Popen([*worker, str(r), str(tp), dist_init_method(tmp_path), *jobs],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
+             for r in range(tp)]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     g = torch.Generator().manual_seed(0)
@@ -383,10 +384,10 @@ def test_tensor_parallel_2(converted, moe_fixture, tmp_path):
     for f, c in ckpts.items():
         want = _reference(c, f, x, x @ router(c).t())
         torch.testing.assert_close(torch.load(tmp_path / f"{f}.pt"), want, rtol=1e-5, atol=1e-6)
-    for r in range(2):  # vLLM's per-rank intermediate size reaches the sharding rule
+    for r in range(tp):  # vLLM's per-rank intermediate size reaches the sharding rule
         assert (tmp_path / f"refusal-rank{r}.txt").read_text() == (
-            "model.layers.0.block_sparse_moe.experts: intermediate_size I=48 per rank (intermediate_size 96 at "
-            "tensor-parallel size 2) breaks a rule of scheme fp4(format=mxfp4, scale_rule=rceil): it must be a "
+            f"model.layers.0.block_sparse_moe.experts: intermediate_size I={96 // tp} per rank (intermediate_size 96 "
+            f"at tensor-parallel size {tp}) breaks a rule of scheme fp4(format=mxfp4, scale_rule=rceil): it must be a "
             "multiple of the mxfp4 block size 32 (a block and its scale live on one rank; FP4 packs 2 values per "
             "byte along K)")
 
