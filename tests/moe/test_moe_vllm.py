@@ -356,11 +356,14 @@ def test_cublade_kernel_grouping_on_cpu(vllm_cpu, ckpt, fmt):
     assert (got.float() - want.float()).abs().max() < 0.05 * want.float().abs().max()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel(converted, moe_fixture, tmp_path, tp):
+@pytest.mark.parametrize("mode", ["tp2", "tp4", "ep2", "ep4"])
+def test_tensor_and_expert_parallel(converted, moe_fixture, tmp_path, mode):
     """TP = 2 and 4 in as many gloo processes: each rank holds 1/tp of every expert's intermediate rows (w1/w3 rows,
     w2 packed columns and their scales, cut by vLLM's loader; nvfp4 global scales whole); the all-reduced output
-    equals the TP=1 reference experts up to fp32 summation order (w2's K is summed in tp parts)."""
+    equals the TP=1 reference experts up to fp32 summation order (w2's K is summed in tp parts). EP = 2 and 4
+    (--enable-expert-parallel): each rank holds 8 / ep whole experts (vLLM's expert map marks the others), the same
+    reference."""
+    n = int(mode[2:])
     import os
     import subprocess
     import sys
@@ -374,9 +377,9 @@ def test_tensor_parallel(converted, moe_fixture, tmp_path, tp):
     jobs = [a for f, c in ckpts.items() for a in (str(c), f, str(tmp_path / f"{f}.pt"))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
     worker = [sys.executable, str(here / "moe_tp_worker.py")]
-    procs = [subprocess.Popen([*worker, str(r), str(tp), dist_init_method(tmp_path), *jobs],
+    procs = [subprocess.Popen([*worker, str(r), mode, dist_init_method(tmp_path), *jobs],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(tp)]
+             for r in range(n)]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     g = torch.Generator().manual_seed(0)
@@ -384,10 +387,10 @@ def test_tensor_parallel(converted, moe_fixture, tmp_path, tp):
     for f, c in ckpts.items():
         want = _reference(c, f, x, x @ router(c).t())
         torch.testing.assert_close(torch.load(tmp_path / f"{f}.pt"), want, rtol=1e-5, atol=1e-6)
-    for r in range(tp):  # vLLM's per-rank intermediate size reaches the sharding rule
+    for r in range(n if mode.startswith("tp") else 0):  # vLLM's per-rank intermediate size reaches the rule
         assert (tmp_path / f"refusal-rank{r}.txt").read_text() == (
-            f"model.layers.0.block_sparse_moe.experts: intermediate_size I={96 // tp} per rank (intermediate_size 96 "
-            f"at tensor-parallel size {tp}) breaks a rule of scheme fp4(format=mxfp4, scale_rule=rceil): it must be a "
+            f"model.layers.0.block_sparse_moe.experts: intermediate_size I={96 // n} per rank (intermediate_size 96 "
+            f"at tensor-parallel size {n}) breaks a rule of scheme fp4(format=mxfp4, scale_rule=rceil): it must be a "
             "multiple of the mxfp4 block size 32 (a block and its scale live on one rank; FP4 packs 2 values per "
             "byte along K)")
 
