@@ -20,6 +20,10 @@
 #            runs out keeps the concurrencies it finished). The servers' and clients' logs and vLLM's result files go
 #            to $OUT/serve-logs; the kernel choices they name are printed. SERVE_ARGS: more bench_serve.py run
 #            arguments, e.g. "--concurrency 256".
+#   e2e-bench LANE ...  benchmarks/bench_e2e.py run, one lane per GPU as serve-bench's (a lane's configurations, comma-
+#            separated, in one run: their ratios in its report), E2E_ARGS more run arguments (default "--batches
+#            1,16,64"), at most E2E_TIMEOUT seconds (default 570; about 2 minutes a configuration on the 8B shape);
+#            each lane's report in $OUT/e2e-lane<GPU>.log, the JSON lines in $OUT/e2e.jsonl.
 # Logs and JSON results go under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +36,7 @@ pytest_run() {  # name, timeout, pytest args...
   echo "$name: rc=$? $(grep -E '^[0-9]+ (passed|failed|skipped)|(passed|failed).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -20
 }
-case "${1:?phase: kernels | serve | serve2 | ppl | tuning | tp | model | serve-bench}" in
+case "${1:?phase: kernels | serve | serve2 | ppl | tuning | tp | model | serve-bench | e2e-bench}" in
   kernels) CUBLADE_TEST_TIMEOUT=${CUBLADE_TEST_TIMEOUT:-300} bash scripts/device_check.sh ;;
   serve)   pytest_run serve 560 tests/gpu/test_serve.py -k "answers or baseline or greedy" ;;
   serve2)  pytest_run serve2 560 tests/gpu/test_serve.py -k "compiled or kv_cache or compressed" ;;
@@ -71,5 +75,16 @@ case "${1:?phase: kernels | serve | serve2 | ppl | tuning | tp | model | serve-b
            grep -ho "Using [A-Za-z0-9]*Kernel[^.]*\|cublade: .* run on [a-z0-9-]*" "$OUT"/serve-logs/serve-*.log \
              2>/dev/null | sort | uniq -c
            python3 benchmarks/bench_serve.py report "$OUT/serve.jsonl" | tee "$OUT/serve-report.md" ;;
+  e2e-bench)
+           shift
+           [ $# -gt 0 ] || { echo "e2e-bench: give one lane (comma-separated configurations) per GPU" >&2; exit 2; }
+           E2E=${E2E:-/tmp/e2e} gpu=0
+           for lane in "$@"; do
+             CUDA_VISIBLE_DEVICES=$gpu timeout "${E2E_TIMEOUT:-570}" python3 benchmarks/bench_e2e.py run "$E2E" \
+               ${lane//,/ } ${E2E_ARGS:---batches 1,16,64} --json "$OUT/e2e.jsonl" > "$OUT/e2e-lane$gpu.log" 2>&1 &
+             gpu=$((gpu + 1))
+           done
+           wait
+           for f in "$OUT"/e2e-lane*.log; do echo "== $f"; sed -n '/^| config/,$p' "$f"; done ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac
