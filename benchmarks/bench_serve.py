@@ -172,9 +172,15 @@ def cell(m: dict) -> str:
     return text + (f" ({m['failed']} of {m['completed'] + m['failed']} failed)" if m.get("failed") else "")
 
 
+def tail_cell(m: dict) -> str:
+    return (f"{m['duration']:.0f} / {m['mean_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} / {m['mean_tpot_ms']:.2f} / "
+            f"{m['p99_tpot_ms']:.2f}")
+
+
 def report(runs: list[dict]) -> None:
-    """The table of every configuration's rows (later runs of a configuration replace earlier ones), and the
-    output-throughput ratios of cublade's configurations against their baselines."""
+    """The table of every configuration's rows (later runs of a configuration replace earlier ones), the same rows'
+    run time and mean / p99 TTFT and TPOT where kept, and the output-throughput ratios of cublade's configurations
+    against their baselines."""
     results: dict[str, dict] = {}
     setup = None
     for run in runs:
@@ -192,6 +198,15 @@ def report(runs: list[dict]) -> None:
     for name, rows in results.items():
         cells = [cell(rows[c]) if c in rows else "—" for c in levels]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    tails = {name: rows for name, rows in results.items() if any(m.get("p99_tpot_ms") is not None
+                                                                   for m in rows.values())}
+    if tails:  # what the medians hide: a slow stretch or a long tail
+        print("\nthe same rows: run seconds / mean TTFT ms / p99 TTFT ms / mean TPOT ms / p99 TPOT ms")
+        print("| config | " + " | ".join(f"concurrency {c}" for c in levels) + " |")
+        print("|---|" + "---:|" * len(levels))
+        for name, rows in tails.items():
+            cells = [tail_cell(rows[c]) if rows.get(c, {}).get("p99_tpot_ms") is not None else "—" for c in levels]
+            print(f"| {name} | " + " | ".join(cells) + " |")
     pairs = PAIRS + [(n, "bf16") for n in results if n != "bf16"]
     print("\noutput tokens/s, ours / baseline's:")
     for ours, base in pairs:

@@ -79,6 +79,22 @@ def test_report_table_and_ratios(bench, capsys):
     assert "vllm-w4a16-humming" not in out  # no such rows: no ratio
 
 
+def test_report_tail_table_where_kept(bench, capsys):
+    """Rows that kept the run's time and mean / p99 TTFT and TPOT get a second table (a row can have lower medians
+    than another and still finish later); rows from files without them get none."""
+    tail = {"duration": 40.2, "mean_ttft_ms": 900.0, "p99_ttft_ms": 5100.0, "mean_tpot_ms": 33.5, "p99_tpot_ms": 61.25}
+    new = rows({256: 6522.0})
+    new["256"].update(tail)
+    bench.report([{"input_len": 512, "output_len": 256, "configs": {"cublade-w4a16": new,
+                                                                     "vllm-w4a16": rows({256: 7196.0})}}])
+    out = capsys.readouterr().out
+    assert "run seconds / mean TTFT ms / p99 TTFT ms / mean TPOT ms / p99 TPOT ms" in out
+    assert "| cublade-w4a16 | 40 / 900 / 5100 / 33.50 / 61.25 |" in out
+    assert out.count("| vllm-w4a16 |") == 1  # its row without the tail metrics: only in the first table
+    bench.report([{"input_len": 512, "output_len": 256, "configs": {"bf16": rows({1: 199.0})}}])
+    assert "p99" not in capsys.readouterr().out
+
+
 def test_report_marks_rows_with_failed_requests(bench, capsys):
     bench.report([{"input_len": 512, "output_len": 256, "configs": {"bf16": rows({1: 199.0}, failed=13)}}])
     assert "| bf16 | 199 / 50 / 5.00 (13 of 32 failed) |" in capsys.readouterr().out
