@@ -279,7 +279,7 @@ class CubladeLinearMethod(LinearMethodBase):
 
 
 class CubladeLMHeadMethod(CubladeLinearMethod):
-    """The output projection (vLLM's ParallelLMHead: the vocabulary's rows split over the ranks, each rank's part
+    """The output projection (vLLM's ParallelLMHead: the vocabulary's rows split over the ranks, each rank's share
     padded to a multiple of 64 rows) on the scheme's linear kernels; vLLM's LogitsProcessor calls apply(). The
     checkpoint holds the vocabulary's rows only: vLLM's loader fills the padding rows with zeros (weights and
     scales), and the logits of those rows are dropped before sampling."""
