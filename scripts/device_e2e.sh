@@ -8,7 +8,8 @@
 #   tuning   the stand-alone sweeps of benchmarks/tuning (no vLLM needed): quant kernels, W4A16 small-M GEMV,
 #            W4A16 occupancy (tiles per warp x splits x ring stages), W4A16 pipeline (copies alone vs a plain read)
 #   tp SEL   tests/gpu/test_tensor_parallel_8b_shaped.py -k SEL on the machine's GPUs (2 or 4), at most TP_TIMEOUT
-#            seconds (default 570; 40-70 s an engine: e.g. "tp2 and (bf16 or w4a16-g128)", "x2")
+#            seconds (default 570; 30-40 s an engine: e.g. "tp2 and (bf16 or w4a16-g128)", "x2"); the logs of engines
+#            that failed go to $OUT/tp-engines
 #   model    the 32-layer Llama-3-8B-shaped model and its conversions ($E2E_PRESETS, default w4a16, fp8-dynamic and
 #            both with --quantize-lm-head) in $E2E (default /tmp/e2e; about 6 minutes on 32 cores), for bench_e2e.py and
 #            bench_serve.py
@@ -48,9 +49,15 @@ case "${1:?phase: kernels | serve | serve2 | ppl | tuning | tp | model | serve-b
              timeout 240 "/tmp/$h" > "$OUT/$h.txt" 2>&1
              echo "$h: rc=$?"; grep -E "^BEST|fastest|FAIL" "$OUT/$h.txt" | head -20
            done ;;
-  tp)      pytest_run tp "${TP_TIMEOUT:-570}" -s tests/gpu/test_tensor_parallel_8b_shaped.py \
+  tp)      rm -rf /tmp/tp-run
+           pytest_run tp "${TP_TIMEOUT:-570}" -s --basetemp /tmp/tp-run tests/gpu/test_tensor_parallel_8b_shaped.py \
              -k "${2:?tp: a -k selection}"
-           grep -o "RESULT {.*}" "$OUT/tp.log" ;;
+           grep -o "RESULT {.*}" "$OUT/tp.log"
+           for log in /tmp/tp-run/*/engine.log; do  # the engines that failed, for their workers' own words
+             grep -q "RESULT " "$log" 2>/dev/null && continue
+             [ -f "$log" ] || continue
+             mkdir -p "$OUT/tp-engines" && cp "$log" "$OUT/tp-engines/$(basename "$(dirname "$log")").log"
+           done ;;
   model)   E2E=${E2E:-/tmp/e2e}
            if ! python3 -c "import cublade" 2>/dev/null; then  # the converter needs no CUDA build
              CUBLADE_BUILD_EXT=0 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site .

@@ -24,18 +24,22 @@ row-parallel rank scales its tokens over its own K inputs) to vLLM's own online 
 same TP: first at >= vLLM's share - 5 points, difference <= vLLM's + 0.02 nats, vLLM's measured in the
 same run on the 8B-shaped source.
 
-Needs as many GPUs as the case's N. About 40-70 s an engine; the TP = 1 run of a checkpoint is kept for its other
-cases. Split the run with -k to stay under 10 minutes a command, e.g. `-k "tp4 and (bf16 or w4a16-g128)"`.
+Needs as many GPUs as the case's N. About 40-70 s an engine. The TP = 1 runs of every selected case go first, one
+engine per GPU at a time, and each is kept for the checkpoint's other cases; then the TP = N engines, one after
+another. Split the run with -k to stay under 10 minutes a command, e.g. `-k "tp4 and (bf16 or w4a16-g128)"`.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from queue import Queue
 
 import pytest
 import torch
@@ -54,6 +58,7 @@ DYNAMIC_FP8 = {"fp8-dynamic", "fp8-kv"}  # per-token activation scales: held to 
 VLLM_FP8 = "fp8_per_channel"  # vLLM's online FP8: weights per channel, activations per token
 RANK1_SLACK, MEAN_ABS_LOGPROB_SLACK = 0.05, 0.02
 PROMPTS, NEW_TOKENS = 8, 32
+MIXTRAL = "fp4-experts-fp8-dense (mixtral)"  # the Mixtral-shaped layer's case
 
 # An engine in a process of its own, as a file with a main guard (vLLM may start its TP workers by spawning)
 SCRIPT = textwrap.dedent('''
@@ -90,15 +95,16 @@ SCRIPT = textwrap.dedent('''
 
 
 def serve(model: Path, n: int, ep: bool, prompts: list[str], ref: Path | None, log: Path,
-          quantization: str | None = None) -> dict:
+          quantization: str | None = None, gpu: str | None = None) -> dict:
     """One engine at tensor-parallel size n: its greedy sequences (prompt + 32 tokens), and its log-probabilities and
     ranks of `ref`'s sequences (of its own without `ref`). quantization: vLLM's --quantization (None: the
-    checkpoint's own)."""
+    checkpoint's own); gpu: the one GPU a TP = 1 engine runs on (None: the first ones visible)."""
     script = log.with_name("engine.py")
     script.write_text(SCRIPT)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu) if gpu is not None else None
     r = subprocess.run([sys.executable, str(script), str(model), str(n), "1" if ep else "0", json.dumps(prompts),
                         str(ref) if ref else "-", quantization or "-"],
-                       capture_output=True, text=True, timeout=400, check=False)
+                       capture_output=True, text=True, timeout=400, check=False, env=env)
     log.write_text(r.stdout + r.stderr)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, f"engine at TP={n} failed ({log}): {failure_summary(r.stderr)}"
@@ -131,18 +137,76 @@ def prompts(valid_text) -> list[str]:
     return [" ".join(s.split()[:6]) for s in sentences[:PROMPTS]]
 
 
+def checkpoint(case: str, sources, converted, valid_text) -> Path:
+    """The checkpoint a case serves: a DENSE name on the 8B-shaped source, or MIXTRAL."""
+    if case == MIXTRAL:
+        return converted("fp4-experts-fp8-dense", src=sources("mixtral"))
+    return model_for(case, sources("8b"), converted, valid_text, DENSE)
+
+
+def with_vllm_fp8_bars(case: str) -> bool:
+    """Whether a case is held to vLLM's own FP8 at the same TP (per-token activation scales)."""
+    return case in DYNAMIC_FP8 or case == MIXTRAL
+
+
+def visible_gpus() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[:GPUS] if visible else [str(i) for i in range(GPUS)]
+
+
+def run_one_per_gpu(jobs: list, run, gpus: list[str]) -> list:
+    """run(job, gpu) for every job, as many at a time as there are GPUs, each on a GPU no other job holds; a job's
+    exception is its result."""
+    free: Queue = Queue()
+    for g in gpus:
+        free.put(g)
+
+    def task(job):
+        g = free.get()
+        try:
+            return run(job, g)
+        except Exception as e:  # noqa: BLE001 - kept for the case that needs this job
+            return e
+        finally:
+            free.put(g)
+
+    with ThreadPoolExecutor(len(gpus)) as pool:
+        return list(pool.map(task, jobs))
+
+
 @pytest.fixture(scope="module")
-def tp1(tmp_path_factory, prompts):
-    """tp1(model, quantization=None) -> (the TP = 1 run's result, the file holding it), one engine per checkpoint."""
-    runs = {}
+def tp1(request, tmp_path_factory, prompts, sources, converted, valid_text):
+    """tp1(model, quantization=None) -> (the TP = 1 run's result, the file holding it), one engine per checkpoint.
+    The first call runs those of every selected case of this module, one engine per GPU at a time."""
+    runs: dict = {}
+
+    def run(key, gpu: str | None = None):
+        model, quantization = key
+        d = tmp_path_factory.mktemp("tp1")
+        res = serve(model, 1, False, prompts, None, d / "engine.log", quantization, gpu)
+        (d / "result.json").write_text(json.dumps(res))
+        return res, d / "result.json"
+
+    def prefetch():
+        keys = []
+        for item in request.session.items:
+            if item.module is request.module and hasattr(item, "callspec"):
+                case = item.callspec.params.get("name", MIXTRAL)
+                keys.append((checkpoint(case, sources, converted, valid_text), None))
+                if with_vllm_fp8_bars(case):
+                    keys.append((sources("8b"), VLLM_FP8))
+        keys = list(dict.fromkeys(keys))
+        runs.update(zip(keys, run_one_per_gpu(keys, run, visible_gpus())))
 
     def get(model: Path, quantization: str | None = None):
+        if not runs:
+            prefetch()
         if (model, quantization) not in runs:
-            d = tmp_path_factory.mktemp("tp1")
-            res = serve(model, 1, False, prompts, None, d / "engine.log", quantization)
-            (d / "result.json").write_text(json.dumps(res))
-            runs[model, quantization] = (res, d / "result.json")
-        return runs[model, quantization]
+            runs[model, quantization] = run((model, quantization))
+        got = runs[model, quantization]
+        if isinstance(got, Exception):
+            raise got
+        return got
     return get
 
 
@@ -194,8 +258,8 @@ def compare(name: str, model: Path, n: int, ep: bool, prompts, tp1, tmp_path, re
 @pytest.mark.parametrize("name", list(DENSE))
 def test_llama_8b_shaped_at_tensor_parallel_size(name, n, sources, converted, valid_text, prompts, tp1, vllm_fp8,
                                                  tmp_path):
-    model = model_for(name, sources("8b"), converted, valid_text, DENSE)
-    compare(name, model, n, False, prompts, tp1, tmp_path, vllm_fp8(n) if name in DYNAMIC_FP8 else None)
+    model = checkpoint(name, sources, converted, valid_text)
+    compare(name, model, n, False, prompts, tp1, tmp_path, vllm_fp8(n) if with_vllm_fp8_bars(name) else None)
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
@@ -205,5 +269,5 @@ def test_mixtral_shaped_fp4_experts(n, ep, sources, converted, prompts, tp1, vll
     per rank (EP; 8 experts over N ranks). Its attention is per-token FP8 (fp8-dynamic), so it takes the bars of the
     presets with per-token scales (vLLM's own FP8 at the same TP on the 8B-shaped source, where every linear layer
     is FP8: the larger effect)."""
-    model = converted("fp4-experts-fp8-dense", src=sources("mixtral"))
-    compare("fp4-experts-fp8-dense (mixtral)", model, n, ep, prompts, tp1, tmp_path, vllm_fp8(n))
+    model = checkpoint(MIXTRAL, sources, converted, None)
+    compare(MIXTRAL, model, n, ep, prompts, tp1, tmp_path, vllm_fp8(n))
