@@ -7,9 +7,10 @@
 #   ppl      cublade ppl --backend vllm vs the reference backend; the MoE fixture served and scored
 #   tuning   the stand-alone sweeps of benchmarks/tuning (no vLLM needed): quant kernels, W4A16 small-M GEMV,
 #            W4A16 occupancy (tiles per warp x splits x ring stages), W4A16 pipeline (copies alone vs a plain read)
-#   tp SEL   tests/gpu/test_tensor_parallel_8b_shaped.py -k SEL on the machine's GPUs (2 or 4), at most TP_TIMEOUT
-#            seconds (default 570; 30-40 s an engine: e.g. "tp2 and (bf16 or w4a16-g128)", "x2"); the logs of engines
-#            that failed go to $OUT/tp-engines
+#   tp SEL ...  tests/gpu/test_tensor_parallel_8b_shaped.py -k SEL on the machine's GPUs (2 or 4), at most TP_TIMEOUT
+#            seconds (default 570; 30-40 s an engine: e.g. "tp2 and (bf16 or w4a16-g128)", "x2"); with several
+#            selections, side by side on an equal share of the GPUs each (on four: `tp "tp2 and A" "tp2 and B"` runs
+#            on GPUs 0,1 and 2,3); logs $OUT/tp-lane<i>.log, those of engines that failed in $OUT/tp-engines
 #   model    the 32-layer Llama-3-8B-shaped model and its conversions ($E2E_PRESETS, default w4a16, fp8-dynamic and
 #            both with --quantize-lm-head) in $E2E (default /tmp/e2e; about 6 minutes on 32 cores), for bench_e2e.py and
 #            bench_serve.py
@@ -49,11 +50,18 @@ case "${1:?phase: kernels | serve | serve2 | ppl | tuning | tp | model | serve-b
              timeout 240 "/tmp/$h" > "$OUT/$h.txt" 2>&1
              echo "$h: rc=$?"; grep -E "^BEST|fastest|FAIL" "$OUT/$h.txt" | head -20
            done ;;
-  tp)      rm -rf /tmp/tp-run
-           pytest_run tp "${TP_TIMEOUT:-570}" -s --basetemp /tmp/tp-run tests/gpu/test_tensor_parallel_8b_shaped.py \
-             -k "${2:?tp: a -k selection}"
-           grep -o "RESULT {.*}" "$OUT/tp.log"
-           for log in /tmp/tp-run/*/engine.log; do  # the engines that failed, for their workers' own words
+  tp)      shift
+           [ $# -gt 0 ] || { echo "tp: give a -k selection (or one per lane)" >&2; exit 2; }
+           per=$(( $(nvidia-smi -L | wc -l) / $# )) lane=0
+           for sel in "$@"; do  # lane i on GPUs i*per .. i*per+per-1
+             CUDA_VISIBLE_DEVICES=$(seq -s, $((lane * per)) $((lane * per + per - 1))) pytest_run "tp-lane$lane" \
+               "${TP_TIMEOUT:-570}" -s --basetemp "/tmp/tp-run$lane" tests/gpu/test_tensor_parallel_8b_shaped.py \
+               -k "$sel" &
+             lane=$((lane + 1))
+           done
+           wait
+           grep -ho "RESULT {.*}" "$OUT"/tp-lane*.log
+           for log in /tmp/tp-run*/*/engine.log; do  # the engines that failed, for their workers' own words
              grep -q "RESULT " "$log" 2>/dev/null && continue
              [ -f "$log" ] || continue
              mkdir -p "$OUT/tp-engines" && cp "$log" "$OUT/tp-engines/$(basename "$(dirname "$log")").log"
