@@ -45,7 +45,10 @@ quantization, attention, Inductor's fused elementwise kernels, ...), each divide
 measured by the same pairs without the profiler (--reps of them, in the same in-process engine); what the kernels do
 not cover is time the GPU waits (launch gaps, host work). `profile --prefill` profiles the 1-token generate
 instead: the B prompts' forward (B x P tokens, not CUDA-graphed, as a server's prompt chunks run), its wall time
-the median of --reps.
+the median of --reps. With --tensor-parallel-size N > 1 the ranks are worker processes: vLLM's own worker profiler
+(LLM(profiler_config=...), start_profile / stop_profile) writes each rank's trace, and the kernel times are the
+mean over the ranks, next to the engine's step time (a step the kernels cover only partly is host or all-reduce
+bound: a kernel's share of it then ranks the kernels where the step time cannot).
 
 --shape 70b makes a Llama-3-70B-shaped model instead (hidden 8192, MLP 28672, 64 heads / 8 KV heads, vocab 128256;
 80 layers in the real one: --layers picks how many, e.g. 8 where memory or time asks). --presets limits the
@@ -58,6 +61,7 @@ over the GPUs of `--tensor-parallel-size`.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -65,6 +69,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -258,7 +263,14 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
     """Runs in the configuration's own process: one engine, every batch size. profile: the engine in this process,
     and each batch size's kernel times per step (kernel_profile; prefill: of the prompts' forward) instead of timed
     pairs."""
-    if profile:
+    extra = {"attention_backend": attention_backend} if attention_backend else {}
+    trace_dir = None
+    if profile and tensor_parallel_size > 1:  # the ranks are worker processes: vLLM's worker profiler traces each
+        trace_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-traces-"))
+        extra["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": str(trace_dir),
+                                    "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False,
+                                    "torch_profiler_dump_cuda_time_total": False}
+    elif profile:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, for torch.profiler
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -267,8 +279,7 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
     llm = LLM(model=model, quantization=quantization, skip_tokenizer_init=True, max_model_len=prompt + steps + 8,
               max_num_seqs=max(batches), gpu_memory_utilization=0.5, enable_prefix_caching=False, seed=0,
               tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=expert_parallel,
-              compilation_config={"cudagraph_capture_sizes": sorted(set(batches))},
-              **({"attention_backend": attention_backend} if attention_backend else {}))
+              compilation_config={"cudagraph_capture_sizes": sorted(set(batches))}, **extra)
     startup = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -287,7 +298,9 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
 
         first_tokens = timed(steps + 1)[1][:16]  # warm-up
         if profile:
-            rows.append({"batch": b, **kernel_profile(timed, steps, reps, prefill)})
+            kernels = None if trace_dir is None else worker_kernels(llm, timed, trace_dir)
+            rows.append({"batch": b, "ranks": tensor_parallel_size,
+                         **kernel_profile(timed, steps, reps, prefill, kernels)})
             continue
         steps_ms, short_ms = [], []
         for _ in range(reps):
@@ -307,6 +320,7 @@ KERNEL_KINDS = (
     ("cublade GEMM", r"cublade.*(gemm|wide|dequant)"),
     ("cublade quant", r"cublade.*quant|per_token_vec|per_tensor|per_group"),
     ("cublade other", r"cublade"),
+    ("all-reduce (tensor parallelism)", r"all_?reduce|cross_device_reduce|nccl"),
     ("attention", r"flash|attn|attention|fmha|paged|reshape_and_cache|cache"),  # FA3 is a cutlass::device_kernel
     ("vLLM CUTLASS GEMM", r"cutlass|sm90_gemm|Gemm"),
     ("cuBLAS GEMM (bf16)", r"nvjet|xmma|gemm|cublas"),
@@ -315,14 +329,55 @@ KERNEL_KINDS = (
 )
 
 
-def kernel_profile(timed, steps: int, reps: int, prefill: bool = False) -> dict:
+def trace_kernels(path: Path) -> dict[str, list[float]]:
+    """Kernel name -> [us, launches] of one Chrome trace written by torch.profiler (empty: no GPU kernels in it)."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    per: dict[str, list[float]] = {}
+    for ev in events:
+        if ev.get("cat") == "kernel" and ev.get("dur", 0) > 0:
+            t = per.setdefault(ev["name"], [0.0, 0.0])
+            t[0] += ev["dur"]
+            t[1] += 1
+    return per
+
+
+def worker_kernels(llm, timed, trace_dir: Path):
+    """kernels(n) -> (seconds, {kernel: [us, launches]}) of a generate of n tokens under vLLM's worker profiler: the
+    mean over the traces the ranks wrote for it (one per rank; traces without GPU kernels left out)."""
+    def kernels(n: int) -> tuple[float, dict[str, list[float]]]:
+        before = set(trace_dir.rglob("*.json*"))
+        llm.start_profile()
+        try:
+            dt = timed(n)[0]
+        finally:
+            llm.stop_profile()  # returns once every worker has written its trace
+        new = sorted(set(trace_dir.rglob("*.json*")) - before)
+        ranks = [per for per in map(trace_kernels, new) if per]
+        for t in new:
+            t.unlink()
+        if not ranks:
+            raise RuntimeError(f"vLLM's worker profiler wrote no trace with GPU kernels into {trace_dir}")
+        mean: dict[str, list[float]] = {}
+        for per in ranks:
+            for name, (us, calls) in per.items():
+                t = mean.setdefault(name, [0.0, 0.0])
+                t[0] += us / len(ranks)
+                t[1] += calls / len(ranks)
+        return dt, mean
+    return kernels
+
+
+def kernel_profile(timed, steps: int, reps: int, prefill: bool = False, kernels=None) -> dict:
     """GPU time per decode step by kernel: torch.profiler over a generate of 1 + steps tokens minus one of 1 token,
     divided by steps. Returns the step time (the median of `reps` such pairs run without the profiler, which
     slows the host), the kernels' sum, the time per kind of kernel and the kernels that take the most. prefill: the
-    same of the 1-token generate alone (the prompts' forward and one sampling), its time the median of `reps`."""
+    same of the 1-token generate alone (the prompts' forward and one sampling), its time the median of `reps`.
+    kernels(n) -> (seconds, {kernel: [us, launches]}) profiles a generate of n tokens (default: torch.profiler in
+    this process; worker_kernels for tensor-parallel ranks)."""
     from torch.profiler import ProfilerActivity, profile
 
-    def kernels(n: int) -> tuple[float, dict[str, list[float]]]:
+    def in_process(n: int) -> tuple[float, dict[str, list[float]]]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             dt = timed(n)[0]
         per: dict[str, list[float]] = {}
@@ -333,6 +388,7 @@ def kernel_profile(timed, steps: int, reps: int, prefill: bool = False) -> dict:
                 t[1] += 1
         return dt, per
 
+    kernels = kernels or in_process
     if prefill:
         step_s = statistics.median(timed(1)[0] for _ in range(reps))
         long_k, short_k, steps = kernels(1)[1], {}, 1
@@ -358,8 +414,10 @@ def print_profile(name: str, rows: list[dict], prefill: bool = False) -> None:
     for r in rows:
         step_us, kern_us = r["step_ms"] * 1e3, r["kernels_ms"] * 1e3
         what = "the prompts' forward" if prefill else "step"
-        print(f"\n{name}, B={r['batch']}: {what} {step_us:.0f} us, kernels {kern_us:.0f} us "
-              f"({kern_us / step_us:.0%}), GPU idle {step_us - kern_us:.0f} us")
+        ranks = r.get("ranks", 1)
+        print(f"\n{name}, B={r['batch']}: {what} {step_us:.0f} us, kernels "
+              + (f"(mean of {ranks} ranks) " if ranks > 1 else "")
+              + f"{kern_us:.0f} us ({kern_us / step_us:.0%}), GPU idle {step_us - kern_us:.0f} us")
         unit = "us" if prefill else "us per step"
         print(f"| kind | {unit} | % of {what} |\n|---|---:|---:|")
         for kind, us in sorted(r["kinds_us"].items(), key=lambda kv: -kv[1]):

@@ -193,3 +193,52 @@ def test_kernel_profile_of_a_decode_step_and_of_the_prompts(bench_e2e, monkeypat
     assert decode["step_ms"] == pytest.approx(1.0)
     prefill = bench_e2e.kernel_profile(timed, steps=4, reps=1, prefill=True)
     assert prefill["top"] == [("nvjet_prefill", 900.0, 1.0)] and prefill["step_ms"] == pytest.approx(1.0)
+
+
+def test_kernel_profile_over_the_ranks_traces(bench_e2e, tmp_path):
+    """At tensor-parallel size > 1 the kernels come from the traces vLLM's worker profiler writes, one per rank: their
+    mean, the frontend's trace without GPU kernels left out, each trace removed once read. (vLLM stood in for: each
+    rank's generate of n tokens launches n - 1 decode GEMMs of 10 us (rank 0) or 14 us (rank 1) and n all-reduces of
+    3 us.)"""
+    import json
+
+    class FakeLLM:
+        n = 0
+
+        def start_profile(self):
+            pass
+
+        def stop_profile(self):
+            for rank, gemm_us in ((0, 10.0), (1, 14.0)):
+                events = [{"cat": "kernel", "name": "nvjet_decode", "dur": gemm_us}] * (self.n - 1) + [
+                    {"cat": "kernel", "name": "cross_device_reduce_1stage<bf16>", "dur": 3.0}] * self.n + [
+                    {"cat": "cpu_op", "name": "aten::mm", "dur": 50.0}]
+                (tmp_path / f"rank{rank}.{self.n}.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+            (tmp_path / f"frontend.{self.n}.pt.trace.json").write_text(json.dumps({"traceEvents": [
+                {"cat": "cpu_op", "name": "generate", "dur": 900.0}]}))
+
+    llm = FakeLLM()
+
+    def timed(n):
+        llm.n = n
+        return 0.001 * n, []
+
+    res = bench_e2e.kernel_profile(timed, steps=4, reps=1, kernels=bench_e2e.worker_kernels(llm, timed, tmp_path))
+    assert dict((name, (us, calls)) for name, us, calls in res["top"]) == {
+        "nvjet_decode": (12.0, 1.0), "cross_device_reduce_1stage<bf16>": (3.0, 1.0)}
+    assert res["kinds_us"] == {"cuBLAS GEMM (bf16)": 12.0, "all-reduce (tensor parallelism)": 3.0}
+    assert res["kernels_ms"] == pytest.approx(0.015) and res["step_ms"] == pytest.approx(1.0)
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_worker_kernels_without_a_kernel_trace_says_so(bench_e2e, tmp_path):
+    class SilentLLM:
+        def start_profile(self):
+            pass
+
+        def stop_profile(self):
+            pass
+
+    kernels = bench_e2e.worker_kernels(SilentLLM(), lambda n: (0.001, []), tmp_path)
+    with pytest.raises(RuntimeError, match="no trace with GPU kernels"):
+        kernels(2)
