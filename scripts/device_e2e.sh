@@ -13,7 +13,8 @@
 #            on GPUs 0,1 and 2,3); logs $OUT/tp-lane<i>.log, those of engines that failed in $OUT/tp-engines
 #   model    the 32-layer Llama-3-8B-shaped model and its conversions ($E2E_PRESETS, default w4a16, fp8-dynamic and
 #            both with --quantize-lm-head) in $E2E (default /tmp/e2e; about 6 minutes on 32 cores), for bench_e2e.py and
-#            bench_serve.py
+#            bench_serve.py; E2E_SHAPE / E2E_LAYERS make another (e.g. 70b and 40: 16 layers took 34 s + 116 s for w4a16
+#            on 64 cores beside the build); log $OUT/make-<E2E's name>.log
 #   serve-bench LANE ...  benchmarks/bench_serve.py, one lane per GPU (lane i on GPU i, side by side), a lane a
 #            comma-separated list of configurations run one after another, each appending to $OUT/serve.jsonl;
 #            then the table of all of them. E.g. `serve-bench cublade-w4a16,bf16 vllm-w4a16,vllm-w4a16-humming` on
@@ -70,9 +71,10 @@ case "${1:?phase: kernels | serve | serve2 | ppl | tuning | tp | model | serve-b
            if ! python3 -c "import cublade" 2>/dev/null; then  # the converter needs no CUDA build
              CUBLADE_BUILD_EXT=0 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site .
            fi
-           python3 benchmarks/bench_e2e.py make "$E2E" --layers 32 \
-             --presets "${E2E_PRESETS:-w4a16,fp8-dynamic,w4a16-lm-head,fp8-dynamic-lm-head}" > "$OUT/make.log" 2>&1
-           echo "model: rc=$? $(grep -E 'in [0-9]+ s$' "$OUT/make.log" | tr '\n' ';')" ;;
+           log=$OUT/make-${E2E##*/}.log
+           python3 benchmarks/bench_e2e.py make "$E2E" --shape "${E2E_SHAPE:-8b}" --layers "${E2E_LAYERS:-32}" \
+             --presets "${E2E_PRESETS:-w4a16,fp8-dynamic,w4a16-lm-head,fp8-dynamic-lm-head}" > "$log" 2>&1
+           echo "model: rc=$? $(grep -E 'in [0-9]+ s$' "$log" | tr '\n' ';')" ;;
   serve-bench)
            shift
            [ $# -gt 0 ] || { echo "serve-bench: give one lane (comma-separated configurations) per GPU" >&2; exit 2; }
