@@ -246,7 +246,8 @@ def cmd_make(args) -> None:
         t0 = time.perf_counter()
         scheme = preset.removesuffix(LM_HEAD)
         subprocess.run([sys.executable, "-m", "cublade.cli", "convert", str(src), str(out), "--scheme", scheme,
-                        *(["--quantize-lm-head"] if preset != scheme else [])], check=True)
+                        *(["--quantize-lm-head"] if preset != scheme else []),
+                        *(["--quant-device", "cuda"] if torch.cuda.is_available() else [])], check=True)
         print(f"{preset}: {out} in {time.perf_counter() - t0:.0f} s", flush=True)
     if "w4a16" in presets and not (work / "ct-w4a16").exists():
         make_ct_w4a16(work / "cublade-w4a16", work / "ct-w4a16")

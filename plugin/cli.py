@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(python slice, e.g. :6)")
     k.add_argument("--device", metavar="DEVICE", help="where calibration runs: cuda, cuda:1, cpu (default: cuda "
                    "when available)")
+    c.add_argument("--quant-device", metavar="DEVICE", help="where the round-to-nearest quantization of each weight "
+                   "runs: cpu (default), or a GPU: cuda, cuda:1, ... (each weight moves there in turn and its "
+                   "quantized tensors come back)")
 
     q = sub.add_parser("ppl", help="perplexity of one or more checkpoints on a text file",
                        description="Loss and perplexity of each MODEL on the text (each line: BOS + its "
@@ -277,7 +280,7 @@ def _convert(args) -> int:
                   skip_unsupported=args.skip_unsupported, allow_quantized_router=args.allow_quantized_router,
                   dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
                   calib_text=args.calib_text, calib_tokens=args.calib_tokens, calib_lines=args.calib_lines,
-                  calib_device=args.device, out_format=args.out_format)
+                  calib_device=args.device, out_format=args.out_format, quant_device=args.quant_device)
     print(f"wrote {out} ({policy.preset}, {args.out_format} format) in {time.time() - t0:.1f} s")
     return 0
 

@@ -78,6 +78,21 @@ def plan_conversion(src: Path, policy: Policy, skip_unsupported: bool, layout=No
     return plan
 
 
+def quant_device_checked(device: str | None) -> torch.device | None:
+    """The device of `quant_device` (None: the CPU's default path), refused at once where it cannot run."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--quant-device {device!r}: not a device name (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--quant-device {device}: this machine has no CUDA GPU that torch can use")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--quant-device {device}: there are {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
 def check_finite(name: str, w: torch.Tensor) -> None:
     bad = ~torch.isfinite(w)
     if bad.any():
@@ -243,7 +258,7 @@ def _convert_locked(src, out, policy: Policy, *, overwrite: bool = False,
             dtype: torch.dtype | None = None, calib_text=None, calib_tokens: int | None = None,
             calib_lines: slice | None = None, progress: bool | None = None,
             allow_quantized_router: bool = False, calib_device: str | None = None,
-            out_format: str = QuantMethod.CUBLADE.value) -> Path:
+            out_format: str = QuantMethod.CUBLADE.value, quant_device: str | None = None) -> Path:
     """Convert the checkpoint at `src` with `policy` into a new directory `out`; returns `out`.
 
     out_format: "cublade" (cublade's checkpoint format) or "compressed-tensors" (what vLLM's own
@@ -251,8 +266,10 @@ def _convert_locked(src, out, policy: Policy, *, overwrite: bool = False,
 
     dtype: cast the tensors that stay unquantized (embeddings, norms, biases, ignored layers) to this dtype
     (None keeps the source's). calib_*: run calibration (GPTQ for w4a16, static FP8 input scales, FP8
-    KV-cache scales) over that text first (cublade.calib)."""
+    KV-cache scales) over that text first (cublade.calib). quant_device: where each weight's round-to-nearest
+    quantization runs (None: on the CPU); a weight moves there, one at a time, and its tensors come back."""
     src, out = Path(src), Path(out)
+    qdev = quant_device_checked(quant_device)
     out_layout = output_layout(out_format, policy)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
@@ -299,8 +316,10 @@ def _convert_locked(src, out, policy: Policy, *, overwrite: bool = False,
                     t = t.to(dtype)
                 writer.add(name, t)
             else:
-                check_finite(name, t)
-                q_tensors = _quantized(module, t, scheme, calib)
+                w = t if qdev is None else t.to(qdev)
+                check_finite(name, w)
+                q_tensors = {k: v.cpu() for k, v in _quantized(module, w, scheme, calib).items()}
+                del w
                 if out_layout is not None:
                     q_tensors = out_layout.tensors(scheme, q_tensors, *t.shape)
                 for suffix, q in q_tensors.items():

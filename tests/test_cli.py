@@ -79,6 +79,24 @@ def test_device_runs_calibration_there(tmp_path, padded_model_dir, valid_text):
     assert qc["calibration"]["device"] == "cpu"
 
 
+def test_quant_device_cpu_writes_the_default_bytes(tmp_path, padded_model_dir):
+    """--quant-device cpu is the default path named; the GPU's equality with it: tests/gpu/test_convert_on_gpu.py."""
+    for out, extra in (("default", []), ("cpu", ["--quant-device", "cpu"])):
+        r = _cli("convert", padded_model_dir, tmp_path / out, "--scheme", "w4a16", *extra)
+        assert r.returncode == 0, r.stderr
+    a, b = load_all(tmp_path / "default"), load_all(tmp_path / "cpu")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("device,says", [("cuda:7" if torch.cuda.is_available() else "cuda", "CUDA"),
+                                         ("tpu-ish", "not a device name")])
+def test_quant_device_that_cannot_run_is_one_line(tmp_path, padded_model_dir, device, says):
+    line = _one_line_error(_cli("convert", padded_model_dir, tmp_path / "out", "--scheme", "fp8-dynamic",
+                                "--quant-device", device), "convert")
+    assert f"--quant-device {device}" in line.replace("'", "") and says in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_ppl_vllm_options(tmp_path, padded_model_dir, valid_text):
     line = _one_line_error(_cli("ppl", padded_model_dir, "--text", valid_text, "--max-model-len", "600",
                                 "--tensor-parallel-size", "2"), "ppl")
