@@ -260,7 +260,7 @@ def cmd_make(args) -> None:
 
 def measure(model: str, quantization: str | None, batches: list[int], prompt: int, steps: int, reps: int,
             attention_backend: str | None = None, tensor_parallel_size: int = 1, profile: bool = False,
-            expert_parallel: bool = False, prefill: bool = False) -> dict:
+            expert_parallel: bool = False, prefill: bool = False, gpu_memory_utilization: float = 0.5) -> dict:
     """Runs in the configuration's own process: one engine, every batch size. profile: the engine in this process,
     and each batch size's kernel times per step (kernel_profile; prefill: of the prompts' forward) instead of timed
     pairs."""
@@ -278,8 +278,8 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
 
     t0 = time.perf_counter()
     llm = LLM(model=model, quantization=quantization, skip_tokenizer_init=True, max_model_len=prompt + steps + 8,
-              max_num_seqs=max(batches), gpu_memory_utilization=0.5, enable_prefix_caching=False, seed=0,
-              tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=expert_parallel,
+              max_num_seqs=max(batches), gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False,
+              seed=0, tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=expert_parallel,
               compilation_config={"cudagraph_capture_sizes": sorted(set(batches))}, **extra)
     startup = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
@@ -431,7 +431,7 @@ def print_profile(name: str, rows: list[dict], prefill: bool = False) -> None:
 def cmd_measure(args) -> None:
     res = measure(args.model, args.quantization, args.batches, args.prompt, args.steps, args.reps,
                   args.attention_backend, args.tensor_parallel_size, args.profile, args.enable_expert_parallel,
-                  args.prefill)
+                  args.prefill, args.gpu_memory_utilization)
     Path(args.result).write_text(json.dumps(res))
 
 
@@ -453,6 +453,7 @@ def cmd_run(args) -> None:
         cmd = [sys.executable, __file__, "measure", str(work / sub), "--result", str(result),
                "--batches", ",".join(map(str, args.batches)), "--prompt", str(args.prompt),
                "--steps", str(args.steps), "--reps", str(args.reps),
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                "--tensor-parallel-size", str(args.tensor_parallel_size)] \
             + (["--enable-expert-parallel"] if args.enable_expert_parallel else []) \
             + (["--quantization", quant] if quant else []) + (["--attention-backend", backend] if backend else []) \
@@ -544,6 +545,8 @@ def main() -> None:
         q.add_argument("--steps", type=int, default=steps, help=f"decode steps timed (default {steps})")
         q.add_argument("--reps", type=int, default=3, help="timed pairs per batch size; the median is kept")
         q.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (vLLM's TP size)")
+        q.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                       help="vLLM's share of each GPU's memory (default 0.5; more for weights that need it)")
         q.add_argument("--enable-expert-parallel", action="store_true",
                        help="MoE experts split over the GPUs instead of sharded (vLLM's expert parallelism)")
     me.add_argument("model")
