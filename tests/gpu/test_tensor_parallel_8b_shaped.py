@@ -24,7 +24,7 @@ row-parallel rank scales its tokens over its own K inputs) to vLLM's own online 
 same TP: first at >= vLLM's share - 5 points, difference <= vLLM's + 0.02 nats, vLLM's measured in the
 same run on the 8B-shaped source.
 
-Needs as many GPUs as the case's N. About 40-70 s an engine. The TP = 1 runs of every selected case go first, one
+Needs as many GPUs as the case's N. About 30-70 s an engine. The TP = 1 runs of every selected case go first, one
 engine per GPU at a time, and each is kept for the checkpoint's other cases; then the TP = N engines, one after
 another. Split the run with -k to stay under 10 minutes a command, e.g. `-k "tp4 and (bf16 or w4a16-g128)"`.
 """
