@@ -184,6 +184,22 @@ def test_check_values_across_chunks(monkeypatch):
     check_values("w", torch.full((5, 6), 1e6), torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("values", [[float("nan")], [float("inf")], [-float("inf")], [float("inf"), -float("inf")],
+                                    [float("nan"), float("inf")]])
+def test_check_finite_finds_each_kind_of_non_finite_value(dtype, values):
+    """A weight about to be quantized: NaN, +Inf, -Inf alone or together, counted, the first one's index named."""
+    from cublade.convert import check_finite
+
+    t = torch.randn(6, 9, generator=torch.Generator().manual_seed(0)).to(dtype)
+    check_finite("w", t)
+    check_finite("w", t[:0])
+    for i, v in enumerate(values):
+        t[2 + i, 7 - i] = v
+    with pytest.raises(CheckpointError, match=rf"w: {len(values)} NaN/Inf value\(s\) \(first at index \[2, 7\]\)"):
+        check_finite("w", t)
+
+
 # ---- options that quantize nothing or make no sense ----------------------------------------------------------------
 
 @pytest.mark.parametrize("opts, says", [

@@ -16,6 +16,8 @@ round() is half-to-even.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from cublade.numerics.constants import (INT4_ASYM_QMAX, INT4_PER_INT32, INT4_SYM_OFFSET, INT4_SYM_QMAX,
@@ -25,12 +27,13 @@ SCALE_DTYPE = torch.bfloat16
 
 
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
-    """[..., 8] nibbles (j = 0..7, values 0..15) -> int32 [...] with nibble j in bits [4j, 4j+4) (two's
-    complement view of the unsigned word)."""
-    words = torch.zeros(u.shape[:-1], dtype=torch.int64, device=u.device)  # < 2^32, fits int64
-    for j in range(u.shape[-1]):  # one nibble plane at a time: temporaries of 2 x 8 bytes per word, not 8 x 8
-        words |= u[..., j].to(torch.int64) << (4 * j)
-    return (words - ((words >= 2**31).to(torch.int64) << 32)).to(torch.int32)
+    """[..., 8] nibbles (j = 0..7, values 0..15, any int dtype) -> int32 [...] with nibble j in bits [4j, 4j+4) (two's
+    complement view of the unsigned word). Two nibbles a byte, the 4 bytes of a word read as one little-endian int32:
+    byte i holds nibbles 2i (low half) and 2i + 1, so nibble j lands in bits [4j, 4j+4)."""
+    if sys.byteorder != "little":
+        raise RuntimeError("pack_nibbles reads 4 bytes as a little-endian int32; this host is big-endian")
+    b = u.to(torch.uint8)
+    return (b[..., 0::2] | (b[..., 1::2] << 4)).contiguous().view(torch.int32).squeeze(-1)
 
 
 def unpack_nibbles(w: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,19 @@ def test_pack_layout_is_little_endian_nibbles():
     assert torch.equal(unpack_int4(pack_int4(u)), u.to(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64])
+@pytest.mark.parametrize("shape", [(8,), (3, 8), (2, 5, 8), (0, 8)])
+def test_pack_nibbles_is_the_shift_and_or_of_each_nibble(dtype, shape):
+    """The byte-pair packing against the word built nibble by nibble (value j shifted by 4j), as int32."""
+    from cublade.numerics.int4 import pack_nibbles
+
+    u = torch.randint(0, 16, shape, generator=torch.Generator().manual_seed(len(shape)), dtype=torch.int64)
+    words = sum(u[..., j] << (4 * j) for j in range(8)) if shape[0] else torch.zeros(shape[:-1], dtype=torch.int64)
+    expect = (words - ((words >= 2**31).to(torch.int64) << 32)).to(torch.int32)
+    got = pack_nibbles(u.to(dtype))
+    assert got.dtype == torch.int32 and got.shape == shape[:-1] and torch.equal(got, expect)
+
+
 def test_pack_round_trip_random_and_refuses_bad_input():
     g = torch.Generator().manual_seed(0)
     u = torch.randint(0, 16, (7, 64), generator=g)
