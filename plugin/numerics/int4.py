@@ -70,11 +70,11 @@ def group_params(w: torch.Tensor, group_size: int, symmetric: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-group (scale bf16 [N, K/G], zero uint8 [N, K/G] or None) for a [N, K] weight."""
     wg = group_view(w.float(), group_size)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # two reductions beat |w|'s copy and one
     if symmetric:
-        s = (wg.abs().amax(dim=-1) / INT4_SYM_QMAX).clamp_min(MIN_WEIGHT_SCALE).to(SCALE_DTYPE)
+        s = (torch.maximum(hi, lo.neg()) / INT4_SYM_QMAX).clamp_min(MIN_WEIGHT_SCALE).to(SCALE_DTYPE)
         return s, None
-    lo = wg.amin(dim=-1).clamp_max(0.0)
-    hi = wg.amax(dim=-1).clamp_min(0.0)
+    lo, hi = lo.clamp_max(0.0), hi.clamp_min(0.0)
     s = ((hi - lo) / INT4_ASYM_QMAX).clamp_min(MIN_WEIGHT_SCALE).to(SCALE_DTYPE)
     z = torch.round(-lo / s.float()).clamp(0, INT4_ASYM_QMAX).to(torch.uint8)
     return s, z
@@ -97,6 +97,7 @@ def quantize_groups(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
 def int4_quant_weight(w: torch.Tensor, group_size: int = 128, symmetric: bool = True
                       ) -> dict[str, torch.Tensor]:
     """RTN: [N, K] float weight -> {'weight_packed', 'weight_scale'[, 'weight_zero_point']}."""
+    w = w.float()  # once, for both passes
     scale, zero = group_params(w, group_size, symmetric)
     out = {"weight_packed": pack_int4(quantize_groups(w, scale, zero, group_size)), "weight_scale": scale}
     if zero is not None:

@@ -25,6 +25,28 @@ def test_pack_nibbles_is_the_shift_and_or_of_each_nibble(dtype, shape):
     assert got.dtype == torch.int32 and got.shape == shape[:-1] and torch.equal(got, expect)
 
 
+@pytest.mark.parametrize("group_size", [32, 128, -1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_group_params_follow_the_formula(group_size, dtype):
+    """The module docstring's rule, written out: s = max(amax / 7, MIN) (symmetric), s = max((max - min) / 15, MIN) and
+    z = clamp(round(-min / s), 0, 15) with min <= 0 <= max (asymmetric), s rounded to bf16; on random weights, an
+    all-zero row, and rows of one sign."""
+    from cublade.numerics.constants import MIN_WEIGHT_SCALE
+
+    w = torch.randn(6, 256, generator=torch.Generator().manual_seed(1)) * 0.02
+    w[1] = 0.0
+    w[2] = w[2].abs()
+    w[3] = -w[3].abs()
+    w = w.to(dtype)
+    wg = w.float().reshape(6, -1, 256 if group_size == -1 else group_size)
+    s, z = group_params(w, group_size, True)
+    assert z is None and torch.equal(s, (wg.abs().amax(-1) / 7).clamp_min(MIN_WEIGHT_SCALE).to(torch.bfloat16))
+    lo, hi = wg.amin(-1).clamp_max(0.0), wg.amax(-1).clamp_min(0.0)
+    s, z = group_params(w, group_size, False)
+    assert torch.equal(s, ((hi - lo) / 15).clamp_min(MIN_WEIGHT_SCALE).to(torch.bfloat16))
+    assert torch.equal(z, torch.round(-lo / s.float()).clamp(0, 15).to(torch.uint8))
+
+
 def test_pack_round_trip_random_and_refuses_bad_input():
     g = torch.Generator().manual_seed(0)
     u = torch.randint(0, 16, (7, 64), generator=g)
