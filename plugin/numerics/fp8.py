@@ -37,9 +37,13 @@ class Fp8Activations(Choice):
 
 
 def _amax(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
-    # torch.amax propagates NaN (the contract above), unlike CUDA's fmaxf.
-    a = x.abs()
-    return a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)
+    """max |x|, as max(max x, -min x): no |x| copy. torch.amax / amin / maximum propagate NaN (the contract above),
+    unlike CUDA's fmaxf."""
+    if dim is None:
+        lo, hi = torch.aminmax(x)
+    else:
+        lo, hi = x.amin(dim=dim, keepdim=keepdim), x.amax(dim=dim, keepdim=keepdim)
+    return torch.maximum(hi, lo.neg())
 
 
 def dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
