@@ -18,6 +18,7 @@ import torch
 from cublade.numerics.choice import Choice
 from cublade.numerics.constants import (F4E2M1_EMAX, F4E2M1_MAX, F4E2M1_VALUES, F8E4M3_MAX, MIN_WEIGHT_SCALE,
                                         MX_BLOCK, NVFP4_BLOCK)
+from cublade.numerics.exact import abs_amax, div
 from cublade.numerics.mx import DEFAULT_SCALE_RULE, ScaleRule, block_scales, e8m0_to_float
 
 
@@ -88,9 +89,9 @@ def nvfp4_quant_weight(w: torch.Tensor) -> dict[str, torch.Tensor]:
     if K % NVFP4_BLOCK:
         raise ValueError(f"nvfp4: last dim {K} is not a multiple of {NVFP4_BLOCK}")
     wf = w.float()
-    g = (wf.abs().amax() / (F4E2M1_MAX * F8E4M3_MAX)).clamp_min(MIN_WEIGHT_SCALE).reshape(1)
+    g = div(abs_amax(wf), F4E2M1_MAX * F8E4M3_MAX).clamp_min(MIN_WEIGHT_SCALE).reshape(1)
     wb = wf.reshape(*w.shape[:-1], K // NVFP4_BLOCK, NVFP4_BLOCK)
-    s = (wb.abs().amax(dim=-1) / F4E2M1_MAX / g).clamp(max=F8E4M3_MAX).to(torch.float8_e4m3fn)
+    s = (div(abs_amax(wb, dim=-1), F4E2M1_MAX) / g).clamp(max=F8E4M3_MAX).to(torch.float8_e4m3fn)
     sg = (s.float() * g).unsqueeze(-1)
     # A block whose scale rounded to 0 is all (near-)zero: encode zeros rather than divide by 0.
     v = torch.where(sg > 0, wb / torch.where(sg > 0, sg, torch.ones_like(sg)), torch.zeros_like(wb))

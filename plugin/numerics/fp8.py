@@ -16,8 +16,7 @@ Numerics (the contract every kernel reproduces bit for bit):
   * NaN propagates: a NaN anywhere in a row (or tensor) makes its scale NaN and every output NaN. An Inf
     makes the scale Inf, so finite values quantize to 0 and the Inf itself to NaN (Inf / Inf, Inf * 0).
 
-Divisions by a Python float are written as divisions by a tensor: on CUDA, PyTorch computes
-`tensor / python_scalar` as `tensor * (1 / scalar)`, which would make the reference differ between devices.
+Divisions by a constant and amax go through cublade.numerics.exact, the same bits on the CPU and on CUDA.
 """
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ import torch
 
 from cublade.numerics.choice import Choice
 from cublade.numerics.constants import F8E4M3_MAX, FP8_MIN_SCALE
+from cublade.numerics.exact import abs_amax, div
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -36,19 +36,9 @@ class Fp8Activations(Choice):
     STATIC_TENSOR = "static-tensor"  # one calibrated scale (the checkpoint's input_scale)
 
 
-def _amax(x: torch.Tensor, dim=None, keepdim=False) -> torch.Tensor:
-    """max |x|, as max(max x, -min x): no |x| copy. torch.amax / amin / maximum propagate NaN (the contract above),
-    unlike CUDA's fmaxf."""
-    if dim is None:
-        lo, hi = torch.aminmax(x)
-    else:
-        lo, hi = x.amin(dim=dim, keepdim=keepdim), x.amax(dim=dim, keepdim=keepdim)
-    return torch.maximum(hi, lo.neg())
-
-
 def dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
     """fp32 scale for an fp32 amax: amax / 448 (true division), floored at FP8_MIN_SCALE, NaN kept."""
-    s = amax.float() / torch.full((), F8E4M3_MAX, dtype=torch.float32, device=amax.device)
+    s = div(amax.float(), F8E4M3_MAX)
     # torch.clamp_min keeps NaN (max(NaN, c) = NaN), matching the kernels' NaN-propagating max.
     return torch.clamp_min(s, FP8_MIN_SCALE)
 
@@ -69,7 +59,7 @@ def quantize_div_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token: [..., K] float -> (e4m3 [..., K], fp32 scale [..., 1])."""
     xf = x.float()
-    scale = dynamic_scale(_amax(xf, dim=-1, keepdim=True))
+    scale = dynamic_scale(abs_amax(xf, dim=-1, keepdim=True))
     return quantize_div_scale(xf, scale), scale
 
 
@@ -86,7 +76,7 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None) -> t
     per-tensor quant. Returns (e4m3 tensor of x's shape, fp32 scale of shape [1])."""
     xf = x.float()
     if scale is None:
-        scale = dynamic_scale(_amax(xf)).reshape(1)
+        scale = dynamic_scale(abs_amax(xf)).reshape(1)
     else:
         scale = scale.float().reshape(1)
     return quantize_with_scale(xf, scale).reshape(x.shape), scale  # reshape: a 0-dim x stays 0-dim
@@ -96,9 +86,9 @@ def fp8_quant_weight(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.T
     """[N, K] weight -> (e4m3 [N, K], fp32 scale [N] per channel or [1] per tensor)."""
     wf = w.float()
     if per_channel:
-        scale = dynamic_scale(_amax(wf, dim=1, keepdim=True))
+        scale = dynamic_scale(abs_amax(wf, dim=1, keepdim=True))
         return quantize_with_scale(wf, scale), scale.reshape(-1)
-    scale = dynamic_scale(_amax(wf)).reshape(1)
+    scale = dynamic_scale(abs_amax(wf)).reshape(1)
     return quantize_with_scale(wf, scale), scale
 
 

@@ -22,6 +22,7 @@ import torch
 
 from cublade.numerics.constants import (INT4_ASYM_QMAX, INT4_PER_INT32, INT4_SYM_OFFSET, INT4_SYM_QMAX,
                                         INT4_SYM_QMIN, MIN_WEIGHT_SCALE)
+from cublade.numerics.exact import abs_amax, div
 
 SCALE_DTYPE = torch.bfloat16
 
@@ -70,12 +71,12 @@ def group_params(w: torch.Tensor, group_size: int, symmetric: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-group (scale bf16 [N, K/G], zero uint8 [N, K/G] or None) for a [N, K] weight."""
     wg = group_view(w.float(), group_size)
-    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # two reductions beat |w|'s copy and one
     if symmetric:
-        s = (torch.maximum(hi, lo.neg()) / INT4_SYM_QMAX).clamp_min(MIN_WEIGHT_SCALE).to(SCALE_DTYPE)
+        s = div(abs_amax(wg, dim=-1), INT4_SYM_QMAX).clamp_min(MIN_WEIGHT_SCALE).to(SCALE_DTYPE)
         return s, None
-    lo, hi = lo.clamp_max(0.0), hi.clamp_min(0.0)
-    s = ((hi - lo) / INT4_ASYM_QMAX).clamp_min(MIN_WEIGHT_SCALE).to(SCALE_DTYPE)
+    lo = wg.amin(dim=-1).clamp_max(0.0)
+    hi = wg.amax(dim=-1).clamp_min(0.0)
+    s = div(hi - lo, INT4_ASYM_QMAX).clamp_min(MIN_WEIGHT_SCALE).to(SCALE_DTYPE)
     z = torch.round(-lo / s.float()).clamp(0, INT4_ASYM_QMAX).to(torch.uint8)
     return s, z
 

@@ -12,6 +12,7 @@ import torch
 
 from cublade.numerics.choice import Choice
 from cublade.numerics.constants import E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN
+from cublade.numerics.exact import abs_amax, div
 
 
 class ScaleRule(Choice):
@@ -47,7 +48,7 @@ def e8m0_exponent(amax: torch.Tensor, rule: ScaleRule | str, max_elem: float, em
         # A true fp32 division (by a tensor: CUDA turns division by a Python float into a multiply by its
         # reciprocal), rounded once, as the kernels do. Below 448 * 2^-150 it underflows to 0: such a block
         # takes the smallest exponent, like an all-zero one.
-        v = safe / torch.full_like(safe, max_elem)  # made on the device: capturable in a CUDA graph
+        v = div(safe, max_elem)
         finite_pos &= v > 0
         e = _ceil_log2(torch.where(v > 0, v, torch.ones_like(v)))
     e = torch.where(finite_pos, e, torch.where(torch.isinf(a), E8M0_MAX_EXP, E8M0_MIN_EXP))
@@ -61,7 +62,7 @@ def block_scales(x: torch.Tensor, block: int, rule: ScaleRule | str, max_elem: f
     if K % block:
         raise ValueError(f"MX quant: last dim {K} is not a multiple of the block size {block}")
     xb = x.float().reshape(*x.shape[:-1], K // block, block)
-    amax = xb.abs().amax(dim=-1)  # NaN-propagating
+    amax = abs_amax(xb, dim=-1)  # NaN-propagating
     e = e8m0_exponent(amax, rule, max_elem, emax_elem)
     codes = (e + E8M0_BIAS).to(torch.uint8)
     codes = torch.where(torch.isnan(amax), torch.full_like(codes, E8M0_NAN), codes)
