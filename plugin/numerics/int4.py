@@ -29,8 +29,8 @@ SCALE_DTYPE = torch.bfloat16
 
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
     """[..., 8] nibbles (j = 0..7, values 0..15, any int dtype) -> int32 [...] with nibble j in bits [4j, 4j+4) (two's
-    complement view of the unsigned word). Two nibbles a byte, the 4 bytes of a word read as one little-endian int32:
-    byte i holds nibbles 2i (low half) and 2i + 1, so nibble j lands in bits [4j, 4j+4)."""
+    complement view of the unsigned word): byte i holds nibbles 2i (low half) and 2i + 1, and the word's 4 bytes are
+    read as one little-endian int32."""
     if sys.byteorder != "little":
         raise RuntimeError("pack_nibbles reads 4 bytes as a little-endian int32; this host is big-endian")
     b = u.to(torch.uint8)

@@ -360,7 +360,7 @@ def test_cublade_kernel_grouping_on_cpu(vllm_cpu, ckpt, fmt):
 def test_tensor_and_expert_parallel(converted, moe_fixture, tmp_path, mode):
     """TP = 2 and 4 in as many gloo processes: each rank holds 1/tp of every expert's intermediate rows (w1/w3 rows,
     w2 packed columns and their scales, cut by vLLM's loader; nvfp4 global scales whole); the all-reduced output
-    equals the TP=1 reference experts up to fp32 summation order (w2's K is summed in tp parts). EP = 2 and 4
+    equals the TP=1 reference experts up to fp32 summation order (w2's K is summed in tp slices). EP = 2 and 4
     (--enable-expert-parallel): each rank holds 8 / ep whole experts (vLLM's expert map marks the others), the same
     reference."""
     n = int(mode[2:])
