@@ -134,9 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(python slice, e.g. :6)")
     k.add_argument("--device", metavar="DEVICE", help="where calibration runs: cuda, cuda:1, cpu (default: cuda "
                    "when available)")
-    c.add_argument("--quant-device", metavar="DEVICE", help="where the round-to-nearest quantization of each weight "
-                   "runs: cpu (default), or a GPU: cuda, cuda:1, ... (each weight moves there in turn and its "
-                   "quantized tensors come back)")
+    c.add_argument("--quant-device", metavar="DEVICE", default="auto", help="where the round-to-nearest "
+                   "quantization of each weight runs: auto (default: the GPU where torch sees one, else the CPU), "
+                   "cpu, cuda, cuda:1, ... Each weight moves there in turn and its quantized tensors come back; the "
+                   "bytes are the same on either; a weight that does not fit the GPU's free memory is quantized on "
+                   "the CPU")
 
     q = sub.add_parser("ppl", help="perplexity of one or more checkpoints on a text file",
                        description="Loss and perplexity of each MODEL on the text (each line: BOS + its "

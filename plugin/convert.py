@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,9 +81,12 @@ def plan_conversion(src: Path, policy: Policy, skip_unsupported: bool, layout=No
 
 
 def quant_device_checked(device: str | None) -> torch.device | None:
-    """The device of `quant_device` (None: the CPU's default path), refused at once where it cannot run."""
-    if device is None:
+    """The device of `quant_device` (None: the CPU's default path; "auto": the current CUDA device where torch
+    sees one, else the CPU), refused at once where it cannot run."""
+    if device is None or (device == "auto" and not torch.cuda.is_available()):
         return None
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device())
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -268,7 +272,8 @@ def _convert_locked(src, out, policy: Policy, *, overwrite: bool = False,
     dtype: cast the tensors that stay unquantized (embeddings, norms, biases, ignored layers) to this dtype
     (None keeps the source's). calib_*: run calibration (GPTQ for w4a16, static FP8 input scales, FP8
     KV-cache scales) over that text first (cublade.calib). quant_device: where each weight's round-to-nearest
-    quantization runs (None: on the CPU); a weight moves there, one at a time, and its tensors come back."""
+    quantization runs (None: on the CPU; "auto", the command line's default: the GPU where torch sees one); a
+    weight moves there, one at a time, and its tensors come back."""
     src, out = Path(src), Path(out)
     qdev = quant_device_checked(quant_device)
     out_layout = output_layout(out_format, policy)
@@ -306,6 +311,7 @@ def _convert_locked(src, out, policy: Policy, *, overwrite: bool = False,
     try:
         kv_scales = _kv_scale_names(plan) if policy.kv_cache is not None else []
         writer = ShardWriter(tmp, max_shard_bytes, _output_specs(plan, dtype, kv_scales, out_layout))
+        quantize = _WeightQuantizer(qdev)
         bar = tqdm(total=plan.n_tensors, desc=f"convert {policy.preset}", unit="tensor",
                    disable=None if progress is None else not progress)  # None: off unless stderr is a tty
         for name, t in expert_tensors(iter_tensors(src), layout):
@@ -317,10 +323,7 @@ def _convert_locked(src, out, policy: Policy, *, overwrite: bool = False,
                     t = t.to(dtype)
                 writer.add(name, t)
             else:
-                w = t if qdev is None else t.to(qdev)
-                check_finite(name, w)
-                q_tensors = {k: v.cpu() for k, v in _quantized(module, w, scheme, calib).items()}
-                del w
+                q_tensors = quantize(name, module, t, scheme, calib)
                 if out_layout is not None:
                     q_tensors = out_layout.tensors(scheme, q_tensors, *t.shape)
                 for suffix, q in q_tensors.items():
@@ -331,6 +334,8 @@ def _convert_locked(src, out, policy: Policy, *, overwrite: bool = False,
             for name, scale in _kv_scales(plan, calib).items():
                 writer.add(name, scale)
         bar.close()
+        if qdev is not None and qdev.type == "cuda":
+            torch.cuda.empty_cache()  # a vLLM engine started next (another process) sees the GPU's memory free
         writer.finish()
         _write_config(src, cfg, tmp, policy, plan, dtype, calib.info if calib is not None else None, out_layout)
         if out.exists() and not overwrite:
@@ -363,6 +368,34 @@ def output_layout(out_format: str, policy: Policy):
     return ct_format.CompressedTensorsLayout()
 def _module(name: str) -> str | None:
     return name[: -len(".weight")] if name.endswith(".weight") else None
+
+
+class _WeightQuantizer:
+    """`_quantized` of a source weight (on the CPU) run on `qdev` (None: the CPU), its tensors back on the CPU. A
+    weight that does not fit the GPU's free memory is quantized on the CPU instead (the same bytes:
+    tests/gpu/test_convert_on_gpu.py), said once per conversion."""
+
+    def __init__(self, qdev: torch.device | None):
+        self.qdev, self.fell_back = qdev, False
+
+    def __call__(self, name: str, module: str, t: torch.Tensor, scheme, calib) -> dict[str, torch.Tensor]:
+        if self.qdev is not None:
+            w = None
+            try:
+                w = t.to(self.qdev)
+                check_finite(name, w)
+                return {k: v.cpu() for k, v in _quantized(module, w, scheme, calib).items()}
+            except torch.cuda.OutOfMemoryError:
+                pass
+            w = None  # the failed try's tensors, given back before the CPU takes this weight
+            if self.qdev.type == "cuda":
+                torch.cuda.empty_cache()
+            if not self.fell_back:
+                self.fell_back = True
+                tqdm.write(f"cublade convert: {name} does not fit the free memory of {self.qdev}: it, and any "
+                           f"weight after it that does not, is quantized on the CPU (the same bytes)", file=sys.stderr)
+        check_finite(name, t)
+        return _quantized(module, t, scheme, calib)
 
 
 def _quantized(module: str, w: torch.Tensor, scheme, calib) -> dict[str, torch.Tensor]:

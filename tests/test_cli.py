@@ -80,12 +80,48 @@ def test_device_runs_calibration_there(tmp_path, padded_model_dir, valid_text):
 
 
 def test_quant_device_cpu_writes_the_default_bytes(tmp_path, padded_model_dir):
-    """--quant-device cpu is the default path named; the GPU's equality with it: tests/gpu/test_convert_on_gpu.py."""
+    """--quant-device cpu writes what the default (auto) does; on a GPU machine auto quantizes there, whose bytes
+    equal the CPU's: tests/gpu/test_convert_on_gpu.py."""
     for out, extra in (("default", []), ("cpu", ["--quant-device", "cpu"])):
         r = _cli("convert", padded_model_dir, tmp_path / out, "--scheme", "w4a16", *extra)
         assert r.returncode == 0, r.stderr
     a, b = load_all(tmp_path / "default"), load_all(tmp_path / "cpu")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_quant_device_auto_is_the_gpu_where_torch_sees_one(monkeypatch):
+    from cublade.convert import quant_device_checked
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert quant_device_checked("auto") is None and quant_device_checked(None) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert quant_device_checked("auto") == torch.device("cuda", 1)
+
+
+def test_a_weight_that_does_not_fit_the_gpu_is_quantized_on_the_cpu(tmp_path, padded_model_dir, monkeypatch, capsys):
+    """Out of GPU memory on a weight, the converter quantizes that weight on the CPU, says so once, and writes the
+    same bytes. (The out-of-memory stood in for: the quantization of two weights on the quantization device raises
+    it; the device is the CPU here.)"""
+    from cublade import convert as convert_mod
+    from cublade.config import preset
+
+    convert_mod.convert(padded_model_dir, tmp_path / "plain", preset("w4a16"))
+    real, failed = convert_mod._quantized, []
+
+    def quantized(module, w, scheme, calib):  # the first try of the first two weights fails
+        if len(failed) < 2 and module not in failed:
+            failed.append(module)
+            raise torch.cuda.OutOfMemoryError("stand-in")
+        return real(module, w, scheme, calib)
+
+    monkeypatch.setattr(convert_mod, "_quantized", quantized)
+    convert_mod.convert(padded_model_dir, tmp_path / "fell-back", preset("w4a16"), quant_device="cpu")
+    err = capsys.readouterr().err
+    assert len(failed) == 2 and err.count("does not fit the free memory of cpu") == 1, err
+    assert failed[0] in err
+    a, b = load_all(tmp_path / "plain"), load_all(tmp_path / "fell-back")
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
 
 
 @pytest.mark.parametrize("device,says", [("cuda:7" if torch.cuda.is_available() else "cuda", "CUDA"),
