@@ -478,13 +478,14 @@ def cmd_run(args) -> None:
         for k in kernels:
             print(f"  log: {k}")
         print(f"  startup {results[name]['startup_s']:.0f} s; " + ", ".join(
-            f"B={r['batch']} {r['step_ms']:.3f} ms" for r in results[name]["rows"]), flush=True)
+            f"B={r['batch']} {r['step_ms']:.3f} ms (reps spread {r['spread_ms'] / r['step_ms']:.0%})"
+            for r in results[name]["rows"]), flush=True)
+        if args.json:  # each configuration's line as it finishes: a run stopped by `timeout` keeps what it measured
+            with open(args.json, "a") as f:
+                f.write(json.dumps({"configs": {name: results[name]}, "batches": args.batches,
+                                    "prompt": args.prompt, "steps": args.steps}) + "\n")
     if args.cmd != "profile":
         report(results, args.batches)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps({"configs": results, "batches": args.batches, "prompt": args.prompt,
-                                "steps": args.steps}) + "\n")
 
 
 NOISY = 0.05  # a step time whose reps spread (max - min) over this share of their median is flagged in the report

@@ -137,6 +137,39 @@ def test_report_flags_step_times_whose_reps_spread(bench_e2e, capsys):
     assert "cublade-w4a16 vs vllm-w4a16: B=1 0.93x, B=16 1.11x" in out
 
 
+def test_run_writes_each_configuration_as_it_finishes(bench_e2e, tmp_path, monkeypatch, capsys):
+    """`run --json` appends one line per configuration as soon as it is measured, so a run stopped by `timeout`
+    before its last configuration keeps the ones it finished (a 70B-shaped run lost all three that way); the
+    printed line gives each step time's reps spread. (The measuring subprocess stood in for: it writes a result;
+    the second configuration's is stopped.)"""
+    import argparse
+    import subprocess
+
+    for sub in ("cublade-w4a16", "ct-w4a16"):
+        (tmp_path / sub).mkdir()
+
+    def fake_run(cmd, env, stdout, stderr):
+        result = Path(cmd[cmd.index("--result") + 1])
+        if "ct-w4a16" in cmd[3]:
+            raise KeyboardInterrupt  # what a timeout's signal does to the run mid-way
+        rows = [{"batch": 1, "step_ms": 2.0, "tok_s": 500.0, "spread_ms": 0.1, "prefill_ms": 5.0}]
+        result.write_text(json.dumps({"startup_s": 90.0, "rows": rows}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bench_e2e.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_e2e.subprocess, "run", fake_run)
+    out = tmp_path / "e2e.jsonl"
+    args = argparse.Namespace(cmd="run", workdir=str(tmp_path), configs=["cublade-w4a16", "vllm-w4a16"],
+                              batches=[1], prompt=128, steps=32, reps=5, gpu_memory_utilization=0.5,
+                              tensor_parallel_size=1, enable_expert_parallel=False, json=str(out))
+    with pytest.raises(KeyboardInterrupt):
+        bench_e2e.cmd_run(args)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [list(line["configs"]) for line in lines] == [["cublade-w4a16"]]
+    assert lines[0]["configs"]["cublade-w4a16"]["rows"][0]["step_ms"] == 2.0
+    assert "B=1 2.000 ms (reps spread 5%)" in capsys.readouterr().out
+
+
 def test_make_with_the_lm_head_quantized(bench_e2e, tmp_path, monkeypatch):
     """make --presets w4a16-lm-head,fp8-dynamic-lm-head (shrunk to hidden 128, vocab 512): the conversions with
     `--quantize-lm-head`, served as configurations cublade-w4a16-lm-head and cublade-fp8-lm-head."""
