@@ -102,7 +102,7 @@ def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 W4A16_PREFILL_ENV = "CUBLADE_W4A16_PREFILL"
-W4A16_PREFILL_CHOICES = ("bf16", "fp8")
+W4A16_PREFILL_CHOICES = ("bf16", "fp8", "machete")
 # Rows from which CUBLADE_W4A16_PREFILL=fp8 rounds a w4a16 layer's activations to E4M3 per 1 x 128 (the FP8
 # tensor-core path, cublade.ops.w4a16_gemm_fp8), one count for every shape. Measured on an H200
 # (benchmarks/bench_w4a16_gemm.py, "fp8-tc" against "cublade", Llama-3-8B and -70B shapes; docs/decisions.md): from
@@ -113,8 +113,10 @@ W4A16_FP8_MIN_ROWS = 512
 
 
 def w4a16_prefill_math() -> str:
-    """CUBLADE_W4A16_PREFILL: "bf16" (default: bf16/fp16 activations at every batch size) or "fp8" (calls of
-    W4A16_FP8_MIN_ROWS rows or more take their activations in E4M3 per 1 x 128, on FP8 tensor cores)."""
+    """CUBLADE_W4A16_PREFILL: "bf16" (default: bf16/fp16 activations at every batch size), "fp8" (calls of
+    W4A16_FP8_MIN_ROWS rows or more take their activations in E4M3 per 1 x 128, on FP8 tensor cores) or "machete"
+    (the token counts where vLLM's Machete measured faster at load run on it, from a second copy of the weights; the
+    math is bf16's: cublade.vllm.kernels.cublade_w4a16_machete)."""
     v = os.environ.get(W4A16_PREFILL_ENV, "").strip().lower() or "bf16"
     if v not in W4A16_PREFILL_CHOICES:
         raise ValueError(f"{W4A16_PREFILL_ENV}={os.environ[W4A16_PREFILL_ENV]!r}: expected one of "
