@@ -5,6 +5,10 @@ activations.
     python benchmarks/bench_w4a16_gemm.py [--shapes 8192x28672,4096x14336] [--m 1,4,16,32,64,128,256,1024,4096]
                                           [--sweep] [--json FILE]
 
+"cublade+Machete" is the kernel class CUBLADE_W4A16_PREFILL=machete selects: cublade's op, and vLLM's Machete (a
+second copy of the weights) at the token counts where it was faster when the layer was built; the ranges it measured
+are printed per shape.
+
 The op picks its path by M: the streaming decode kernel, or for large M the prefill path (w4a16_dequant into a
 bf16 weight, then cuBLAS). Both paths are also timed on their own ("stream": split_k=1 forces the kernel, up to
 M=256; "deq+mm": w4a16_dequant + torch's linear) to show where they cross. "fp8-tc" is the opt-in FP8 tensor-core
@@ -73,6 +77,25 @@ def vllm_kernels(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int) -> tuple[di
         f"; not run: {skipped}" if skipped else "")
 
 
+def with_machete(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int):
+    """(fn(x), its Machete ranges) for the kernel class CUBLADE_W4A16_PREFILL=machete selects
+    (cublade.vllm.kernels.cublade_w4a16_machete), built on a stand-in layer holding the checkpoint tensors: cublade's
+    op and vLLM's Machete, each layer shape timed at load and each call on the faster for its M. (None, why) where
+    it cannot be built (no vLLM, no Machete)."""
+    try:
+        from cublade.config import W4A16Scheme
+        from cublade.vllm.kernels.cublade_w4a16_machete import CubladeW4A16Machete, describe_rows
+        layer = torch.nn.Module()
+        layer.register_parameter("weight_packed", torch.nn.Parameter(wp.clone(), requires_grad=False))
+        layer.register_parameter("weight_scale", torch.nn.Parameter(ws.clone(), requires_grad=False))
+        layer.output_size_per_partition, layer.input_size_per_partition = N, K
+        layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, W4A16Scheme(G, True), None
+        kernel = CubladeW4A16Machete(layer)
+    except Exception as e:  # noqa: BLE001  (any failure to build it means: no column)
+        return None, f"{type(e).__name__}: {e}"
+    return (lambda x: kernel.apply(layer, x, None)), describe_rows(kernel.rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="8192x28672,4096x14336", help="KxN list")
@@ -103,6 +126,9 @@ def main() -> None:
         w32 = w4a16_dequant_repacked(rp.packed, G, True, N, K)
         wbf = w32.to(torch.bfloat16)
         base, note = vllm_kernels(wp, ws, N, K)
+        hybrid, hybrid_rows = with_machete(wp, ws, N, K) if base else (None, "no vLLM")
+        print(f"{K}x{N}: cublade+Machete runs Machete at {hybrid_rows}" if hybrid else
+              f"{K}x{N}: cublade+Machete not run ({hybrid_rows})", flush=True)
         wbytes = N * K // 2 + N * (K // G) * 2
         x16 = torch.randn(16, K, device=dev).to(torch.bfloat16)
         ref16 = x16.float() @ w32.t()
@@ -124,6 +150,7 @@ def main() -> None:
             r["deq_mm_us"] = bench(lambda: deq_mm(x, rp.packed, N))
             r["bf16_us"] = bench(lambda: torch.nn.functional.linear(x, wbf))
             r["fp8tc_us"] = bench(lambda: w4a16_gemm_fp8(x, rp.packed, G, True, N, 0)) if fp8tc and M >= 64 else None
+            r["hybrid_us"] = bench(lambda: hybrid(x)) if hybrid else None
             for name, fn in base.items():
                 r[f"{name}_us"] = bench(lambda: fn(x)) if callable(fn) else None
             if args.sweep:
@@ -132,7 +159,7 @@ def main() -> None:
             r["errors_m16"] = errs
             rows.append(r)
             print(json.dumps(r), flush=True)
-        del wbf, rp, base
+        del wbf, rp, base, hybrid
         torch.cuda.empty_cache()
 
     write_json(args.json, rows, baseline=note)
@@ -172,6 +199,13 @@ def main() -> None:
               "W4A16_FP8_MIN_ROWS): " + ", ".join(crossings))
     print(f"\npoints where cublade is under 0.98x the best vLLM kernel: {len(losses)} of {len(rows)}" + (
         ": " + ", ".join(f"{r['K']}x{r['N']} M={r['M']}" for r in losses) if losses else ""))
+    timed = [r for r in rows if r["hybrid_us"] and best_vllm(r) is not None]
+    if timed:
+        print("\ncublade+Machete (CUBLADE_W4A16_PREFILL=machete), best vLLM / it: " + ", ".join(
+            f"{r['K']}x{r['N']} M={r['M']} {best_vllm(r) / r['hybrid_us']:.2f}x" for r in timed))
+        short = [r for r in timed if best_vllm(r) < 0.98 * r["hybrid_us"]]
+        print(f"points where cublade+Machete is under 0.98x the best vLLM kernel: {len(short)} of {len(timed)}" + (
+            ": " + ", ".join(f"{r['K']}x{r['N']} M={r['M']}" for r in short) if short else ""))
     if args.sweep:
         print("\nsplit_k sweep (us): " + " | ".join(
             f"{r['K']}x{r['N']} M={r['M']}: " + " ".join(f"{s}:{r[f'split{s}_us']:.1f}" for s in (1, 2, 4, 8))
