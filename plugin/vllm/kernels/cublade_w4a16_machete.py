@@ -6,7 +6,7 @@ tensor cores (docs/performance.md#w4a16-gemm). Each layer shape is timed once wh
 each of MEASURED_ROWS tokens, and the token counts are split at the measured points: a call of M tokens runs on the
 kernel that was faster at the largest measured count <= M (cublade's below the first). The price is memory: Machete
 reads its own layout, so the layer keeps a second copy of its int4 weights and scales (the layer's int4 bytes twice,
-still half of bf16's)."""
+still half of bf16's); a shape on which Machete won at no measured count keeps no copy."""
 from __future__ import annotations
 
 import logging
@@ -156,9 +156,14 @@ class CubladeW4A16Machete(CubladeW4A16Gemm):
         super().__init__(layer)
         c = machete.impl.config
         self.machete_type, self.machete_group = c.weight_type.id, c.group_size
-        for name in ("weight_packed", "weight_scale") + (("weight_zero_point",) if c.zero_points else ()):
-            replace_parameter(layer, f"machete_{name}", getattr(copy, name).data)
+        names = [f"machete_{n}" for n in ("weight_packed", "weight_scale") + (
+            ("weight_zero_point",) if c.zero_points else ())]
+        for name in names:
+            replace_parameter(layer, name, getattr(copy, name[len("machete_"):]).data)
         self.rows = self._measured_rows(layer)
+        if not self.rows:  # Machete won no token count on this shape: its copy is not kept
+            for name in names:
+                replace_parameter(layer, name, None)
 
     def _machete(self, layer, x):
         return _machete_mm(x, layer.machete_weight_packed, layer.machete_weight_scale,
@@ -173,13 +178,16 @@ class CubladeW4A16Machete(CubladeW4A16Gemm):
                                                                   self.symmetric, N),
                                "machete": lambda x: self._machete(layer, x)}, K, layer.params_dtype, dev)
             _measured[key] = machete_rows({m: (t[0], t[1]) for m, t in times.items()})
+            rows = _measured[key]
             logger.info("cublade: w4a16 layers of N=%d, K=%d run on vLLM's Machete at %s tokens, on cublade's "
-                        "kernels at the rest (measured at load, us cublade / Machete: %s)", N, K,
-                        describe_rows(_measured[key]),
+                        "kernels at the rest%s (measured at load, us cublade / Machete: %s)", N, K,
+                        describe_rows(rows), "" if rows else " (no second copy kept)",
                         ", ".join(f"M={m} {t[0]:.1f}/{t[1]:.1f}" for m, t in times.items()))
         return _measured[key]
 
     def apply(self, layer, x, bias):
+        if not self.rows:
+            return super().apply(layer, x, bias)
         x2 = x.reshape(-1, x.shape[-1])
         y = torch.ops.cublade.w4a16_gemm_or_machete(
             x2, layer.weight_packed, self.group_size, self.symmetric, self.size_n, layer.machete_weight_packed,
