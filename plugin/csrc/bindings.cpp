@@ -33,9 +33,10 @@ TORCH_LIBRARY(cublade, m) {
   m.def("w4a16_dequant_fp8(Tensor packed, int group_size, bool symmetric, int size_n, int size_k) "
         "-> (Tensor, Tensor)");
   // FP4 (MXFP4 / NVFP4) GEMM for MoE experts: x [T, K] bf16 (rows sorted by expert, expert_offsets [E+1]
-  // int32; none = one expert) @ weights in fp4_repack's layout -> bf16 [T, size_n].
+  // int32; none = one expert) @ weights in fp4_repack's layout -> bf16 [T, size_n]. routed_experts: the experts
+  // x's rows were routed over (expert parallel: the model's, of which packed holds E; 0 = E).
   m.def("fp4_gemm(Tensor x, Tensor packed, Tensor? row_scale, str format, int size_n, "
-        "Tensor? expert_offsets=None, int max_m=0, int split_k=0) -> Tensor");
+        "Tensor? expert_offsets=None, int max_m=0, int split_k=0, int routed_experts=0) -> Tensor");
   // MXFP8 weight GEMM (W8A16): x [..., K] bf16 @ e4m3 weights with E8M0 scales per 32 K in mxfp8_repack's layout
   // -> bf16 [..., size_n]; and the same blob -> the dense bf16 weight [size_n, size_k] (the prefill path).
   m.def("mxfp8_gemm(Tensor x, Tensor packed, int size_n, int split_k=0) -> Tensor");

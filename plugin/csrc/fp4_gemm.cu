@@ -210,8 +210,14 @@ cudaError_t launch_fmt(lowbit::GemmParams prm, int E, int max_m, int S, cudaStre
 
 }  // namespace
 
-size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, int split_k) {
-  const int nt = M > 0 ? wide_tokens(M, lowbit::expert_slices(grouped, E, M), grouped, split_k) : 0;
+// The experts M rows spread over (wide_tokens' mean rows per expert is M over these): those that can have rows, of
+// the ones the rows were routed over (expert parallel: more than this rank holds).
+int64_t rows_spread(bool grouped, int64_t E, int64_t routed_experts, int64_t M) {
+  return lowbit::expert_slices(grouped, std::max(E, routed_experts), M);
+}
+
+size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, int split_k, int64_t routed_experts) {
+  const int nt = M > 0 ? wide_tokens(M, rows_spread(grouped, E, routed_experts, M), grouped, split_k) : 0;
   return nt > 0 ? static_cast<size_t>(wide::workspace_bytes(M, K, nt, true, 0)) : 0;
 }
 
@@ -238,7 +244,8 @@ cudaError_t launch_fp4_gemm(const Fp4GemmArgs& a, cudaStream_t stream) {
   prm.out = a.out; prm.out_stride = a.out_stride; prm.N = static_cast<int>(N);
   prm.sms = sms;
   const int64_t active = lowbit::expert_slices(offsets != nullptr, E, M);  // experts that can have rows
-  if (const int nt = wide_tokens(M, active, offsets != nullptr, split_k); nt > 0) {
+  const int64_t spread = rows_spread(offsets != nullptr, E, a.routed_experts, M);
+  if (const int nt = wide_tokens(M, spread, offsets != nullptr, split_k); nt > 0) {
     if (workspace == nullptr) return cudaErrorInvalidValue;
     const int e = static_cast<int>(E);
     return fmt == kMXFP4 ? launch_wide<kMXFP4>(prm, e, nt, active, workspace, stream)

@@ -15,7 +15,7 @@ namespace {
 
 at::Tensor fp4_gemm(const at::Tensor& x_in, const at::Tensor& packed, const std::optional<at::Tensor>& row_scale,
                     c10::string_view format, int64_t size_n, const std::optional<at::Tensor>& expert_offsets,
-                    int64_t max_m, int64_t split_k) {
+                    int64_t max_m, int64_t split_k, int64_t routed_experts) {
   constexpr const char* op = "fp4_gemm";
   const std::string fmt_name(format);
   const int fmt = fmt_name == "mxfp4" ? 0 : fmt_name == "nvfp4" ? 1 : -1;
@@ -33,6 +33,8 @@ at::Tensor fp4_gemm(const at::Tensor& x_in, const at::Tensor& packed, const std:
   CUBLADE_CHECK_VALUE(split_k >= 0 && split_k <= kLowbitMaxSplit, op, "split_k must be in [0, ",
                       num(kLowbitMaxSplit), "] (0 = automatic), got ", num(split_k));
   CUBLADE_CHECK_VALUE(max_m >= 0, op, "max_m must be >= 0 (0 = the number of rows of x), got ", num(max_m));
+  CUBLADE_CHECK_VALUE(routed_experts >= 0, op, "routed_experts must be >= 0 (0 = the experts packed holds), got ",
+                      num(routed_experts));
   const int64_t groups = cdiv(size_n, kLowbitGroupRows), chunks = cdiv(K, kLowbitChunkK);
   const int64_t words = kLowbitTileWords + kFp4RecordBytes / 4;
   CUBLADE_CHECK_VALUE(packed.scalar_type() == at::kInt && packed.dim() == 5 && packed.size(1) == groups &&
@@ -71,12 +73,13 @@ at::Tensor fp4_gemm(const at::Tensor& x_in, const at::Tensor& packed, const std:
   at::Tensor out = at::empty({M, size_n}, x_in.options());
   if (M == 0) return out;
   CUBLADE_CHECK_VALUE(M <= INT32_MAX, op, "x has ", num(M), " rows; at most 2^31 - 1");
-  const size_t ws_bytes = fp4_gemm_workspace_bytes(M, K, E, offs != nullptr, static_cast<int>(split_k));
+  const size_t ws_bytes = fp4_gemm_workspace_bytes(M, K, E, offs != nullptr, static_cast<int>(split_k),
+                                                   routed_experts);
   at::Tensor workspace;  // the wide kernel's re-laid-out x (the caching allocator makes this cheap)
   if (ws_bytes > 0) workspace = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
   Fp4GemmArgs a;
   a.x = x.data_ptr(); a.M = M; a.K = K; a.x_stride = x.stride(0);
-  a.offsets = offs; a.E = E; a.max_m = max_m > 0 ? max_m : M;
+  a.offsets = offs; a.E = E; a.routed_experts = routed_experts; a.max_m = max_m > 0 ? max_m : M;
   a.packed = packed.data_ptr(); a.row_scale = rs; a.fmt = fmt;
   a.out = out.data_ptr(); a.out_stride = size_n; a.N = size_n;
   a.split_k = static_cast<int>(split_k);

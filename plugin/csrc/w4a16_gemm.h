@@ -135,21 +135,25 @@ cudaError_t launch_w4a16_dequant_fp8(const W4a16DequantFp8Args& a, cudaStream_t 
 // Scale-record bytes per FP4 tile block (64 per packet, both formats).
 constexpr int kFp4RecordBytes = 8 * 64;
 
-// Device workspace bytes launch_fp4_gemm needs (0: none): from 17 rows per expert (the mean over the experts that
-// can have rows) the automatic choice (split_k = 0) runs the wide (wgmma) kernel, which reads x re-laid out.
-size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, int split_k);
+// Device workspace bytes launch_fp4_gemm needs (0: none): from 16 rows per expert (the mean over the experts that
+// can have rows: M over min(max(E, routed_experts), M)) the automatic choice (split_k = 0) runs the wide (wgmma)
+// kernel, which reads x re-laid out.
+size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, int split_k, int64_t routed_experts);
 
 // x: bf16 [M, K] (as above, K % 32 == 0); offsets: int32 [E+1] on the device (null: one expert over all M
 // rows); packed: the FP4 blob [E, ceil(N/64), ceil(K/512), 4, 1152]; row_scale: [E, ceil(N/64)*64] or null;
 // out: bf16 [M, N]. max_m: an upper bound on any expert's rows (the streaming kernel's tokens per pass; a wrong
 // bound costs passes, not correctness). fmt: 0 = MXFP4, 1 = NVFP4. split_k: K splits of the streaming kernel (>= 1
-// forces it), 0 = pick the kernel. workspace: fp4_gemm_workspace_bytes(M, K, E, offsets != null, split_k) bytes,
-// 16-byte aligned (null if 0).
+// forces it), 0 = pick the kernel. routed_experts: the experts the M rows were routed over, when more than the E
+// here (expert parallel: rows of other ranks' experts sit in x, sorted last, and are not computed; 0 = E): the mean
+// rows per expert, which picks the wide kernel and its tokens per pass, is M over those. workspace:
+// fp4_gemm_workspace_bytes(M, K, E, offsets != null, split_k, routed_experts) bytes, 16-byte aligned (null if 0).
 struct Fp4GemmArgs {
   const void* x = nullptr;
   int64_t M = 0, K = 0, x_stride = 0;
   const int* offsets = nullptr;
   int64_t E = 1;  // experts
+  int64_t routed_experts = 0;  // the experts x's rows were routed over (0: E)
   int64_t max_m = 0;
   const void* packed = nullptr;
   const float* row_scale = nullptr;

@@ -4,7 +4,8 @@ linear of a layer (all experts at once), or per dense FP4 linear.
     rp = fp4_repack(weight_packed, weight_scale, fmt, global_scale)   # once, at load time; [E, N, K/2] or [N, K/2]
     y = fp4_gemm(x_sorted, rp.packed, rp.row_scale, fmt, rp.size_n, expert_offsets, max_m)
 
-`fp4_gemm(x, packed, row_scale, fmt, size_n, expert_offsets=None, max_m=0, split_k=0) -> bf16 [T, size_n]`
+`fp4_gemm(x, packed, row_scale, fmt, size_n, expert_offsets=None, max_m=0, split_k=0, routed_experts=0)
+-> bf16 [T, size_n]`
   x               bf16 [T, K], K % 32 == 0; with experts, the rows sorted by expert: rows
                   expert_offsets[e] .. expert_offsets[e+1]-1 go through expert e (the grid covers only the
                   experts with rows, at most T of them)
@@ -17,8 +18,11 @@ linear of a layer (all experts at once), or per dense FP4 linear.
                   pass (8 / 16 / 32); a bound below the truth only costs extra passes, never correctness; a tight
                   one is fastest. Decode: the batch size.
   split_k         K splits per thread-block cluster of the streaming kernel (1..8; any of them forces that kernel),
-                  0 = automatic: the streaming kernel below 17 rows per expert (T over min(E, T) experts), the
+                  0 = automatic: the streaming kernel below 16 rows per expert (T over min(E, T) experts), the
                   wgmma ("wide") kernel from there (prefill).
+  routed_experts  the experts x's rows were routed over, when more than packed holds (expert parallel: the
+                  model's; other ranks' rows sit after offsets[E] and are not computed); the rows per expert above
+                  are then T over min(routed_experts, T). 0: E. Speed only.
   Row m of the result is x[m] @ W_e^T for the e with offsets[e] <= m < offsets[e+1]; rows outside every
   range (none when offsets[E] = T) are left unwritten. CUDA-graph safe: no host sync, no allocation but the
   output and, for the wide kernel, a workspace of x re-laid out (~(T + 128) x K x 2 bytes, from the caching
@@ -221,15 +225,18 @@ def fp4_gemm_ref(x: torch.Tensor, packed: torch.Tensor, row_scale: torch.Tensor 
 
 
 def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, row_scale: torch.Tensor | None, fmt: str, size_n: int,
-             expert_offsets: torch.Tensor | None = None, max_m: int = 0, split_k: int = 0) -> torch.Tensor:
+             expert_offsets: torch.Tensor | None = None, max_m: int = 0, split_k: int = 0,
+             routed_experts: int = 0) -> torch.Tensor:
     if expert_offsets is not None and expert_offsets.dtype != torch.int32:
         expert_offsets = expert_offsets.to(torch.int32)
     if use_kernel(x, "fp4_gemm"):
-        return torch.ops.cublade.fp4_gemm(x, packed, row_scale, fmt, size_n, expert_offsets, max_m, split_k)
+        return torch.ops.cublade.fp4_gemm(x, packed, row_scale, fmt, size_n, expert_offsets, max_m, split_k,
+                                          routed_experts)
     return fp4_gemm_ref(x, packed, row_scale, fmt, size_n, expert_offsets, max_m, split_k)
 
 
 @register_fake("cublade::fp4_gemm")
 def _fp4_gemm_fake(x: torch.Tensor, packed: torch.Tensor, row_scale: torch.Tensor | None, format: str, size_n: int,
-                   expert_offsets: torch.Tensor | None = None, max_m: int = 0, split_k: int = 0) -> torch.Tensor:
+                   expert_offsets: torch.Tensor | None = None, max_m: int = 0, split_k: int = 0,
+                   routed_experts: int = 0) -> torch.Tensor:
     return x.new_empty((x.shape[0], size_n))

@@ -183,3 +183,35 @@ def test_prepare_moe_reference(layout):
     extra["model.layers.0.block_sparse_moe.experts.9.w1.weight_packed"] = torch.zeros(256, 64, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"experts\.9\.w1\.weight_packed: expert id 9, but config.json says 8"):
         prepare_moe_reference(MixtralForCausalLM(MixtralConfig(**cfg)), extra, policy, cfg)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_fp4_moe_sizes_its_passes_by_the_experts_rows_are_routed_over(monkeypatch, ep):
+    """cublade-fp4-moe's two grouped GEMMs get the model's expert count as the experts the rows were routed over
+    (max_m, twice the mean rows per expert, from it too): under expert parallelism this rank holds 4 of 8 experts
+    but x carries every routed row, so dividing by the 4 would read twice the mean (a wider wgmma pass than the
+    rows need). (fp4_gemm stood in for: it records its arguments; the routing and the combine run their
+    references.)"""
+    from cublade.vllm.kernels import cublade_fp4_moe as km
+
+    E_local, H, I, T, k = 4, 64, 32, 64, 2
+    calls = []
+
+    def fp4_gemm(x, packed, row_scale, fmt, size_n, offsets, max_m, split_k, routed_experts):
+        calls.append((max_m, split_k, routed_experts, int(offsets[-1])))
+        return x.new_zeros((x.shape[0], size_n))
+
+    monkeypatch.setattr(km, "fp4_gemm", fp4_gemm)
+    layer = torch.nn.Module()
+    layer.w13_fp4_packed = layer.w2_fp4_packed = torch.zeros(1)
+    layer.global_num_experts = 8 if ep else E_local
+    if ep:  # global ids 0-3 are this rank's, 4-7 another's
+        layer.expert_map = torch.tensor([0, 1, 2, 3, -1, -1, -1, -1], dtype=torch.int32)
+    kernel = object.__new__(km.CubladeFp4MoE)  # its repack needs FP4 weights; apply needs only these
+    kernel.num_experts, kernel.I, kernel.H, kernel.fmt = E_local, I, H, "mxfp4"
+    n = layer.global_num_experts
+    ids = torch.stack([torch.arange(T) % n, (torch.arange(T) + 3) % n], dim=1)  # T k / n rows for every expert
+    kernel.apply(layer, torch.randn(T, H).to(torch.bfloat16), torch.full((T, k), 0.5), ids)
+    # EP: 16 rows for each of the 8 experts, 64 of them this rank's; else 32 for each of 4, all local
+    want = (32, 0, 8, 64) if ep else (64, 0, 4, T * k)
+    assert calls == [want, want]

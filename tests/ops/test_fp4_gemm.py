@@ -227,6 +227,29 @@ def test_kernel_wide_grouped(fmt):
 
 
 @GPU
+@pytest.mark.parametrize("fmt", FMTS)
+def test_rows_routed_over_more_experts_pick_the_kernel_by_the_true_mean(fmt):
+    """Expert parallel: x holds the rows routed to every expert of the model, this rank's sorted first (offsets) and
+    the others' after offsets[E], not computed. With routed_experts the mean rows per expert is M over the model's
+    experts, not this rank's: 4 of 16 experts here, 128 rows of which 32 are local. Without it the mean reads 32 (the
+    wgmma kernel); with it 8 (the streaming kernel). Either way the local rows are their product, the others left
+    alone."""
+    E, N, K = 4, 256, 512
+    wp, ws, gs, W = experts(E, N, K, fmt, seed=3)
+    rp = to_cuda(fp4_repack(wp, ws, fmt, gs))
+    offsets = torch.tensor([0, 9, 16, 24, 32], dtype=torch.int32, device="cuda")
+    x = torch.randn(128, K, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
+    ref = grouped_ref(x[:32], offsets, W.cuda())
+    for routed, kernel in ((0, "wide_gemm_kernel"), (16, None)):
+        def run():
+            return torch.ops.cublade.fp4_gemm(x, rp.packed, rp.row_scale, fmt, N, offsets, 0, 0, routed)
+
+        assert rel_err(run()[:32], ref) <= BAR, routed
+        names = kernels_run(run)
+        assert any("wide_gemm_kernel" in n for n in names) == (kernel is not None), (routed, sorted(names))
+
+
+@GPU
 def test_kernel_wide_split_k_and_passes():
     """Few CTAs on a long K: the wide kernel splits K over a cluster (here 4 splits of 8 chunks) and the splits add
     up their partial sums once per pass (2 experts, 150 and 60 rows: 2 + 1 passes of 128 tokens)."""
@@ -335,6 +358,8 @@ def test_kernel_refuses_with_a_message():
         (ValueError, "fp4_gemm: in_features K=112 must be a positive multiple of 32",
          (x[:, :112], rp.packed, rp.row_scale, "nvfp4", 32, offs)),
         (ValueError, "fp4_gemm: row_scale must be a contiguous float32", (x, rp.packed, rp.row_scale[:1], "nvfp4", 32, offs)),
+        (ValueError, r"fp4_gemm: routed_experts must be >= 0 \(0 = the experts packed holds\), got -1",
+         (x, rp.packed, rp.row_scale, "nvfp4", 32, offs, 0, 0, -1)),
     ]
     for exc, msg, args in cases:
         with pytest.raises(exc, match=msg):
@@ -349,6 +374,7 @@ def test_opcheck(fmt):
     x = torch.randn(6, 128, device="cuda").to(torch.bfloat16)
     offs = torch.tensor([0, 2, 2, 6], dtype=torch.int32, device="cuda")
     torch.library.opcheck(torch.ops.cublade.fp4_gemm.default, (x, rp.packed, rp.row_scale, fmt, 48, offs, 4, 0))
+    torch.library.opcheck(torch.ops.cublade.fp4_gemm.default, (x, rp.packed, rp.row_scale, fmt, 48, offs, 4, 0, 6))
 
 
 @GPU

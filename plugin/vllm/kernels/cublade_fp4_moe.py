@@ -59,14 +59,20 @@ class CubladeFp4MoE(MoEKernel):
         # expert ~T k / E rows; twice that mean is the bound used (an expert with more rows takes one more pass,
         # still correct). Mixtral-size w13 + w2 at 16 / 32 tokens: 275 / 399 us with max_m = T, 241 / 278 with twice
         # the mean (H200, benchmarks/tuning/experiments/fp4_moe_maxm.py). From 16 rows per expert (T k / E)
-        # fp4_gemm runs its wgmma kernel instead, which picks its own tokens per pass.
-        max_m = min(T, -(-2 * T * k // E))
+        # fp4_gemm runs its wgmma kernel instead, which picks its own tokens per pass. E is the experts the rows were
+        # routed over: under expert parallelism the model's (global_num_experts), not this rank's share of them, or
+        # the mean is overestimated by the number of ranks (EP = 2 at 64 tokens: 32 rows instead of 16, a wide
+        # pass of 48 tokens where 32 fits).
+        routed = max(E, getattr(layer, "global_num_experts", E))
+        max_m = min(T, -(-2 * T * k // routed))
         # Each intermediate is dropped once used, so the caching allocator reuses it for the next (w2's x workspace
         # among them): the layer's peak is what vLLM's profiling run charges against the KV cache.
-        h = fp4_gemm(xs, layer.w13_fp4_packed, getattr(layer, "w13_fp4_row_scale", None), fmt, 2 * I, offsets, max_m)
+        h = fp4_gemm(xs, layer.w13_fp4_packed, getattr(layer, "w13_fp4_row_scale", None), fmt, 2 * I, offsets, max_m,
+                     0, routed)
         del xs
         a = silu_mul(h)
         del h
-        y = fp4_gemm(a, layer.w2_fp4_packed, getattr(layer, "w2_fp4_row_scale", None), fmt, H, offsets, max_m)
+        y = fp4_gemm(a, layer.w2_fp4_packed, getattr(layer, "w2_fp4_row_scale", None), fmt, H, offsets, max_m, 0,
+                     routed)
         del a
         return moe_finalize(y, pos, topk_weights).to(x.dtype)
