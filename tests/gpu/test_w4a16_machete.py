@@ -33,8 +33,8 @@ def test_each_call_is_its_kernels_output(monkeypatch, group_size, symmetric, N, 
     assert ok, why
     impl = km.CubladeW4A16Machete(layer)
     rows = impl.rows
-    assert len(rows) % 2 == 0 and rows == sorted(rows) and all(lo >= km.MEASURED_ROWS[0] for lo in rows[::2])
-    assert all(lo in km.MEASURED_ROWS for lo in rows[::2])
+    assert len(rows) % 2 == 0 and rows == sorted(rows)
+    assert all(lo == km.MEASURED_ROWS[0] or lo - 1 in km.MEASURED_ROWS for lo in rows[::2])  # start past a point
     cub, mach = CubladeW4A16Gemm(alone_c), VllmMachete(alone_m)
     impl.rows = [64, 128, 384, km.NO_END]  # both kernels, whatever this GPU measured
     for m in (1, 17, 64, 100, 128, 300, 384, 1000):

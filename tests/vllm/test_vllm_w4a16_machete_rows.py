@@ -24,9 +24,10 @@ END = km.NO_END
 
 @pytest.mark.parametrize("times,rows", [
     ({16: (1, 2), 64: (5, 6)}, []),                                              # never faster
-    ({16: (1, 2), 128: (10, 9), 256: (20, 18)}, [128, END]),                     # from 128 on
-    ({16: (1, 2), 128: (10, 9), 160: (10, 11), 224: (10, 9), 4096: (5, 6)}, [128, 160, 224, 4096]),
-    ({16: (3, 2), 32: (3, 2), 64: (3, 4)}, [16, 64]),                            # adjacent points merged
+    ({16: (1, 2), 128: (10, 9), 256: (20, 18)}, [17, END]),                      # above 16: the next point's choice
+    ({16: (1, 2), 128: (10, 9), 160: (10, 11), 224: (10, 9), 4096: (5, 6)}, [17, 129, 161, 225]),
+    ({16: (3, 2), 32: (3, 2), 64: (3, 4)}, [16, 33]),                            # adjacent points merged
+    ({128: (10, 9)}, [128, END]),                                                # below the first: cublade's
     ({128: (10, 10)}, []),                                                       # a tie stays on cublade's
 ])
 def test_machete_rows_from_the_measured_times(times, rows):
@@ -34,10 +35,10 @@ def test_machete_rows_from_the_measured_times(times, rows):
 
 
 def test_rows_read_back():
-    rows = [128, 160, 224, 4096]
-    assert [m for m in (1, 127, 128, 159, 160, 223, 224, 4095, 4096, 10**6) if km.on_machete(m, rows)] == [
-        128, 159, 224, 4095]
-    assert km.describe_rows(rows) == "128-159, 224-4095" and km.describe_rows([256, END]) == "256+"
+    rows = km.machete_rows({16: (1, 2), 128: (10, 9), 160: (10, 11), 224: (10, 9), 4096: (5, 6)})
+    assert [m for m in (1, 16, 17, 128, 129, 160, 161, 200, 224, 225, 4096, 10**6) if km.on_machete(m, rows)] == [
+        17, 128, 161, 200, 224]
+    assert km.describe_rows(rows) == "17-128, 161-224" and km.describe_rows([257, END]) == "257+"
     assert km.describe_rows([]) == "none"
 
 
@@ -151,7 +152,7 @@ def test_the_layer_keeps_both_copies_and_runs_each(monkeypatch, symmetric, mache
     def time_rows(kernels, K_, dtype, device):  # each kernel run once, then the times of a GPU where Machete wins
         for f in kernels.values():
             assert f(torch.randn(16, K_, dtype=dtype)).shape == (16, N)
-        return {16: [1.0, 2.0], 128: [10.0, 9.0] if machete_wins else [10.0, 11.0]}
+        return {16: [1.0, 2.0], 128: [10.0, 9.0] if machete_wins else [10.0, 11.0]}  # Machete from 17
 
     monkeypatch.setattr(km, "VllmMachete", FakeMachete)
     monkeypatch.setattr(km, "time_rows", time_rows)
@@ -160,7 +161,7 @@ def test_the_layer_keeps_both_copies_and_runs_each(monkeypatch, symmetric, mache
     monkeypatch.setattr(km, "_machete_mm", machete)
     impl = km.CubladeW4A16Machete(layer)
 
-    assert impl.rows == ([128, km.NO_END] if machete_wins else [])
+    assert impl.rows == ([17, km.NO_END] if machete_wins else [])
     assert not hasattr(layer, "weight_scale") and not hasattr(layer, "weight_zero_point")  # cublade's blob alone
     kept = {n for n, _ in layer.named_parameters() if n.startswith("machete_")}
     if machete_wins:
@@ -170,9 +171,9 @@ def test_the_layer_keeps_both_copies_and_runs_each(monkeypatch, symmetric, mache
     else:
         assert kept == set()
     x = torch.randn(200, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    for m in (20, 200):
+    for m in (16, 200):
         y = impl.apply(layer, x[:m], None)
-        if machete_wins and m >= 128:
+        if machete_wins and m > 16:
             assert (y == 7.0).all()
         else:
             assert torch.equal(y, scheme.linear_ref(x[:m], tensors))

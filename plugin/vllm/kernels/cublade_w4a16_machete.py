@@ -4,7 +4,10 @@
 cublade's kernels lead at decode batches and Machete from about 128 tokens, where the GEMM is bound by the bf16
 tensor cores (docs/performance.md#w4a16-gemm). Each layer shape is timed once when the model loads, both kernels at
 each of MEASURED_ROWS tokens, and the token counts are split at the measured points: a call of M tokens runs on the
-kernel that was faster at the largest measured count <= M (cublade's below the first). The price is memory: Machete
+kernel that was faster at the smallest measured count >= M (the largest's beyond it; cublade's below the first). The
+upper point, because
+cublade's time steps up just past its pass sizes (a call of 200 tokens costs about what 224 does: docs/decisions.md,
+"Rounded passes of 256 rows"), and Machete's grows smoothly. The price is memory: Machete
 reads its own layout, so the layer keeps a second copy of its int4 weights and scales (the layer's int4 bytes twice,
 still half of bf16's); a shape on which Machete won at no measured count keeps no copy."""
 from __future__ import annotations
@@ -31,18 +34,20 @@ NO_END = 2**62  # the upper end of a range that runs to any token count
 
 def machete_rows(times: dict[int, tuple[float, float]]) -> list[int]:
     """The token ranges Machete runs, flattened [lo0, hi0, lo1, hi1, ...] (hi exclusive; NO_END: no bound), from
-    `times` {M: (cublade us, Machete us)}: from each measured M where Machete was faster up to the next measured M,
-    the last one's choice holding above it; adjacent ranges merged."""
+    `times` {M: (cublade us, Machete us)}: each measured M where Machete was faster covers the counts above the
+    measured one before it up to M itself (the last one also those above it; below the first, decode batches,
+    cublade's kernels always); adjacent ranges merged."""
     ms = sorted(times)
     out: list[int] = []
     for i, m in enumerate(ms):
         if times[m][1] >= times[m][0]:
             continue
-        hi = ms[i + 1] if i + 1 < len(ms) else NO_END
-        if out and out[-1] == m:
+        lo = ms[i - 1] + 1 if i else m
+        hi = m + 1 if i + 1 < len(ms) else NO_END
+        if out and out[-1] == lo:
             out[-1] = hi
         else:
-            out += [m, hi]
+            out += [lo, hi]
     return out
 
 
