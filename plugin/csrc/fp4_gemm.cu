@@ -20,6 +20,7 @@
 //   row_scale fp32 [E, ceil(N/64) * 64]: NVFP4 the global scale of each row * 2^9; MXFP4 2^k per expert (k > 0
 //           only for experts with a block scale above 2), or absent.
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp4_gemm_torch.cpp
+#include "gemm_plan.cuh"  // the FP4 experts' plan: wide_tokens, rows_spread
 #include "w4a16_gemm.cuh"
 #include "wide_gemm.cuh"
 #include "w4a16_gemm.h"
@@ -139,34 +140,6 @@ struct Fp4Batch {
   }
 };
 
-// The wide kernel from this many rows per expert (the mean over the experts that can have rows). Measured
-// (benchmarks/tuning/fp4_wide_sweep.cu, Mixtral w13 / w2, 8 experts, random top-2 routing, us): at a
-// mean of 16 rows (64 tokens) the wide kernel at 32 tokens a pass took 220.8 / 106.6 against the streaming kernel's
-// 274.7 / 138.1; at 8 rows (32 tokens) it lost, 218.3 / 105.1 against 175.7 / 97.5.
-constexpr int64_t kWideMinRows = 16;
-
-// Tokens per wide pass (0: the streaming kernel), from r, the mean rows per expert (grouped) or the rows (dense).
-// Each candidate costs (passes an expert needs) x (time of a pass relative to 64 tokens); an expert needs r tokens,
-// plus up to 7 (its window starts on a multiple of 8) plus the spread of the counts around r (about sqrt(r) for
-// random routing), taken as 7 + 1.5 sqrt(r). The relative times are single-pass calls of the sweep (8 experts of 8
-// rows): w13 218.3 / 273.3 / 299.0 / 403.7 / 469.5 us and w2 105.1 / 130.9 / 145.1 / 188.8 / 221.8 at 32 (4
-// warpgroups) / 48 / 64 / 96 / 128 tokens. On the sweep's routings (64-4096 tokens) the rule picks the fastest
-// configuration on both shapes except at 512 tokens: 96 tokens a pass, where 64 ran 7% (w13) / 9% (w2) faster.
-int wide_tokens(int64_t M, int64_t active, bool grouped, int split_k) {
-  if (split_k > 0) return 0;
-  const int64_t r = ceil_div(M, active);
-  if (r < kWideMinRows) return 0;
-  const double need = grouped ? r + 7 + 1.5 * std::sqrt(static_cast<double>(r)) : static_cast<double>(r);
-  constexpr int kTokens[] = {32, 48, 64, 96, 128};
-  constexpr double kPassCost[] = {0.72, 0.90, 1.0, 1.33, 1.55};
-  int best = 0;
-  double best_cost = 0.0;
-  for (int i = 0; i < 5; ++i) {
-    const double cost = std::ceil(need / kTokens[i]) * kPassCost[i];
-    if (best == 0 || cost < best_cost) best = kTokens[i], best_cost = cost;
-  }
-  return best;
-}
 
 // The FP4 configurations (sweep above): four warpgroups only at 32 tokens a pass (and only when their CTAs fill 3/4
 // of the SMs); from 48 tokens two, with whole-chunk stages at 48 / 64 (w13 at a mean of 32 rows: 275.9 us at 48
@@ -209,12 +182,6 @@ cudaError_t launch_fmt(lowbit::GemmParams prm, int E, int max_m, int S, cudaStre
 }
 
 }  // namespace
-
-// The experts M rows spread over (wide_tokens' mean rows per expert is M over these): those that can have rows, of
-// the ones the rows were routed over (expert parallel: more than this rank holds).
-int64_t rows_spread(bool grouped, int64_t E, int64_t routed_experts, int64_t M) {
-  return lowbit::expert_slices(grouped, std::max(E, routed_experts), M);
-}
 
 size_t fp4_gemm_workspace_bytes(int64_t M, int64_t K, int64_t E, bool grouped, int split_k, int64_t routed_experts) {
   const int nt = M > 0 ? wide_tokens(M, rows_spread(grouped, E, routed_experts, M), grouped, split_k) : 0;

@@ -1,6 +1,6 @@
 // The W4A16 and MXFP8 ops' choices for a call, as host functions: which rows the wide (wgmma) kernel takes and in
-// what passes, each pass's configuration and schedule, and (int4) the streaming kernel's K splits for the rest.
-// w4a16_gemm.cu and mxfp8_gemm.cu launch by them; tests/ops/test_gemm_plan.py holds them, on the host, to the shapes
+// what passes, each pass's configuration and schedule, and (int4) the streaming kernel's K splits for the rest; and
+// the FP4 experts' tokens per wide pass. w4a16_gemm.cu, mxfp8_gemm.cu and fp4_gemm.cu launch by them; tests/ops/test_gemm_plan.py holds them, on the host, to the shapes
 // they were measured on (the torch ops' prefill switches, w4a16_gemm_prefill_rows and mxfp8_gemm_prefill_rows, are in
 // w4a16_gemm.h).
 #pragma once
@@ -9,6 +9,7 @@
 #include "wide_gemm.cuh"
 
 #include <algorithm>
+#include <cmath>
 
 namespace cublade {
 namespace wide {
@@ -122,6 +123,43 @@ inline PassPlan mxfp8_plan_pass(int64_t rows, int64_t K, int64_t N, int sms) {
 // more rows (group sizes the wide kernel does not take) keep 8.
 inline int w4a16_stream_split(int64_t groups, int chunks, int64_t M, int sms) {
   return lowbit::pick_split(groups, chunks, sms, M <= 16 ? 4 : 8);
+}
+
+// ---- FP4 experts (fp4_gemm.cu)
+
+// The wide kernel from this many rows per expert (the mean over the experts that can have rows). Measured
+// (benchmarks/tuning/fp4_wide_sweep.cu, Mixtral w13 / w2, 8 experts, random top-2 routing, us): at a
+// mean of 16 rows (64 tokens) the wide kernel at 32 tokens a pass took 220.8 / 106.6 against the streaming kernel's
+// 274.7 / 138.1; at 8 rows (32 tokens) it lost, 218.3 / 105.1 against 175.7 / 97.5.
+constexpr int64_t kWideMinRows = 16;
+
+// Tokens per wide pass (0: the streaming kernel), from r, the mean rows per expert (grouped) or the rows (dense).
+// Each candidate costs (passes an expert needs) x (time of a pass relative to 64 tokens); an expert needs r tokens,
+// plus up to 7 (its window starts on a multiple of 8) plus the spread of the counts around r (about sqrt(r) for
+// random routing), taken as 7 + 1.5 sqrt(r). The relative times are single-pass calls of the sweep (8 experts of 8
+// rows): w13 218.3 / 273.3 / 299.0 / 403.7 / 469.5 us and w2 105.1 / 130.9 / 145.1 / 188.8 / 221.8 at 32 (4
+// warpgroups) / 48 / 64 / 96 / 128 tokens. On the sweep's routings (64-4096 tokens) the rule picks the fastest
+// configuration on both shapes except at 512 tokens: 96 tokens a pass, where 64 ran 7% (w13) / 9% (w2) faster.
+inline int wide_tokens(int64_t M, int64_t active, bool grouped, int split_k) {
+  if (split_k > 0) return 0;
+  const int64_t r = ceil_div(M, active);
+  if (r < kWideMinRows) return 0;
+  const double need = grouped ? r + 7 + 1.5 * std::sqrt(static_cast<double>(r)) : static_cast<double>(r);
+  constexpr int kTokens[] = {32, 48, 64, 96, 128};
+  constexpr double kPassCost[] = {0.72, 0.90, 1.0, 1.33, 1.55};
+  int best = 0;
+  double best_cost = 0.0;
+  for (int i = 0; i < 5; ++i) {
+    const double cost = std::ceil(need / kTokens[i]) * kPassCost[i];
+    if (best == 0 || cost < best_cost) best = kTokens[i], best_cost = cost;
+  }
+  return best;
+}
+
+// The experts M rows spread over (wide_tokens' mean rows per expert is M over these): those that can have rows, of
+// the ones the rows were routed over (expert parallel: more than this rank holds).
+inline int64_t rows_spread(bool grouped, int64_t E, int64_t routed_experts, int64_t M) {
+  return lowbit::expert_slices(grouped, std::max(E, routed_experts), M);
 }
 
 }  // namespace cublade

@@ -2,7 +2,9 @@
 // line (FORMAT 0: int4 at group size 128, 1: MXFP8, 2: int4 at group size 128 with the rounded passes: bf16 x), one
 // line with what the op runs for a call of M rows: "prefill"
 // (dequantize + cuBLAS), else the wide passes as TOKENSwWARPGROUPS:SCHEDULE (sk: stream-K, else K splits), then
-// "s:SPLITS" (int4) or "s" (MXFP8) when the streaming kernel takes the rest. Runs without a GPU (no CUDA call).
+// "s:SPLITS" (int4) or "s" (MXFP8) when the streaming kernel takes the rest. FORMAT 3, FP4 experts, reads the group as
+// 3 M E ROUTED_EXPERTS 0 (M rows routed over max(E, ROUTED_EXPERTS) experts, E of them here) and prints the wide
+// kernel's tokens per pass as TOKENSw, or "s" for the streaming kernel. Runs without a GPU (no CUDA call).
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header)
 #include "gemm_plan.cuh"
 
@@ -12,6 +14,13 @@
 int main(int argc, char** argv) {
   using namespace cublade;
   for (int i = 1; i + 4 < argc; i += 5) {
+    if (std::atoi(argv[i]) == 3) {  // FP4 experts: 3 M E ROUTED_EXPERTS 0 -> the wide pass's tokens, or "s"
+      const int64_t M = std::atoll(argv[i + 1]), E = std::atoll(argv[i + 2]), routed = std::atoll(argv[i + 3]);
+      const int nt = wide_tokens(M, rows_spread(true, E, routed, M), true, 0);
+      if (nt > 0) std::printf("%dw\n", nt);
+      else std::printf("s\n");
+      continue;
+    }
     const bool mxfp8 = std::atoi(argv[i]) == 1, rounded = std::atoi(argv[i]) == 2;
     const int64_t M = std::atoll(argv[i + 1]), K = std::atoll(argv[i + 2]), N = std::atoll(argv[i + 3]);
     const int sms = std::atoi(argv[i + 4]);

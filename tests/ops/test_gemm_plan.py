@@ -74,6 +74,19 @@ MXFP8 = [
     ("from 512 rows on weights of 2^27 elements or more", 512, 8192, 28672, "prefill"),
 ]
 
+# FP4 experts (fp4_gemm.cu's rule, docs/decisions.md "FP4 tokens per pass"): (what, M rows = tokens x top-2, the
+# experts here, the experts the rows were routed over (0: the same), the plan); Mixtral's 8 experts
+FP4 = [
+    ("32 tokens: 8 rows an expert, the streaming kernel", 64, 8, 0, "s"),
+    ("64 tokens: 16 rows an expert, wide passes of 32 tokens", 128, 8, 0, "32w"),
+    ("128 tokens: 48", 256, 8, 0, "48w"),
+    ("256 tokens: 96", 512, 8, 0, "96w"),
+    ("4096 tokens: 128", 8192, 8, 0, "128w"),
+    ("expert parallel, 4 of the 8 experts here, 64 tokens: 16 rows an expert, 32", 128, 4, 8, "32w"),
+    ("the same rows counted over this rank's 4 experts would read 32 an expert (48)", 128, 4, 0, "48w"),
+    ("expert parallel, 32 tokens: 8 rows an expert, the streaming kernel", 64, 4, 8, "s"),
+]
+
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
@@ -87,4 +100,11 @@ def test_plan_on_measured_shapes(plan, fmt, cases):
     got = plan(fmt, cases)
     wrong = [f"{name} (M={M}, {K}x{N}): {g!r}, the measured choice is {want!r}"
              for (name, M, K, N, want), g in zip(cases, got) if g != want]
+    assert not wrong, "; ".join(wrong)
+
+
+def test_fp4_experts_tokens_per_pass(plan):
+    got = plan(3, [(name, M, E, routed, want) for name, M, E, routed, want in FP4])
+    wrong = [f"{name} (M={M}, E={E}, routed over {routed}): {g!r}, the rule's choice is {want!r}"
+             for (name, M, E, routed, want), g in zip(FP4, got) if g != want]
     assert not wrong, "; ".join(wrong)
