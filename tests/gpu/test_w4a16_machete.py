@@ -15,13 +15,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def w4a16_layer(scheme, N: int, K: int, seed: int = 0) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=g) * 0.05
-    return stand_in_layer(scheme, scheme.quantize(w), N, K)
+    layer = stand_in_layer(scheme, scheme.quantize(w), N, K)
+    layer.input_size, layer.output_size = K, N  # what vLLM's Machete adapter reads (full sizes: one rank)
+    return layer
 
 
 @pytest.mark.parametrize("group_size,symmetric", [(128, True), (128, False), (-1, True)])
 @pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 2048)])
-def test_each_call_is_its_kernels_output(monkeypatch, group_size, symmetric, N, K):
-    pytest.importorskip("vllm.model_executor", reason="vLLM is not installed (staged on the device: see README)")
+def test_each_call_is_its_kernels_output(vllm_dist, monkeypatch, group_size, symmetric, N, K):
+    """(vllm_dist: vLLM's parameter classes, which the Machete adapter builds, read the tensor-parallel rank.)"""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
     from cublade.config import W4A16Scheme
     from cublade.vllm.kernels import CubladeW4A16Gemm, VllmMachete
     from cublade.vllm.kernels import cublade_w4a16_machete as km
@@ -31,12 +35,16 @@ def test_each_call_is_its_kernels_output(monkeypatch, group_size, symmetric, N, 
     layer, alone_c, alone_m = (w4a16_layer(scheme, N, K) for _ in range(3))
     ok, why = km.CubladeW4A16Machete.can_implement(layer)
     assert ok, why
-    impl = km.CubladeW4A16Machete(layer)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cuda"))):
+        impl = km.CubladeW4A16Machete(layer)
+        cub, mach = CubladeW4A16Gemm(alone_c), VllmMachete(alone_m)
     rows = impl.rows
     assert len(rows) % 2 == 0 and rows == sorted(rows)
     assert all(lo == km.MEASURED_ROWS[0] or lo - 1 in km.MEASURED_ROWS for lo in rows[::2])  # start past a point
-    cub, mach = CubladeW4A16Gemm(alone_c), VllmMachete(alone_m)
-    impl.rows = [64, 128, 384, km.NO_END]  # both kernels, whatever this GPU measured
+    if rows:  # both kernels, whatever this GPU measured (without a range the copy is gone: cublade's alone)
+        impl.rows = [64, 128, 384, km.NO_END]
+    else:
+        assert not any(n.startswith("machete_") for n, _ in layer.named_parameters())
     for m in (1, 17, 64, 100, 128, 300, 384, 1000):
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16).cuda()
         y = impl.apply(layer, x, None)

@@ -1,14 +1,14 @@
 """CUBLADE_W4A16_PREFILL=machete (cublade.vllm.kernels.cublade_w4a16_machete): the token ranges taken from the times
 measured at load, the dispatch op that follows them (its two kernels stood in for: they need the GPU), its trace
 under torch.compile with the token count dynamic, and when the selection picks the kernel class (GPU mocked:
-tests/gpu_mock.py), and how the kernel class wires a layer (both copies kept, each call to its kernel; Machete's
-adapter, the timing and both kernels stood in for). The kernels themselves: tests/gpu/test_w4a16_machete.py."""
+tests/gpu_mock.py), and how the kernel class wires a layer with vLLM's Machete adapter (both copies kept, each call
+to its kernel; the timing, both kernels and Machete's prepack op stood in for). The kernels themselves:
+tests/gpu/test_w4a16_machete.py."""
 from __future__ import annotations
 
 import pytest
 import torch
-from types import SimpleNamespace
-
+from vllm.scalar_type import scalar_types
 from gpu_mock import mocked_gpu
 from stand_in import stand_in_layer
 from test_vllm_kernels_by_gpu import choice, loaded_layer
@@ -17,7 +17,6 @@ from vllm_layers import KINDS
 from cublade.config import W4A16Scheme
 from cublade.ops.w4a16_gemm import w4a16_gemm_ref
 from cublade.vllm.kernels import cublade_w4a16_machete as km
-from cublade.vllm.kernels.base import replace_parameter
 
 END = km.NO_END
 
@@ -122,31 +121,22 @@ def test_without_machete_the_layer_keeps_cublades_kernels(vllm_ctx, monkeypatch)
     assert not ok and why.startswith("needs vLLM's Machete too: ")
 
 
-class FakeMachete:
-    """What the Machete adapter leaves on the copy it is given: new tensors in place of the checkpoint's ("Machete's
-    layout": clones here) and vLLM's kernel config."""
-
-    def __init__(self, copy):
-        sym = copy.cublade_scheme.symmetric
-        self.impl = SimpleNamespace(config=SimpleNamespace(weight_type=SimpleNamespace(id=7), group_size=128,
-                                                           zero_points=not sym))
-        for name in ("weight_packed", "weight_scale", "weight_zero_point"):
-            t = getattr(copy, name, None)
-            if t is not None:
-                replace_parameter(copy, name, t.data.clone())
-
-
-@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group_size,symmetric", [(128, True), (128, False), (-1, True)])
 @pytest.mark.parametrize("machete_wins", [True, False])
-def test_the_layer_keeps_both_copies_and_runs_each(monkeypatch, symmetric, machete_wins):
-    scheme, N, K = W4A16Scheme(128, symmetric), 256, 512
+def test_the_layer_keeps_both_copies_and_runs_each(vllm_ctx, monkeypatch, group_size, symmetric, machete_wins):
+    """The layer as the kernel class leaves it, with vLLM's real Machete adapter (MacheteLinearKernel's weight
+    transforms run; only its prepack op, a CUDA op, stood in for by a copy): cublade's blob in place of the
+    checkpoint tensors, Machete's copy beside it (dropped when Machete wins no count), each call to its kernel."""
+    import vllm._custom_ops as vllm_ops
+
+    scheme, N, K = W4A16Scheme(group_size, symmetric), 256, 512
     tensors = scheme.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.05)
     layer = stand_in_layer(scheme, {k: v.clone() for k, v in tensors.items()}, N, K, device="cpu")
     machete_calls = []
 
-    def machete(x, w, s, zp, type_id, group_size):
+    def machete(x, w, s, zp, type_id, group):
         machete_calls.append((x.shape[0], w.data_ptr(), s.data_ptr(), None if zp is None else zp.data_ptr(),
-                              type_id, group_size))
+                              type_id, group))
         return x.new_full((x.shape[0], N), 7.0)
 
     def time_rows(kernels, K_, dtype, device):  # each kernel run once, then the times of a GPU where Machete wins
@@ -154,7 +144,7 @@ def test_the_layer_keeps_both_copies_and_runs_each(monkeypatch, symmetric, mache
             assert f(torch.randn(16, K_, dtype=dtype)).shape == (16, N)
         return {16: [1.0, 2.0], 128: [10.0, 9.0] if machete_wins else [10.0, 11.0]}  # Machete from 17
 
-    monkeypatch.setattr(km, "VllmMachete", FakeMachete)
+    monkeypatch.setattr(vllm_ops, "machete_prepack_B", lambda w, a_type, b_type, group_scales_type: w.clone())
     monkeypatch.setattr(km, "time_rows", time_rows)
     monkeypatch.setattr(km, "_measured", {})
     monkeypatch.setattr(km, "_cublade_gemm", w4a16_gemm_ref)
@@ -163,13 +153,16 @@ def test_the_layer_keeps_both_copies_and_runs_each(monkeypatch, symmetric, mache
 
     assert impl.rows == ([17, km.NO_END] if machete_wins else [])
     assert not hasattr(layer, "weight_scale") and not hasattr(layer, "weight_zero_point")  # cublade's blob alone
-    kept = {n for n, _ in layer.named_parameters() if n.startswith("machete_")}
-    if machete_wins:
-        assert kept == {"machete_weight_packed", "machete_weight_scale"} | (
-            set() if symmetric else {"machete_weight_zero_point"})
-        assert torch.equal(layer.machete_weight_packed, tensors["weight_packed"])
+    kept = {n: tuple(t.shape) for n, t in layer.named_parameters() if n.startswith("machete_")}
+    groups = 1 if group_size == -1 else K // group_size
+    if machete_wins:  # Machete's layouts: int4 words [K/8, N], scales [groups, N], zero points as -scale x zero
+        assert kept == {"machete_weight_packed": (K // 8, N), "machete_weight_scale": (groups, N)} | (
+            {} if symmetric else {"machete_weight_zero_point": (groups, N)})
+        assert torch.equal(layer.machete_weight_packed, tensors["weight_packed"].t())
+        assert (impl.machete_type, impl.machete_group) == (
+            (scalar_types.uint4b8 if symmetric else scalar_types.uint4).id, group_size)
     else:
-        assert kept == set()
+        assert kept == {}
     x = torch.randn(200, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for m in (16, 200):
         y = impl.apply(layer, x[:m], None)
@@ -180,6 +173,6 @@ def test_the_layer_keeps_both_copies_and_runs_each(monkeypatch, symmetric, mache
     if machete_wins:
         zp = None if symmetric else layer.machete_weight_zero_point.data_ptr()
         assert machete_calls[1:] == [(200, layer.machete_weight_packed.data_ptr(),
-                                      layer.machete_weight_scale.data_ptr(), zp, 7, 128)]
+                                      layer.machete_weight_scale.data_ptr(), zp, impl.machete_type, group_size)]
     else:
         assert machete_calls[1:] == []
