@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from typing import Callable, Optional
 
 import torch
@@ -179,14 +180,15 @@ class CubladeW4A16Machete(CubladeW4A16Gemm):
         dev = layer.weight_packed.device
         key = (K, N, self.group_size, self.symmetric, layer.params_dtype, dev)
         if key not in _measured:
+            t0 = time.perf_counter()
             times = time_rows({"cublade": lambda x: _cublade_gemm(x, layer.weight_packed, self.group_size,
                                                                   self.symmetric, N),
                                "machete": lambda x: self._machete(layer, x)}, K, layer.params_dtype, dev)
             _measured[key] = machete_rows({m: (t[0], t[1]) for m, t in times.items()})
             rows = _measured[key]
             logger.info("cublade: w4a16 layers of N=%d, K=%d run on vLLM's Machete at %s tokens, on cublade's "
-                        "kernels at the rest%s (measured at load, us cublade / Machete: %s)", N, K,
-                        describe_rows(rows), "" if rows else " (no second copy kept)",
+                        "kernels at the rest%s (measured at load in %.1f s, us cublade / Machete: %s)", N, K,
+                        describe_rows(rows), "" if rows else " (no second copy kept)", time.perf_counter() - t0,
                         ", ".join(f"M={m} {t[0]:.1f}/{t[1]:.1f}" for m, t in times.items()))
         return _measured[key]
 
