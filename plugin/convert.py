@@ -380,7 +380,6 @@ class _WeightQuantizer:
 
     def __call__(self, name: str, module: str, t: torch.Tensor, scheme, calib) -> dict[str, torch.Tensor]:
         if self.qdev is not None:
-            w = None
             try:
                 w = t.to(self.qdev)
                 check_finite(name, w)

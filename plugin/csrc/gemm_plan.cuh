@@ -1,8 +1,8 @@
-// The W4A16 and MXFP8 ops' choices for a call, as host functions: which rows the wide (wgmma) kernel takes and in
-// what passes, each pass's configuration and schedule, and (int4) the streaming kernel's K splits for the rest; and
-// the FP4 experts' tokens per wide pass. w4a16_gemm.cu, mxfp8_gemm.cu and fp4_gemm.cu launch by them; tests/ops/test_gemm_plan.py holds them, on the host, to the shapes
-// they were measured on (the torch ops' prefill switches, w4a16_gemm_prefill_rows and mxfp8_gemm_prefill_rows, are in
-// w4a16_gemm.h).
+// The W4A16 and MXFP8 ops' choices for a call, as host functions: which rows the wide (wgmma) kernel takes and in what
+// passes, each pass's configuration and schedule, and (int4) the streaming kernel's K splits for the rest; and the FP4
+// experts' tokens per wide pass. w4a16_gemm.cu, mxfp8_gemm.cu and fp4_gemm.cu launch by them;
+// tests/ops/test_gemm_plan.py holds them, on the host, to the shapes they were measured on (the torch ops' prefill
+// switches, w4a16_gemm_prefill_rows and mxfp8_gemm_prefill_rows, are in w4a16_gemm.h).
 #pragma once
 
 #include "w4a16_gemm.h"  // kMxfp8WideMinRows

@@ -74,8 +74,8 @@ MXFP8 = [
     ("from 512 rows on weights of 2^27 elements or more", 512, 8192, 28672, "prefill"),
 ]
 
-# FP4 experts (fp4_gemm.cu's rule, docs/decisions.md "FP4 tokens per pass"): (what, M rows = tokens x top-2, the
-# experts here, the experts the rows were routed over (0: the same), the plan); Mixtral's 8 experts
+# FP4 experts (fp4_gemm.cu's rule, docs/decisions.md "FP4 tokens per pass"): the plan's K and N places hold the
+# experts here and the experts the rows were routed over (0: the same); M rows = tokens x top-2; Mixtral's 8 experts
 FP4 = [
     ("32 tokens: 8 rows an expert, the streaming kernel", 64, 8, 0, "s"),
     ("64 tokens: 16 rows an expert, wide passes of 32 tokens", 128, 8, 0, "32w"),
@@ -93,18 +93,10 @@ def plan(tmp_path_factory):
     exe = host_driver.build(tmp_path_factory, "gemm_plan", ("-gencode=arch=compute_90a,code=sm_90a",))
     return lambda fmt, cases: host_driver.lines(exe, [v for _, M, K, N, _ in cases for v in (fmt, M, K, N, SMS)])
 
-
-@pytest.mark.parametrize("fmt,cases", [(0, W4A16), (2, W4A16_ROUNDED), (1, MXFP8)],
-                         ids=["w4a16", "w4a16-rounded", "mxfp8"])
+@pytest.mark.parametrize("fmt,cases", [(0, W4A16), (2, W4A16_ROUNDED), (1, MXFP8), (3, FP4)],
+                         ids=["w4a16", "w4a16-rounded", "mxfp8", "fp4-experts"])
 def test_plan_on_measured_shapes(plan, fmt, cases):
     got = plan(fmt, cases)
-    wrong = [f"{name} (M={M}, {K}x{N}): {g!r}, the measured choice is {want!r}"
+    wrong = [f"{name} (M={M}, {K}, {N}): {g!r}, the measured choice is {want!r}"
              for (name, M, K, N, want), g in zip(cases, got) if g != want]
-    assert not wrong, "; ".join(wrong)
-
-
-def test_fp4_experts_tokens_per_pass(plan):
-    got = plan(3, [(name, M, E, routed, want) for name, M, E, routed, want in FP4])
-    wrong = [f"{name} (M={M}, E={E}, routed over {routed}): {g!r}, the rule's choice is {want!r}"
-             for (name, M, E, routed, want), g in zip(FP4, got) if g != want]
     assert not wrong, "; ".join(wrong)

@@ -5,9 +5,8 @@ cublade's kernels lead at decode batches and Machete from about 128 tokens, wher
 tensor cores (docs/performance.md#w4a16-gemm). Each layer shape is timed once when the model loads, both kernels at
 each of MEASURED_ROWS tokens, and the token counts are split at the measured points: a call of M tokens runs on the
 kernel that was faster at the smallest measured count >= M (the largest's beyond it; cublade's below the first). The
-upper point, because
-cublade's time steps up just past its pass sizes (a call of 200 tokens costs about what 224 does: docs/decisions.md,
-"Rounded passes of 256 rows"), and Machete's grows smoothly. The price is memory: Machete
+upper point, because cublade's time steps up just past its pass sizes (a call of 200 tokens costs about what 224
+does: docs/decisions.md, "Rounded passes of 256 rows"), and Machete's grows smoothly. The price is memory: Machete
 reads its own layout, so the layer keeps a second copy of its int4 weights and scales (the layer's int4 bytes twice,
 still half of bf16's); a shape on which Machete won at no measured count keeps no copy."""
 from __future__ import annotations
