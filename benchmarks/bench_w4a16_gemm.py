@@ -3,7 +3,7 @@ bf16 matmul of the dequantized weight, in the same run. int4 weights, group 128,
 activations.
 
     python benchmarks/bench_w4a16_gemm.py [--shapes 8192x28672,4096x14336] [--m 1,4,16,32,64,128,256,1024,4096]
-                                          [--sweep] [--json FILE]
+                                          [--sweep] [--graph] [--json FILE]
 
 "cublade+Machete" is the kernel class CUBLADE_W4A16_PREFILL=machete selects: cublade's op, and vLLM's Machete (a
 second copy of the weights) at the token counts where it was faster when the layer was built; the ranges it measured
@@ -15,7 +15,10 @@ M=256; "deq+mm": w4a16_dequant + torch's linear) to show where they cross. "fp8-
 path (cublade.ops.w4a16_gemm_fp8 with min_rows 0: activations quantized to E4M3 per 1 x 128, the int4 values as
 E4M3 codes, a blockwise-scaled FP8 GEMM), timed from M = 64; it changes numerics (its error column).
 
-Times: median of triton.testing.do_bench (it clears L2 before every call, so the weights come from HBM).
+Times: median of triton.testing.do_bench (it clears L2 before every call, so the weights come from HBM). --graph
+times every column as one CUDA graph replay (common.graphed), as vLLM's CUDA-graphed decode runs the kernels: without
+it a call's host work counts wherever it outlasts the L2 clear (a Python-side kernel such as Humming's, or the
+cublade+Machete op, at small M).
 Bandwidth: weight + scale bytes (N*K/2 + N*K/128*2) over the time; % of the 4.28 TB/s
 device-to-device copy ceiling measured on the H200. Accuracy: mean|C-ref|/mean|ref| at M=16 against the fp32
 product with the dequantized weights. --sweep also times every split_k (warps per 16-row tile) for tuning.
@@ -31,7 +34,7 @@ import json
 
 import torch
 
-from common import REFERENCE_COPY_TBPS, bench_us, rel_err, require_op, vllm_single_process_state, write_json
+from common import REFERENCE_COPY_TBPS, bench_us, graphed, rel_err, require_op, vllm_single_process_state, write_json
 
 bench = functools.partial(bench_us, rep_ms=100)  # median us, do_bench's 100 ms window
 G = 128
@@ -101,8 +104,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672,4096x14336", help="KxN list")
     ap.add_argument("--m", default="1,4,16,32,64,128,256,1024,4096", help="token counts")
     ap.add_argument("--sweep", action="store_true", help="also time each split_k (K splits per cluster)")
+    ap.add_argument("--graph", action="store_true",
+                    help="time each column as one CUDA graph replay (no host launch gaps; L2 still cleared)")
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
+    time_us = (lambda fn: bench(graphed(fn))) if args.graph else bench
 
     from cublade.ops.w4a16_gemm import w4a16_dequant_repacked, w4a16_repack
     from cublade.ops.w4a16_gemm_fp8 import blockwise_fp8_supported, w4a16_gemm_fp8
@@ -144,18 +150,19 @@ def main() -> None:
         del w32
         for M in (int(m) for m in args.m.split(",")):
             x = torch.randn(M, K, device=dev).to(torch.bfloat16)
-            r = {"K": K, "N": N, "M": M, "weight_bytes": wbytes}
-            r["cublade_us"] = bench(lambda: op(x, rp.packed, G, True, N))
-            r["stream_us"] = bench(lambda: op(x, rp.packed, G, True, N, 1)) if M <= 256 else None
-            r["deq_mm_us"] = bench(lambda: deq_mm(x, rp.packed, N))
-            r["bf16_us"] = bench(lambda: torch.nn.functional.linear(x, wbf))
-            r["fp8tc_us"] = bench(lambda: w4a16_gemm_fp8(x, rp.packed, G, True, N, 0)) if fp8tc and M >= 64 else None
-            r["hybrid_us"] = bench(lambda: hybrid(x)) if hybrid else None
+            r = {"K": K, "N": N, "M": M, "weight_bytes": wbytes, "graph": args.graph}
+            r["cublade_us"] = time_us(lambda: op(x, rp.packed, G, True, N))
+            r["stream_us"] = time_us(lambda: op(x, rp.packed, G, True, N, 1)) if M <= 256 else None
+            r["deq_mm_us"] = time_us(lambda: deq_mm(x, rp.packed, N))
+            r["bf16_us"] = time_us(lambda: torch.nn.functional.linear(x, wbf))
+            r["fp8tc_us"] = (time_us(lambda: w4a16_gemm_fp8(x, rp.packed, G, True, N, 0)) if fp8tc and M >= 64
+                             else None)
+            r["hybrid_us"] = time_us(lambda: hybrid(x)) if hybrid else None
             for name, fn in base.items():
-                r[f"{name}_us"] = bench(lambda: fn(x)) if callable(fn) else None
+                r[f"{name}_us"] = time_us(lambda: fn(x)) if callable(fn) else None
             if args.sweep:
                 for s in (1, 2, 4, 8):
-                    r[f"split{s}_us"] = bench(lambda: op(x, rp.packed, G, True, N, s))
+                    r[f"split{s}_us"] = time_us(lambda: op(x, rp.packed, G, True, N, s))
             r["errors_m16"] = errs
             rows.append(r)
             print(json.dumps(r), flush=True)
@@ -164,7 +171,8 @@ def main() -> None:
 
     write_json(args.json, rows, baseline=note)
     print(note)
-    print("\nw4a16_gemm, int4 g128 sym, bf16 activations; median us (do_bench, L2 cleared); TB/s = weight+scale "
+    print(f"\nw4a16_gemm, int4 g128 sym, bf16 activations; median us (do_bench, L2 cleared"
+          f"{'; each call one CUDA graph replay' if args.graph else ''}); TB/s = weight+scale "
           f"bytes / time; % of the {REFERENCE_COPY_TBPS} TB/s copy ceiling")
     hdr = f"{'K x N':>12} {'M':>4} {'cublade':>8} {'TB/s':>5} {'%ceil':>5} {'Machete':>8} {'Marlin':>8} " \
           f"{'Humming':>8} {'best vLLM/cublade':>17} {'bf16':>7} {'bf16/cublade':>12} {'stream':>7} {'deq+mm':>7} " \

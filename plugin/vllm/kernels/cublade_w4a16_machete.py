@@ -29,6 +29,11 @@ logger = logging.getLogger("vllm.cublade")
 MEASURED_ROWS = (16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 TIMED_REPS = 5  # per kernel and token count; the median is kept
 FLUSH_BYTES = 256 << 20  # written before each timed call, so the weights come from DRAM as in a model's step
+# GPU clock cycles (about 100 us) a spin kernel holds the stream before each timed call, so the call is queued before
+# its start event runs and the timing sees the kernel's GPU time, as a CUDA-graph replay runs it. Unheld, the host's
+# dispatch shows (H200, K 4096 x N 28672 at 16 tokens: cublade's 30 us kernel read 48-97 us and Machete took those
+# decode batches).
+HOLD_CYCLES = 200_000
 NO_END = 2**62  # the upper end of a range that runs to any token count
 
 
@@ -91,7 +96,7 @@ def _(x, packed, group_size, symmetric, size_n, machete_w, machete_s, machete_zp
 def time_rows(kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]], K: int, dtype: torch.dtype,
               device: torch.device, rows=MEASURED_ROWS, reps: int = TIMED_REPS) -> dict[int, list[float]]:
     """{M: [median us of each kernel, in `kernels`' order]} for random x [M, K]: CUDA events around each call, the
-    L2 flushed before it, the kernels alternated within each rep."""
+    L2 flushed and the stream held (HOLD_CYCLES) before it, the kernels alternated within each rep."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     out = {}
@@ -103,6 +108,7 @@ def time_rows(kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]], K: int
         for r in range(reps):
             for i, f in enumerate(kernels.values()):
                 flush.zero_()
+                torch.cuda._sleep(HOLD_CYCLES)
                 events[r][0].record()
                 f(x)
                 events[r][1].record()
