@@ -28,6 +28,8 @@ END = km.NO_END
     ({16: (3, 2), 32: (3, 2), 64: (3, 4)}, [16, 33]),                            # adjacent points merged
     ({128: (10, 9)}, [128, END]),                                                # below the first: cublade's
     ({128: (10, 10)}, []),                                                       # a tie stays on cublade's
+    ({128: (10, 9.85), 256: (20, 19.7)}, []),                                    # so does a lead within 2%
+    ({128: (10, 9.75)}, [128, END]),                                             # a lead past it moves
 ])
 def test_machete_rows_from_the_measured_times(times, rows):
     assert km.machete_rows(times) == rows
