@@ -37,6 +37,7 @@ kernels of different rounding part ways within a few tokens even on the same qua
     python benchmarks/bench_e2e.py make WORKDIR [--shape 8b|70b] [--layers N] [--presets w4a16,...]   # (CPU ok)
     python benchmarks/bench_e2e.py run WORKDIR [CONFIG ...] [--batches 1,16,64] [--tensor-parallel-size N] [--json FILE]
     python benchmarks/bench_e2e.py profile WORKDIR [CONFIG ...] [--batches 1] [--steps 32] [--prefill]
+    python benchmarks/bench_e2e.py report FILE [FILE ...]   # one table from the --json lines of several runs (CPU ok)
 
 `profile` runs each configuration's engine in-process under torch.profiler (CUDA kernels only, CUDA graphs
 included) over a generate of 1 + S tokens and one of 1 token, and prints where a decode step's GPU time goes: the
@@ -522,6 +523,30 @@ def report(results: dict, batches: list[int]) -> None:
                                                    for o, b in zip(results[ours]["rows"], results[base]["rows"])))
 
 
+def cmd_report(args) -> None:
+    """The report of `run --json` lines from one or more files, as one run would print it: the configurations of runs
+    split over several calls (the device's 10-minute limit holds about four 8B-shaped configurations) in one table
+    with their ratios. The lines must share their batch sizes, prompt and steps; a configuration measured twice keeps
+    its last line."""
+    results: dict = {}
+    settings = None
+    for path in args.files:
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            s = {k: d.get(k) for k in ("batches", "prompt", "steps")}
+            if settings is None:
+                settings = s
+            elif s != settings:
+                raise SystemExit(f"{path}:{n}: measured with {s}, the lines before it with {settings}; "
+                                 "a report compares runs of the same batches, prompt and steps")
+            results.update(d["configs"])
+    if not results:
+        raise SystemExit(f"no measured configuration in {', '.join(args.files)}")
+    report(results, settings["batches"])
+
+
 def main() -> None:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
@@ -560,8 +585,10 @@ def main() -> None:
     for q in (pr, me):
         q.add_argument("--prefill", action="store_true",
                        help="profile the prompts' forward (B x --prompt tokens) instead of a decode step")
+    rp = sub.add_parser("report", help="one table and its ratios from the --json lines of one or more runs")
+    rp.add_argument("files", nargs="+", help="files `run --json` appended to (same batches, prompt and steps)")
     args = p.parse_args()
-    {"make": cmd_make, "run": cmd_run, "profile": cmd_run, "measure": cmd_measure}[args.cmd](args)
+    {"make": cmd_make, "run": cmd_run, "profile": cmd_run, "measure": cmd_measure, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -275,3 +275,28 @@ def test_worker_kernels_without_a_kernel_trace_says_so(bench_e2e, tmp_path):
     kernels = bench_e2e.worker_kernels(SilentLLM(), lambda n: (0.001, []), tmp_path)
     with pytest.raises(RuntimeError, match="no trace with GPU kernels"):
         kernels(2)
+
+
+def test_report_joins_the_lines_of_several_runs(bench_e2e, tmp_path, capsys, monkeypatch):
+    """`report` prints one table and its ratios from the --json lines of runs split over several calls; a
+    configuration measured twice keeps its last line, and lines of other batch sizes are refused, not mixed."""
+    def line(name, step, batches=(1, 16)):
+        rows = [{"batch": b, "step_ms": step * b ** 0.1, "tok_s": 1.0, "spread_ms": 0.0, "prefill_ms": 5.0}
+                for b in batches]
+        return json.dumps({"configs": {name: {"startup_s": 60.0, "rows": rows}}, "batches": list(batches),
+                           "prompt": 128, "steps": 128}) + "\n"
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(line("cublade-w4a16", 3.0) + line("vllm-w4a16", 3.0))
+    second.write_text(line("cublade-w4a16", 2.0) + "\n" + line("bf16", 4.0))
+    monkeypatch.setattr("sys.argv", ["bench_e2e.py", "report", str(first), str(second)])
+    bench_e2e.main()
+    out = capsys.readouterr().out
+    assert [r.split(" |")[0] for r in out.splitlines() if r.startswith("| ") and "config" not in r] == [
+        "| cublade-w4a16", "| vllm-w4a16", "| bf16"]
+    assert "cublade-w4a16 vs vllm-w4a16: B=1 1.50x, B=16 1.50x" in out
+    assert "cublade-w4a16 vs bf16: B=1 2.00x" in out and "vllm-w4a16 vs bf16: B=1 1.33x" in out
+
+    second.write_text(line("bf16", 4.0, batches=(1, 64)))
+    with pytest.raises(SystemExit, match=r"b.jsonl:1: measured with .*'batches': \[1, 64\].* a report compares"):
+        bench_e2e.main()
