@@ -3,11 +3,11 @@ bf16 matmul of the dequantized weight, in the same run. int4 weights, group 128,
 activations.
 
     python benchmarks/bench_w4a16_gemm.py [--shapes 8192x28672,4096x14336] [--m 1,4,16,32,64,128,256,1024,4096]
-                                          [--sweep] [--graph] [--json FILE]
+                                          [--sweep] [--graph] [--measured machete,humming] [--json FILE]
 
-"cublade+Machete" is the kernel class CUBLADE_W4A16_PREFILL=machete selects: cublade's op, and vLLM's Machete (a
-second copy of the weights) at the token counts where it was faster when the layer was built; the ranges it measured
-are printed per shape.
+"measured" is the kernel class CUBLADE_W4A16_PREFILL=machete,humming (--measured) selects: cublade's op, and vLLM's
+Machete / Humming (a copy of the weights each) at the token counts where one was faster when the layer was built; the
+ranges it measured are printed per shape.
 
 The op picks its path by M: the streaming decode kernel, or for large M the prefill path (w4a16_dequant into a
 bf16 weight, then cuBLAS). Both paths are also timed on their own ("stream": split_k=1 forces the kernel, up to
@@ -18,7 +18,7 @@ E4M3 codes, a blockwise-scaled FP8 GEMM), timed from M = 64; it changes numerics
 Times: median of triton.testing.do_bench (it clears L2 before every call, so the weights come from HBM). --graph
 times every column as one CUDA graph replay (common.graphed), as vLLM's CUDA-graphed decode runs the kernels: without
 it a call's host work counts wherever it outlasts the L2 clear (a Python-side kernel such as Humming's, or the
-cublade+Machete op, at small M).
+measured column's op, at small M).
 Bandwidth: weight + scale bytes (N*K/2 + N*K/128*2) over the time; % of the 4.28 TB/s
 device-to-device copy ceiling measured on the H200. Accuracy: mean|C-ref|/mean|ref| at M=16 against the fp32
 product with the dequantized weights. --sweep also times every split_k (warps per 16-row tile) for tuning.
@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
+import os
 
 import torch
 
@@ -80,23 +82,35 @@ def vllm_kernels(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int) -> tuple[di
         f"; not run: {skipped}" if skipped else "")
 
 
-def with_machete(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int):
-    """(fn(x), its Machete ranges) for the kernel class CUBLADE_W4A16_PREFILL=machete selects
-    (cublade.vllm.kernels.cublade_w4a16_machete), built on a stand-in layer holding the checkpoint tensors: cublade's
-    op and vLLM's Machete, each layer shape timed at load and each call on the faster for its M. (None, why) where
-    it cannot be built (no vLLM, no Machete)."""
+def with_measured(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int, kernels: str):
+    """(fn(x), its ranges) for the kernel class CUBLADE_W4A16_PREFILL=`kernels` selects
+    (cublade.vllm.kernels.cublade_w4a16_measured), built on a stand-in layer holding the checkpoint tensors: cublade's
+    op and the named vLLM kernels, each layer shape timed at load and each call on the fastest for its M. (None, why)
+    where it cannot be built (no vLLM, a kernel that cannot take the shape)."""
+    old = os.environ.get("CUBLADE_W4A16_PREFILL")
+    os.environ["CUBLADE_W4A16_PREFILL"] = kernels
     try:
         from cublade.config import W4A16Scheme
-        from cublade.vllm.kernels.cublade_w4a16_machete import CubladeW4A16Machete, describe_rows
+        from cublade.vllm.kernels.cublade_w4a16_measured import CubladeW4A16Measured, describe
         layer = torch.nn.Module()
         layer.register_parameter("weight_packed", torch.nn.Parameter(wp.clone(), requires_grad=False))
         layer.register_parameter("weight_scale", torch.nn.Parameter(ws.clone(), requires_grad=False))
-        layer.output_size_per_partition, layer.input_size_per_partition = N, K
+        layer.output_size = layer.output_size_per_partition = N
+        layer.input_size = layer.input_size_per_partition = K
+        layer.logical_widths, layer.prefix = [N], f"bench.{K}x{N}"
         layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, W4A16Scheme(G, True), None
-        kernel = CubladeW4A16Machete(layer)
+        ok, why = CubladeW4A16Measured.can_implement(layer)
+        if not ok:
+            return None, why
+        kernel = CubladeW4A16Measured(layer)
     except Exception as e:  # noqa: BLE001  (any failure to build it means: no column)
         return None, f"{type(e).__name__}: {e}"
-    return (lambda x: kernel.apply(layer, x, None)), describe_rows(kernel.rows)
+    finally:
+        if old is None:
+            del os.environ["CUBLADE_W4A16_PREFILL"]
+        else:
+            os.environ["CUBLADE_W4A16_PREFILL"] = old
+    return (lambda x: kernel.apply(layer, x, None)), describe(kernel.ranges, kernel.names)
 
 
 def main() -> None:
@@ -104,6 +118,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x28672,4096x14336", help="KxN list")
     ap.add_argument("--m", default="1,4,16,32,64,128,256,1024,4096", help="token counts")
     ap.add_argument("--sweep", action="store_true", help="also time each split_k (K splits per cluster)")
+    ap.add_argument("--measured", default="machete,humming" if importlib.util.find_spec("humming") else "machete",
+                    help="the vLLM kernels of the measured column (CUBLADE_W4A16_PREFILL's value; default Machete, and "
+                         "Humming where installed)")
     ap.add_argument("--graph", action="store_true",
                     help="time each column as one CUDA graph replay (no host launch gaps; L2 still cleared)")
     ap.add_argument("--json", default=None, help="write all rows here")
@@ -132,9 +149,9 @@ def main() -> None:
         w32 = w4a16_dequant_repacked(rp.packed, G, True, N, K)
         wbf = w32.to(torch.bfloat16)
         base, note = vllm_kernels(wp, ws, N, K)
-        hybrid, hybrid_rows = with_machete(wp, ws, N, K) if base else (None, "no vLLM")
-        print(f"{K}x{N}: cublade+Machete runs Machete at {hybrid_rows}" if hybrid else
-              f"{K}x{N}: cublade+Machete not run ({hybrid_rows})", flush=True)
+        measured, ranges = with_measured(wp, ws, N, K, args.measured) if base else (None, "no vLLM")
+        print(f"{K}x{N}: measured ({args.measured}) runs {ranges}" if measured else
+              f"{K}x{N}: measured ({args.measured}) not run ({ranges})", flush=True)
         wbytes = N * K // 2 + N * (K // G) * 2
         x16 = torch.randn(16, K, device=dev).to(torch.bfloat16)
         ref16 = x16.float() @ w32.t()
@@ -157,7 +174,7 @@ def main() -> None:
             r["bf16_us"] = time_us(lambda: torch.nn.functional.linear(x, wbf))
             r["fp8tc_us"] = (time_us(lambda: w4a16_gemm_fp8(x, rp.packed, G, True, N, 0)) if fp8tc and M >= 64
                              else None)
-            r["hybrid_us"] = time_us(lambda: hybrid(x)) if hybrid else None
+            r["measured_us"] = time_us(lambda: measured(x)) if measured else None
             for name, fn in base.items():
                 r[f"{name}_us"] = time_us(lambda: fn(x)) if callable(fn) else None
             if args.sweep:
@@ -166,7 +183,7 @@ def main() -> None:
             r["errors_m16"] = errs
             rows.append(r)
             print(json.dumps(r), flush=True)
-        del wbf, rp, base, hybrid
+        del wbf, rp, base, measured
         torch.cuda.empty_cache()
 
     write_json(args.json, rows, baseline=note)
@@ -207,12 +224,12 @@ def main() -> None:
               "W4A16_FP8_MIN_ROWS): " + ", ".join(crossings))
     print(f"\npoints where cublade is under 0.98x the best vLLM kernel: {len(losses)} of {len(rows)}" + (
         ": " + ", ".join(f"{r['K']}x{r['N']} M={r['M']}" for r in losses) if losses else ""))
-    timed = [r for r in rows if r["hybrid_us"] and best_vllm(r) is not None]
+    timed = [r for r in rows if r["measured_us"] and best_vllm(r) is not None]
     if timed:
-        print("\ncublade+Machete (CUBLADE_W4A16_PREFILL=machete), best vLLM / it: " + ", ".join(
-            f"{r['K']}x{r['N']} M={r['M']} {best_vllm(r) / r['hybrid_us']:.2f}x" for r in timed))
-        short = [r for r in timed if best_vllm(r) < 0.98 * r["hybrid_us"]]
-        print(f"points where cublade+Machete is under 0.98x the best vLLM kernel: {len(short)} of {len(timed)}" + (
+        print(f"\nmeasured (CUBLADE_W4A16_PREFILL={args.measured}), best vLLM / it: " + ", ".join(
+            f"{r['K']}x{r['N']} M={r['M']} {best_vllm(r) / r['measured_us']:.2f}x" for r in timed))
+        short = [r for r in timed if best_vllm(r) < 0.98 * r["measured_us"]]
+        print(f"points where measured is under 0.98x the best vLLM kernel: {len(short)} of {len(timed)}" + (
             ": " + ", ".join(f"{r['K']}x{r['N']} M={r['M']}" for r in short) if short else ""))
     if args.sweep:
         print("\nsplit_k sweep (us): " + " | ".join(

@@ -33,8 +33,8 @@ def test_doctor_prints_versions_gpu_extension_ops_and_kernels():
     schemes = {s.describe() for name in PRESETS for _, s in preset(name).schemes}
     assert len(rows) == len(schemes) and all(any(s in row for row in rows) for s in schemes)
     assert all("  reference: " in row for row in rows)  # no GPU: the reference kernel, the others passed over
-    assert ("cublade-w4a16-fp8-prefill: runs when asked for (CUBLADE_W4A16_PREFILL=fp8); cublade-w4a16-machete: runs "
-            "when asked for (CUBLADE_W4A16_PREFILL=machete); cublade-w4a16-gemm: CPU") in out
+    assert ("cublade-w4a16-fp8-prefill: runs when asked for (CUBLADE_W4A16_PREFILL=fp8); cublade-w4a16-measured: runs "
+            "when asked for (CUBLADE_W4A16_PREFILL=machete, humming or machete,humming); cublade-w4a16-gemm: CPU") in out
 
 
 def test_op_names_are_the_extensions_schemas():

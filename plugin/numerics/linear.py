@@ -102,7 +102,9 @@ def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 W4A16_PREFILL_ENV = "CUBLADE_W4A16_PREFILL"
-W4A16_PREFILL_CHOICES = ("bf16", "fp8", "machete")
+W4A16_PREFILL_CHOICES = ("bf16", "fp8")
+# The vLLM W4A16 kernels CUBLADE_W4A16_PREFILL may name instead (comma-separated): timed against cublade's at load
+W4A16_MEASURED_KERNELS = ("machete", "humming")
 # Rows from which CUBLADE_W4A16_PREFILL=fp8 rounds a w4a16 layer's activations to E4M3 per 1 x 128 (the FP8
 # tensor-core path, cublade.ops.w4a16_gemm_fp8), one count for every shape. Measured on an H200
 # (benchmarks/bench_w4a16_gemm.py, "fp8-tc" against "cublade", Llama-3-8B and -70B shapes; docs/decisions.md): from
@@ -114,14 +116,26 @@ W4A16_FP8_MIN_ROWS = 512
 
 def w4a16_prefill_math() -> str:
     """CUBLADE_W4A16_PREFILL: "bf16" (default: bf16/fp16 activations at every batch size), "fp8" (calls of
-    W4A16_FP8_MIN_ROWS rows or more take their activations in E4M3 per 1 x 128, on FP8 tensor cores) or "machete"
-    (the token counts where vLLM's Machete measured faster at load run on it, from a second copy of the weights; the
-    math is bf16's: cublade.vllm.kernels.cublade_w4a16_machete)."""
+    W4A16_FP8_MIN_ROWS rows or more take their activations in E4M3 per 1 x 128, on FP8 tensor cores) or "measured"
+    when it names vLLM kernels (W4A16_MEASURED_KERNELS, e.g. "machete,humming": the token counts where one measured
+    faster at load run on it, from a copy of the weights in its layout; the math is bf16's:
+    cublade.vllm.kernels.cublade_w4a16_measured)."""
     v = os.environ.get(W4A16_PREFILL_ENV, "").strip().lower() or "bf16"
-    if v not in W4A16_PREFILL_CHOICES:
-        raise ValueError(f"{W4A16_PREFILL_ENV}={os.environ[W4A16_PREFILL_ENV]!r}: expected one of "
-                         f"{', '.join(W4A16_PREFILL_CHOICES)}")
-    return v
+    if v in W4A16_PREFILL_CHOICES:
+        return v
+    names = [n.strip() for n in v.split(",")]
+    if all(n in W4A16_MEASURED_KERNELS for n in names) and len(set(names)) == len(names):
+        return "measured"
+    raise ValueError(f"{W4A16_PREFILL_ENV}={os.environ[W4A16_PREFILL_ENV]!r}: expected "
+                     f"{' or '.join(W4A16_PREFILL_CHOICES)}, or vLLM kernels to time against cublade's at load, "
+                     f"comma-separated, of {', '.join(W4A16_MEASURED_KERNELS)}")
+
+
+def w4a16_measured_kernels() -> tuple[str, ...]:
+    """The vLLM kernels CUBLADE_W4A16_PREFILL names, in its order (none unless w4a16_prefill_math() is "measured")."""
+    if w4a16_prefill_math() != "measured":
+        return ()
+    return tuple(n.strip() for n in os.environ[W4A16_PREFILL_ENV].strip().lower().split(","))
 
 
 def fp8_activations_per_group(x2: torch.Tensor) -> torch.Tensor:

@@ -224,8 +224,9 @@ def test_reference_on_a_gpu_only_when_asked_for(vllm_ctx, monkeypatch, caplog, c
         assert "\n" not in msg
         assert msg.startswith(f"{kind.prefix}: no kernel can run scheme w4a16(group_size=128, symmetric=True) [N=128, "
                               f"K=256, torch.float32]: cublade-w4a16-fp8-prefill: runs when asked for "
-                              f"(CUBLADE_W4A16_PREFILL=fp8); cublade-w4a16-machete: runs when asked for "
-                              f"(CUBLADE_W4A16_PREFILL=machete); cublade-w4a16-gemm: takes bf16/fp16 activations")
+                              f"(CUBLADE_W4A16_PREFILL=fp8); cublade-w4a16-measured: runs when asked for "
+                              f"(CUBLADE_W4A16_PREFILL=machete, humming or machete,humming); cublade-w4a16-gemm: "
+                              f"takes bf16/fp16 activations")
         for name in ("vllm-machete", "vllm-marlin"):
             assert f"; {name}: takes bf16/fp16 activations, the model runs in torch.float32" in msg
         assert msg.endswith("; reference: fp32 reference math, on a GPU only when asked for with "

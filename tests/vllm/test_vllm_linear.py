@@ -296,7 +296,7 @@ def test_w4a16_fp8_prefill_needs_asking_for(monkeypatch):
     ok, why = CubladeW4A16Fp8Prefill.can_implement(None)
     assert not ok and "CUBLADE_W4A16_PREFILL=fp8" in why
     monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "fp4")
-    with pytest.raises(ValueError, match=r"CUBLADE_W4A16_PREFILL='fp4': expected one of bf16, fp8"):
+    with pytest.raises(ValueError, match=r"CUBLADE_W4A16_PREFILL='fp4': expected bf16 or fp8, or vLLM kernels"):
         CubladeW4A16Fp8Prefill.can_implement(None)
 
 

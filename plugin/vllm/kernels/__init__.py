@@ -29,7 +29,7 @@ from cublade.vllm.kernels.cublade_mxfp8_gemm_sm80 import CubladeMxfp8GemmSm80
 from cublade.vllm.kernels.cublade_w4a16_fp8_prefill import CubladeW4A16Fp8Prefill
 from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
 from cublade.vllm.kernels.cublade_w4a16_gemm_sm80 import CubladeW4A16GemmSm80
-from cublade.vllm.kernels.cublade_w4a16_machete import CubladeW4A16Machete
+from cublade.vllm.kernels.cublade_w4a16_measured import CubladeW4A16Measured
 from cublade.vllm.kernels.reference import ReferenceKernel
 from cublade.vllm.kernels.reference_moe import ReferenceMoE
 from cublade.vllm.kernels.vllm_cutlass_scaled_mm import VllmCutlassScaledMM
@@ -51,10 +51,10 @@ CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel] | type[MoEKernel], ...]]
     # at 1-8 tokens and fall to 0.2-0.6x from 16.
     Fp8Scheme: (CubladeFp8Gemm, VllmCutlassScaledMM, VllmMarlinFp8, CubladeFp8W8A16, ReferenceKernel),
     # The FP8 tensor-core path first, but only when asked for (CUBLADE_W4A16_PREFILL=fp8): it rounds activations.
-    # Then, when asked for (CUBLADE_W4A16_PREFILL=machete), cublade's kernels with Machete at the token counts where
-    # it measured faster (a second copy of the weights); then the Hopper kernels, vLLM's Machete (Hopper) and
-    # Marlin; the sm_80 kernel for what Marlin refuses.
-    W4A16Scheme: (CubladeW4A16Fp8Prefill, CubladeW4A16Machete, CubladeW4A16Gemm, VllmMachete, VllmMarlin,
+    # Then, when asked for (CUBLADE_W4A16_PREFILL=machete,humming), cublade's kernels with the named vLLM kernels at
+    # the token counts where one measured faster (a copy of the weights each); then the Hopper kernels, vLLM's
+    # Machete (Hopper) and Marlin; the sm_80 kernel for what Marlin refuses.
+    W4A16Scheme: (CubladeW4A16Fp8Prefill, CubladeW4A16Measured, CubladeW4A16Gemm, VllmMachete, VllmMarlin,
                   CubladeW4A16GemmSm80, ReferenceKernel),
     # W8A16 on the 1-byte weights (bf16 activations): the Hopper kernels; then Marlin (fp16 activations, block
     # scales above 2^7); the sm_80 kernel; then dequantize to the activation dtype with cublade's op and a dense GEMM

@@ -1,0 +1,76 @@
+"""CUBLADE_W4A16_PREFILL=machete / humming / machete,humming on a GPU (cublade.vllm.kernels.cublade_w4a16_measured):
+a layer keeps cublade's blob and a copy of the same int4 weights per vLLM kernel that won a token range at load,
+and runs each call on its range's kernel. Each call's output must be, bit for bit, what that kernel gives alone on
+the same checkpoint tensors (cublade-w4a16-gemm, vllm-machete or vllm-humming built on their own), and close to the
+scheme's reference; the measured ranges well formed. Skipped without a CUDA GPU or vLLM (staged on the device: see
+README); the Humming cases without the humming-kernels package."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from stand_in import stand_in_layer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
+HUMMING = pytest.mark.skipif(importlib.util.find_spec("humming") is None,
+                             reason="vLLM's Humming needs the humming-kernels package (README: the device's wheels)")
+
+
+def w4a16_layer(scheme, tensors, N: int, K: int) -> torch.nn.Module:
+    layer = stand_in_layer(scheme, {k: v.clone() for k, v in tensors.items()}, N, K)
+    # what vLLM's adapters read from a linear layer (full sizes: one rank)
+    layer.input_size, layer.output_size = K, N
+    layer.output_partition_sizes, layer.logical_widths, layer.has_bias = [N], [N], False
+    layer.prefix = f"test.{N}x{K}"
+    return layer
+
+
+@pytest.mark.parametrize("kernels", ["machete", pytest.param("humming", marks=HUMMING),
+                                     pytest.param("machete,humming", marks=HUMMING)])
+@pytest.mark.parametrize("group_size,symmetric", [(128, True), (128, False), (-1, True)])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 2048)])
+def test_each_call_is_its_kernels_output(vllm_dist, monkeypatch, kernels, group_size, symmetric, N, K):
+    """(vllm_dist: vLLM's parameter classes, which the adapters build, read the tensor-parallel rank.)"""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    from cublade.config import W4A16Scheme
+    from cublade.vllm.kernels import CubladeW4A16Gemm
+    from cublade.vllm.kernels import cublade_w4a16_measured as km
+
+    monkeypatch.setenv("CUBLADE_W4A16_PREFILL", kernels)
+    scheme = W4A16Scheme(group_size, symmetric)
+    tensors = scheme.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.05)
+    layer = w4a16_layer(scheme, tensors, N, K)
+    ok, why = km.CubladeW4A16Measured.can_implement(layer)
+    assert ok, why
+    names = ["cublade", *kernels.split(",")]
+    measured, measure = [], km.kernel_ranges
+
+    def every_kernel_in_a_range(times):  # what this GPU measured, checked below; the calls then cover every kernel
+        measured.append((times, measure(times)))
+        return [(17, 129, 1), (129, 385, len(names) - 1), (385, km.NO_END, 1)]
+
+    monkeypatch.setattr(km, "_measured", {})
+    monkeypatch.setattr(km, "kernel_ranges", every_kernel_in_a_range)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cuda"))):
+        impl = km.CubladeW4A16Measured(layer)
+        alone = [(CubladeW4A16Gemm if n == "cublade" else km.VLLM_KERNELS[n], w4a16_layer(scheme, tensors, N, K))
+                 for n in names]
+        alone = [(cls(l), l) for cls, l in alone]
+    (times, ranges), = measured
+    assert sorted(times) == list(km.MEASURED_ROWS)
+    assert all(len(t) == len(names) and all(0 < v < 1e5 for v in t) for t in times.values()), times
+    assert all(lo == km.MEASURED_ROWS[0] or lo - 1 in km.MEASURED_ROWS for lo, _, _ in ranges)  # start past a point
+    assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+    ranges = impl.ranges
+    assert all(getattr(layer, f"cublade_{n}") is not None for n in names[1:])  # each won a range: its copy kept
+    for m in (1, 17, 64, 100, 128, 300, 384, 1000):
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16).cuda()
+        y = impl.apply(layer, x, None)
+        kernel, alone_layer = alone[km.kernel_at(m, ranges)]
+        want = kernel.apply(alone_layer, x, None)
+        assert y.shape == (m, N) and torch.equal(y.view(torch.int16), want.view(torch.int16)), (m, ranges)
+        ref = scheme.linear_ref(x.cpu(), tensors).float()
+        err = (y.float().cpu() - ref).abs().mean() / ref.abs().mean()
+        assert err < 1e-2, (m, names[km.kernel_at(m, ranges)], err.item())

@@ -1,0 +1,284 @@
+"""CUBLADE_W4A16_PREFILL=machete,humming (cublade.vllm.kernels.cublade_w4a16_measured): the token ranges taken from
+the times measured at load, the layer's wiring (a copy of the weights per vLLM kernel that won a range, each call on
+its range's kernel through the one op; the kernels and the timing stood in for: they need the GPU), the op under
+torch.compile with the token count dynamic, the op's table of layers, and when the selection picks the kernel class
+(GPU mocked: tests/gpu_mock.py). With vLLM's real Machete adapter the copy's layout is checked too (its prepack op
+stood in for). The kernels themselves: tests/gpu/test_w4a16_measured.py."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from vllm.scalar_type import scalar_types
+from gpu_mock import mocked_gpu
+from stand_in import stand_in_layer
+from test_vllm_kernels_by_gpu import choice, loaded_layer
+from vllm_layers import KINDS
+
+from cublade.config import W4A16Scheme
+from cublade.numerics.linear import w4a16_measured_kernels, w4a16_prefill_math
+from cublade.ops.w4a16_gemm import w4a16_gemm_ref
+from cublade.vllm.kernels import cublade_w4a16_measured as km
+
+END = km.NO_END
+
+
+@pytest.mark.parametrize("times,ranges", [
+    ({16: [1, 2], 64: [5, 6]}, []),                                                 # never faster
+    ({16: [1, 2], 128: [10, 9], 256: [20, 18]}, [(17, END, 1)]),                    # above 16: the next point's
+    ({16: [1, 2], 128: [10, 9], 160: [10, 11], 224: [10, 9], 4096: [5, 6]}, [(17, 129, 1), (161, 225, 1)]),
+    ({16: [3, 2], 32: [3, 2], 64: [3, 4]}, [(16, 33, 1)]),                          # adjacent points merged
+    ({128: [10, 9]}, [(128, END, 1)]),                                              # below the first: cublade's
+    ({128: [10, 10]}, []),                                                          # a tie stays on cublade's
+    ({128: [10, 9.85], 256: [20, 19.7]}, []),                                       # so does a lead within 2%
+    ({128: [10, 9.75]}, [(128, END, 1)]),                                           # a lead past it moves
+    ({16: [1, 2, 3], 64: [10, 8, 9], 128: [10, 9, 8], 256: [10, 9, 8.5], 512: [10, 9, 12]},  # the fastest of three
+     [(17, 64 + 1, 1), (65, 257, 2), (257, END, 1)]),
+    ({64: [10, 12, 9.9], 128: [10, 8, 9.7]}, [(65, END, 1)]),                       # the fastest, if past the margin
+])
+def test_ranges_from_the_measured_times(times, ranges):
+    assert km.kernel_ranges(times) == ranges
+
+
+def test_ranges_read_back():
+    ranges = [(17, 129, 1), (161, 225, 2), (4000, END, 1)]
+    assert [km.kernel_at(m, ranges) for m in (1, 16, 17, 128, 129, 160, 161, 224, 225, 3999, 4000, 10**6)] == [
+        0, 0, 1, 1, 0, 0, 2, 2, 0, 0, 1, 1]
+    names = ["cublade", "machete", "humming"]
+    assert km.describe(ranges, names) == ("vLLM's Machete at 17-128, 4000+ tokens, vLLM's Humming at 161-224 tokens, "
+                                          "cublade's kernels at the rest")
+    assert km.describe([], names) == "cublade's kernels at every count"
+
+
+@pytest.mark.parametrize("value,kernels", [("machete", ("machete",)), ("humming", ("humming",)),
+                                           (" Humming, machete ", ("humming", "machete")), ("fp8", ()), ("", ())])
+def test_the_environment_names_the_kernels(monkeypatch, value, kernels):
+    monkeypatch.setenv("CUBLADE_W4A16_PREFILL", value)
+    assert w4a16_measured_kernels() == kernels
+    assert w4a16_prefill_math() == ("measured" if kernels else (value or "bf16"))
+
+
+@pytest.mark.parametrize("value", ["marlin", "machete,machete", "machete,", "machete;humming"])
+def test_the_environment_refuses_what_it_cannot_time(monkeypatch, value):
+    monkeypatch.setenv("CUBLADE_W4A16_PREFILL", value)
+    with pytest.raises(ValueError, match=r"CUBLADE_W4A16_PREFILL=.*: expected bf16 or fp8, or vLLM kernels to time "
+                                         r"against cublade's at load, comma-separated, of machete, humming"):
+        w4a16_prefill_math()
+
+
+class _StandInAdapter:
+    """A vLLM kernel's adapter as the kernel class uses it: built on a copy of the layer (whose tensors it reads),
+    apply(copy, x, bias). Returns x @ W^T + its own offset, so a call says which kernel ran."""
+    built: list = []
+
+    def __init__(self, copy):
+        self.offset = float(len(self.built) + 1) * 100
+        copy.seen = {n: t.clone() for n, t in copy.named_parameters()}
+        self.built.append(self)
+        self.calls: list[int] = []
+
+    @classmethod
+    def can_implement(cls, layer):
+        return True, "stand-in"
+
+    def apply(self, copy, x, bias):
+        self.calls.append(x.shape[0])
+        return x.new_full((x.shape[0], copy.output_size_per_partition), self.offset)
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """cublade's op as its reference, two stand-in vLLM kernels, and the times a GPU gave: Machete fastest at 128-256
+    tokens, Humming from 512 (k = 1, 2); Humming never wins on a shape of N = 64."""
+    _StandInAdapter.built = []
+    monkeypatch.setattr(km, "VLLM_KERNELS", {"machete": type("M", (_StandInAdapter,), {}),
+                                             "humming": type("H", (_StandInAdapter,), {})})
+    monkeypatch.setattr(km, "_cublade_gemm", w4a16_gemm_ref)
+    monkeypatch.setattr(km, "_measured", {})
+    monkeypatch.setattr(km, "_layers", {})
+    timed = []
+
+    def time_rows(kernels, K, dtype, device):
+        timed.append(list(kernels))
+        for f in kernels.values():  # each kernel runs on the layer's tensors
+            f(torch.randn(16, K, dtype=dtype))
+        humming = 30.0 if K == 256 else 1e9
+        return {16: [1.0, 2.0, 3.0], 128: [10.0, 8.0, 9.0], 256: [20.0, 15.0, 16.0], 512: [40.0, 39.0, humming]}
+    monkeypatch.setattr(km, "time_rows", time_rows)
+    monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "machete,humming")
+    return timed
+
+
+def w4a16_layer(N=128, K=256, scheme=W4A16Scheme(128, True), prefix="model.layers.0.mlp.down_proj", seed=0):
+    tensors = scheme.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05)
+    layer = stand_in_layer(scheme, {k: v.clone() for k, v in tensors.items()}, N, K, device="cpu")
+    layer.prefix = prefix
+    return layer, tensors
+
+
+def test_each_call_runs_on_its_ranges_kernel_with_its_copy(stand_ins):
+    scheme = W4A16Scheme(128, True)
+    layer, tensors = w4a16_layer(scheme=scheme)
+    impl = km.CubladeW4A16Measured(layer)
+    machete, humming = _StandInAdapter.built
+    assert stand_ins == [["cublade", "machete", "humming"]]
+    assert impl.ranges == [(17, 257, 1), (257, END, 2)]
+    for copy in (layer.cublade_machete, layer.cublade_humming):  # each built on the checkpoint's own tensors
+        assert all(torch.equal(copy.seen[n], t) for n, t in tensors.items())
+    assert not hasattr(layer, "weight_scale")  # the layer itself holds cublade's blob alone
+    x = torch.randn(600, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for m in (1, 16, 17, 256, 257, 600):
+        y = impl.apply(layer, x[:m], None)
+        want = {0: None, 1: 100.0, 2: 200.0}[km.kernel_at(m, impl.ranges)]
+        assert y.shape == (m, 128)
+        assert torch.equal(y, scheme.linear_ref(x[:m], tensors)) if want is None else (y == want).all(), m
+    assert machete.calls[1:] == [17, 256] and humming.calls[1:] == [257, 600]
+    bias, x3 = torch.randn(128).to(torch.bfloat16), x[:300].reshape(100, 3, 256)  # [.., K] in, 300 rows: Humming's
+    assert torch.equal(impl.apply(layer, x3, bias), torch.full((100, 3, 128), 200.0, dtype=torch.bfloat16) + bias)
+
+
+def test_a_kernel_that_wins_nothing_keeps_no_copy(stand_ins):
+    layer, _ = w4a16_layer(K=512)  # on K = 512 the stand-in Humming never leads
+    impl = km.CubladeW4A16Measured(layer)
+    assert impl.ranges == [(17, END, 1)]
+    assert isinstance(layer.cublade_machete, torch.nn.Module) and layer.cublade_humming is None
+    assert not any(n.startswith("cublade_humming") for n, _ in layer.named_parameters())
+
+
+@pytest.mark.parametrize("K,built", [(256, 6), (512, 4)])
+def test_one_timing_per_layer_shape(stand_ins, K, built):
+    """Each shape is timed once; the next layers of that shape build only the kernels that won a range on it (on
+    K = 512 Humming wins none: 2 adapters for the first layer, then Machete's alone)."""
+    impls = [km.CubladeW4A16Measured(w4a16_layer(K=K, prefix=f"model.layers.{i}.mlp.down_proj")[0]) for i in range(3)]
+    assert len(stand_ins) == 1 and all(i.ranges == impls[0].ranges for i in impls)
+    assert [i.layer_name for i in impls] == [f"model.layers.{i}.mlp.down_proj" for i in range(3)]
+    assert len(_StandInAdapter.built) == built
+
+
+def test_the_ops_table_names_live_layers_apart(stand_ins):
+    """The op finds a layer by vLLM's prefix; a second model's layer of the same prefix alive in the same process
+    (tests, several engines) gets a name of its own, and a freed layer's name is taken over."""
+    a, _ = w4a16_layer(prefix="model.layers.0.mlp.down_proj")
+    b, _ = w4a16_layer(prefix="model.layers.0.mlp.down_proj")
+    ia, ib = km.CubladeW4A16Measured(a), km.CubladeW4A16Measured(b)
+    assert (ia.layer_name, ib.layer_name) == ("model.layers.0.mlp.down_proj", "model.layers.0.mlp.down_proj#1")
+    x = torch.randn(300, 256).to(torch.bfloat16)  # Humming's range: each layer's own adapter (the 2nd and 4th built)
+    assert (ia.apply(a, x, None) == 200.0).all() and (ib.apply(b, x, None) == 400.0).all()
+    del a, ia
+    gc.collect()
+    c, _ = w4a16_layer(prefix="model.layers.0.mlp.down_proj")
+    assert km.CubladeW4A16Measured(c).layer_name == "model.layers.0.mlp.down_proj"
+
+
+def test_the_choice_by_token_count_is_made_at_run_time_not_traced(stand_ins, monkeypatch):
+    """vLLM compiles the model with the token count dynamic: the op must not put a guard on it (a guard would
+    recompile, or in vLLM fail, at the first call on the other side of a boundary)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    layer, _ = w4a16_layer()
+    impl = km.CubladeW4A16Measured(layer)
+    machete, humming = _StandInAdapter.built
+
+    @torch.compile(fullgraph=True, dynamic=True, backend="eager")
+    def step(x):
+        return impl.apply(layer, x, None)
+
+    for m in (20, 300, 30, 400, 10):
+        assert step(torch.randn(m, 256).to(torch.bfloat16)).shape == (m, 128)
+    assert machete.calls[1:] == [20, 30] and humming.calls[1:] == [300, 400]
+
+
+@pytest.mark.parametrize("scheme", [W4A16Scheme(128, True), W4A16Scheme(128, False), W4A16Scheme(-1, True)],
+                         ids=lambda s: s.describe())
+def test_selected_on_hopper_only_when_asked_for(vllm_ctx, monkeypatch, scheme):
+    layer = loaded_layer(scheme, KINDS["qkv"], monkeypatch)
+    with mocked_gpu(monkeypatch, 90):
+        got, _, skipped = choice(layer)
+        assert got == "cublade-w4a16-gemm"
+        assert ("cublade-w4a16-measured: runs when asked for (CUBLADE_W4A16_PREFILL=machete, humming or "
+                "machete,humming)") in skipped
+        monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "machete")
+        got, reason, _ = choice(layer)
+        assert got == "cublade-w4a16-measured" and "vLLM's Machete at the token counts where measured" in reason
+        monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "machete,humming")  # vLLM's Humming: CUDA only
+        got, _, skipped = choice(layer)
+        assert got == "cublade-w4a16-gemm"
+        assert any(s.startswith("cublade-w4a16-measured: needs vLLM's Humming too: ") for s in skipped)
+        monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "machete")
+        monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+        got, _, skipped = choice(layer)
+        assert got == "cublade-w4a16-gemm"
+        assert any(s.startswith("cublade-w4a16-measured: VLLM_BATCH_INVARIANT=1") for s in skipped)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    with mocked_gpu(monkeypatch, 89):  # no Machete, and cublade's sm_90a kernels do not run: Marlin as before
+        assert choice(layer)[0] == "vllm-marlin"
+
+
+def test_without_machete_the_layer_keeps_cublades_kernels(vllm_ctx, monkeypatch):
+    """Machete takes N % 128 == 0 and K % 64 == 0 per rank: a layer it cannot take stays on cublade's kernels,
+    and the reason says why the kernel class was passed over."""
+    layer = loaded_layer(W4A16Scheme(128, True), KINDS["qkv"], monkeypatch)
+    layer.output_size_per_partition = 200  # as if a rank held 200 rows
+    monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "machete")
+    with mocked_gpu(monkeypatch, 90):
+        ok, why = km.CubladeW4A16Measured.can_implement(layer)
+    assert not ok and why.startswith("needs vLLM's Machete too: ")
+
+
+@pytest.mark.parametrize("group_size,symmetric", [(128, True), (128, False), (-1, True)])
+@pytest.mark.parametrize("machete_wins", [True, False])
+def test_machetes_copy_in_its_layout(vllm_ctx, monkeypatch, group_size, symmetric, machete_wins):
+    """With vLLM's real Machete adapter (MacheteLinearKernel's weight transforms run; only its prepack op, a CUDA op,
+    stood in for by a copy, and machete_mm): Machete's copy in Machete's layouts beside cublade's blob (dropped when
+    Machete wins no count), each call of its range given the copy's tensors."""
+    import vllm._custom_ops as vllm_ops
+
+    scheme, N, K = W4A16Scheme(group_size, symmetric), 256, 512
+    layer, tensors = w4a16_layer(N, K, scheme)
+    machete_calls = []
+
+    def machete_mm(a, b_q, b_type, b_group_zeros=None, b_group_scales=None, b_group_size=None, **kw):
+        machete_calls.append((a.shape[0], b_q.data_ptr(), b_group_scales.data_ptr(),
+                              None if b_group_zeros is None else b_group_zeros.data_ptr(), b_type.id, b_group_size))
+        return a.new_full((a.shape[0], N), 7.0)
+
+    def time_rows(kernels, K_, dtype, device):  # each kernel run once, then the times of a GPU where Machete wins
+        for f in kernels.values():
+            assert f(torch.randn(16, K_, dtype=dtype)).shape == (16, N)
+        return {16: [1.0, 2.0], 128: [10.0, 9.0] if machete_wins else [10.0, 11.0]}  # Machete from 17
+
+    monkeypatch.setattr(vllm_ops, "machete_prepack_B", lambda w, a_type, b_type, group_scales_type: w.clone())
+    monkeypatch.setattr(vllm_ops, "machete_mm", machete_mm)
+    monkeypatch.setattr(km, "time_rows", time_rows)
+    monkeypatch.setattr(km, "_measured", {})
+    monkeypatch.setattr(km, "_cublade_gemm", w4a16_gemm_ref)
+    monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "machete")
+    impl = km.CubladeW4A16Measured(layer)
+
+    assert impl.ranges == ([(17, END, 1)] if machete_wins else [])
+    assert not hasattr(layer, "weight_scale") and not hasattr(layer, "weight_zero_point")  # cublade's blob alone
+    kept = {n: tuple(t.shape) for n, t in layer.named_parameters() if n.startswith("cublade_machete.")}
+    groups = 1 if group_size == -1 else K // group_size
+    copy = layer.cublade_machete
+    if machete_wins:  # Machete's layouts: int4 words [K/8, N], scales [groups, N], zero points as -scale x zero
+        assert kept == {"cublade_machete.weight_packed": (K // 8, N), "cublade_machete.weight_scale": (groups, N)} | (
+            {} if symmetric else {"cublade_machete.weight_zero_point": (groups, N)})
+        assert torch.equal(copy.weight_packed, tensors["weight_packed"].t())
+    else:
+        assert kept == {} and copy is None
+    x = torch.randn(200, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for m in (16, 200):
+        y = impl.apply(layer, x[:m], None)
+        if machete_wins and m > 16:
+            assert (y == 7.0).all()
+        else:
+            assert torch.equal(y, scheme.linear_ref(x[:m], tensors))
+    if machete_wins:
+        zp = None if symmetric else copy.weight_zero_point.data_ptr()
+        wtype = (scalar_types.uint4b8 if symmetric else scalar_types.uint4).id
+        assert machete_calls[1:] == [(200, copy.weight_packed.data_ptr(), copy.weight_scale.data_ptr(), zp, wtype,
+                                      group_size)]
+    else:
+        assert machete_calls[1:] == []
