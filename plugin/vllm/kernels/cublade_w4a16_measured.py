@@ -40,10 +40,11 @@ LABELS = {"cublade": "cublade's kernels", "machete": "vLLM's Machete", "humming"
 MEASURED_ROWS = (16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 TIMED_REPS = 5  # per kernel and token count; the median is kept
 FLUSH_BYTES = 256 << 20  # written before each timed call, so the weights come from DRAM as in a model's step
-# GPU clock cycles (about 100 us) a spin kernel holds the stream before each timed call, so the call is queued before
-# its start event runs and the timing sees the kernel's GPU time, as a CUDA-graph replay runs it. Unheld, the host's
-# dispatch shows (H200, K 4096 x N 28672 at 16 tokens: cublade's 30 us kernel read 48-97 us and Machete took those
-# decode batches).
+# GPU clock cycles a spin kernel holds the stream before each timed call, so the call is queued before its start
+# event runs and the timing sees the kernel's GPU time, as a CUDA-graph replay runs it. Unheld, host work that
+# outlasts the flush (87 us on the H200) shows: K 4096 x N 28672 at 16 tokens, cublade's 30 us kernel read 48-97 us
+# at load and Machete took those decode batches. Measured on the H200: 200k cycles hold 108 us, and a bf16 GEMM
+# after 150 us of host work timed 159 us unheld, 69 us held (its own time, as with none).
 HOLD_CYCLES = 200_000
 NO_END = 2**62  # the upper end of a range that runs to any token count
 # A vLLM kernel takes a measured count only where its time is under this fraction of cublade's: closer than that the
