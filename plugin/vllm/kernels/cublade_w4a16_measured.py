@@ -16,6 +16,7 @@ call runs, not when vLLM traces the model, and the op finds the layer's kernels 
 table of this module, as vLLM's attention ops find their layers."""
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -213,8 +214,7 @@ class CubladeW4A16Measured(CubladeW4A16Gemm):
     def _kernels(self, layer, copies, adapters) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         N = self.size_n
         out = {"cublade": lambda x: _cublade_gemm(x, layer.weight_packed, self.group_size, self.symmetric, N)}
-        for n, a in adapters.items():
-            out[n] = (lambda a_, c_: lambda x: a_.apply(c_, x, None))(a, copies[n])
+        out.update({n: functools.partial(a.apply, copies[n], bias=None) for n, a in adapters.items()})
         return out
 
     def _measure(self, layer, key, copies, adapters) -> list[tuple[int, int, int]]:
