@@ -146,6 +146,28 @@ def test_a_kernel_that_wins_nothing_keeps_no_copy(stand_ins):
     assert not any(n.startswith("cublade_humming") for n, _ in layer.named_parameters())
 
 
+def test_the_compiled_graph_does_not_depend_on_what_was_measured(stand_ins, monkeypatch):
+    """vLLM may load a model compiled in another run (VLLM_USE_AOT_COMPILE), whose timings at load came out
+    otherwise: a layer calls the op whatever it measured, cublade's kernels having won every count included."""
+    import torch._dynamo
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    monkeypatch.setattr(km, "time_rows", lambda kernels, K, dtype, device: {16: [1.0, 2.0, 3.0]})
+    layer, tensors = w4a16_layer()
+    impl = km.CubladeW4A16Measured(layer)
+    assert impl.ranges == [] and layer.cublade_machete is None and layer.cublade_humming is None
+    x = torch.randn(40, 256).to(torch.bfloat16)
+    torch._dynamo.reset()
+    y = torch.compile(lambda x: impl.apply(layer, x, None), fullgraph=True, backend=backend)(x)
+    assert torch.equal(y, W4A16Scheme(128, True).linear_ref(x, tensors))
+    assert torch.ops.cublade.w4a16_measured in graphs[0]
+
+
 @pytest.mark.parametrize("K,built", [(256, 6), (512, 4)])
 def test_one_timing_per_layer_shape(stand_ins, K, built):
     """Each shape is timed once; the next layers of that shape build only the kernels that won a range on it (on

@@ -209,7 +209,7 @@ class CubladeW4A16Measured(CubladeW4A16Gemm):
         self.adapters = [None] + [adapters[n] if n in won else None for n in names]
         for n in names:  # the copies that won a range stay with the layer (their tensors move with it)
             setattr(layer, f"cublade_{n}", copies[n] if n in won else None)
-        self.layer_name = _register(layer, self) if self.ranges else ""
+        self.layer_name = _register(layer, self)
 
     def _kernels(self, layer, copies, adapters) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         N = self.size_n
@@ -238,8 +238,8 @@ class CubladeW4A16Measured(CubladeW4A16Gemm):
         return self.adapters[k].apply(getattr(layer, f"cublade_{self.names[k]}"), x2, None)
 
     def apply(self, layer, x, bias):
-        if not self.ranges:
-            return super().apply(layer, x, bias)
+        # Through the op even where cublade's kernels won every count: the compiled graph is then the same whatever
+        # a run measured, and vLLM loads a compiled model cached by another run (VLLM_USE_AOT_COMPILE) as it is.
         y = torch.ops.cublade.w4a16_measured(x.reshape(-1, x.shape[-1]), self.size_n, self.layer_name)
         y = y.reshape(*x.shape[:-1], self.size_n)
         return y if bias is None else y + bias
