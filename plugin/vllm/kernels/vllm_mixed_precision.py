@@ -1,4 +1,4 @@
-"""The adapter over vLLM's mixed-precision (MPLinearKernel) int4 kernels: vllm_machete, vllm_marlin."""
+"""The adapter over vLLM's mixed-precision (MPLinearKernel) int4 kernels: vllm_machete, vllm_marlin, vllm_humming."""
 from __future__ import annotations
 
 from typing import ClassVar
@@ -9,7 +9,7 @@ from cublade.vllm.kernels.base import LinearKernel, gpu_half, replace_parameter
 
 
 class VllmMixedPrecision(LinearKernel):
-    """Adapter over vLLM's MPLinearKernel classes (Machete, Marlin): they read compressed-tensors' int4
+    """Adapter over vLLM's MPLinearKernel classes (Machete, Marlin, Humming): they read compressed-tensors' int4
     layout, so the constructor rebuilds it from cublade's (same weight words; zero points packed 8 per int32
     along N) and lets vLLM's kernel repack from there."""
     vllm_class: ClassVar[str] = ""
