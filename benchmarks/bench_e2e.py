@@ -478,9 +478,9 @@ def cmd_run(args) -> None:
             print_profile(name, results[name]["rows"], args.prefill)
             continue
         # the kernel choices the engine logged (the load-time timings whole: their figures are the point)
-        kernels = sorted({(lambda t: t if "measured at load" in t else t[:200])(line.split("] ", 1)[-1].strip())
-                          for line in log.read_text(errors="replace").splitlines()
-                          if re.search(r"Using \w+Kernel|cublade: .* run on |KV-cache write runs", line)})
+        choices = {line.split("] ", 1)[-1].strip() for line in log.read_text(errors="replace").splitlines()
+                   if re.search(r"Using \w+Kernel|cublade: .* run on |KV-cache write runs", line)}
+        kernels = sorted({t if "measured at load" in t else t[:200] for t in choices})
         for k in kernels:
             print(f"  log: {k}")
         print(f"  startup {results[name]['startup_s']:.0f} s; " + ", ".join(

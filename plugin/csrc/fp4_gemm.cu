@@ -140,9 +140,9 @@ struct Fp4Batch {
   }
 };
 
-// The FP4 configurations (the sweep of wide_tokens, gemm_plan.cuh): four warpgroups only at 32 tokens a pass (and only when their CTAs fill 3/4
-// of the SMs); from 48 tokens two, with whole-chunk stages at 48 / 64 (w13 at a mean of 32 rows: 275.9 us at 48
-// tokens on 2 warpgroups, 327.0 on 4).
+// The FP4 configurations (the sweep of wide_tokens, gemm_plan.cuh): four warpgroups only at 32 tokens a pass (and
+// only when their CTAs fill 3/4 of the SMs); from 48 tokens two, with whole-chunk stages at 48 / 64 (w13 at a mean of
+// 32 rows: 275.9 us at 48 tokens on 2 warpgroups, 327.0 on 4).
 template <int FMT>
 cudaError_t launch_wide(lowbit::GemmParams sp, int E, int ntok, int64_t active, void* workspace,
                         cudaStream_t stream) {
