@@ -10,6 +10,7 @@ import gc
 
 import pytest
 import torch
+import torch._dynamo
 from vllm.scalar_type import scalar_types
 from gpu_mock import mocked_gpu
 from stand_in import stand_in_layer
@@ -149,8 +150,6 @@ def test_a_kernel_that_wins_nothing_keeps_no_copy(stand_ins):
 def test_the_compiled_graph_does_not_depend_on_what_was_measured(stand_ins, monkeypatch):
     """vLLM may load a model compiled in another run (VLLM_USE_AOT_COMPILE), whose timings at load came out
     otherwise: a layer calls the op whatever it measured, cublade's kernels having won every count included."""
-    import torch._dynamo
-
     graphs = []
 
     def backend(gm, example_inputs):
@@ -193,12 +192,11 @@ def test_the_ops_table_names_live_layers_apart(stand_ins):
     assert km.CubladeW4A16Measured(c).layer_name == "model.layers.0.mlp.down_proj"
 
 
-def test_the_choice_by_token_count_is_made_at_run_time_not_traced(stand_ins, monkeypatch):
+# torch's own patch: monkeypatch's undo would delete the option, and every later compile in the process would fail
+@torch._dynamo.config.patch(error_on_recompile=True)
+def test_the_choice_by_token_count_is_made_at_run_time_not_traced(stand_ins):
     """vLLM compiles the model with the token count dynamic: the op must not put a guard on it (a guard would
     recompile, or in vLLM fail, at the first call on the other side of a boundary)."""
-    import torch._dynamo
-
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     layer, _ = w4a16_layer()
     impl = km.CubladeW4A16Measured(layer)
     machete, humming = _StandInAdapter.built
