@@ -5,7 +5,9 @@
 Prints how long torch.cuda._sleep(cycles) holds the stream, how long the 256 MB L2 flush takes, and the time of one
 bf16 GEMM (16 x 4096 @ 4096 x 28672) timed after the flush with 0 / 50 / 150 us of host work between its start event
 and its launch (as a Python op's dispatch puts there): unheld, host work longer than the flush counts; held by
-HOLD_CYCLES, the timing stays the kernel's own."""
+HOLD_CYCLES, the timing stays the kernel's own while the host work is shorter than the hold. Last, the same GEMM
+through the load-time timing (time_rows, one CUDA graph replay a call) with 0 and 400 us of host work inside the
+call: a replay leaves the host work out whatever its length."""
 from __future__ import annotations
 
 import statistics
@@ -13,7 +15,13 @@ import time
 
 import torch
 
-from cublade.vllm.kernels.cublade_w4a16_measured import FLUSH_BYTES, HOLD_CYCLES
+from cublade.vllm.kernels.cublade_w4a16_measured import FLUSH_BYTES, HOLD_CYCLES, time_rows
+
+
+def busy(us: float) -> None:
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e6 < us:
+        pass
 
 
 def main() -> None:
@@ -25,9 +33,7 @@ def main() -> None:
             if before:
                 before()
             start.record()
-            t0 = time.perf_counter()
-            while (time.perf_counter() - t0) * 1e6 < host_us:
-                pass
+            busy(host_us)
             fn()
             end.record()
             end.synchronize()
@@ -42,10 +48,17 @@ def main() -> None:
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(28672, 4096, device="cuda", dtype=torch.bfloat16)
     gemm = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+    gemm_m = lambda w_: torch.nn.functional.linear(x, w_)  # noqa: E731
     held = lambda: (flush.zero_(), torch.cuda._sleep(HOLD_CYCLES))  # noqa: E731
     for host in (0, 50, 150):
         print(f"linear 16x4096x28672 with {host} us of host work first: unheld "
               f"{median_us(gemm, host, flush.zero_):.1f} us, held {median_us(gemm, host, held):.1f} us")
+    w2 = w[:4096]
+    slow = {host: lambda a, host=host: (busy(host), torch.nn.functional.linear(a, w2))[1] for host in (0, 400)}
+    times = time_rows(slow, 4096, torch.bfloat16, torch.device("cuda"), rows=(16, 256))
+    print(f"linear Mx4096x4096 in time_rows, 0 / 400 us of host work in the call: {times} us")
+    print(f"  the same held, not graphed: 0 us {median_us(lambda: gemm_m(w2), 0, held):.1f}, "
+          f"400 us {median_us(lambda: gemm_m(w2), 400, held):.1f} us (M=16)")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """CUBLADE_W4A16_PREFILL=machete / humming / machete,humming on a GPU (cublade.vllm.kernels.cublade_w4a16_measured):
 a layer keeps cublade's blob and a copy of the same int4 weights per vLLM kernel that won a token range at load,
 and runs each call on its range's kernel. Each call's output must be, bit for bit, what that kernel gives alone on
-the same checkpoint tensors (cublade-w4a16-gemm, vllm-machete or vllm-humming built on their own), and close to the
-scheme's reference; the measured ranges well formed. Skipped without a CUDA GPU or vLLM (staged on the device: see
-README); the Humming cases without the humming-kernels package."""
+the same checkpoint tensors (cublade-w4a16-gemm, vllm-machete or vllm-humming built on their own; Humming's within
+1e-2 of it, as Humming reduces over K in no fixed order), and close to the scheme's reference; the measured ranges
+well formed; the load-time timing a kernel's GPU time, not its host work. Skipped without a CUDA GPU or vLLM (staged
+on the device: see README); the Humming cases without the humming-kernels package."""
 from __future__ import annotations
 
 import importlib.util
@@ -65,12 +66,45 @@ def test_each_call_is_its_kernels_output(vllm_dist, monkeypatch, kernels, group_
     assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
     ranges = impl.ranges
     assert all(getattr(layer, f"cublade_{n}") is not None for n in names[1:])  # each won a range: its copy kept
+    ran = []
+    for k, adapter in enumerate(impl.adapters):
+        if adapter is not None:  # which vLLM kernel a call ran: Humming's outputs alone cannot tell (below)
+            monkeypatch.setattr(adapter, "apply", lambda *a, k=k, f=adapter.apply: (ran.append(k), f(*a))[1])
     for m in (1, 17, 64, 100, 128, 300, 384, 1000):
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16).cuda()
+        ran.clear()
         y = impl.apply(layer, x, None)
-        kernel, alone_layer = alone[km.kernel_at(m, ranges)]
+        k = km.kernel_at(m, ranges)
+        assert ran == ([k] if k else []), (m, ranges, ran)
+        kernel, alone_layer = alone[k]
         want = kernel.apply(alone_layer, x, None)
-        assert y.shape == (m, N) and torch.equal(y.view(torch.int16), want.view(torch.int16)), (m, ranges)
+        assert y.shape == (m, N), (m, y.shape)
+        if names[k] == "humming":  # stream-K: Humming alone gives other last bits run to run (rel 1e-3..4e-3, H200)
+            assert (y.float() - want.float()).abs().mean() < 1e-2 * want.float().abs().mean(), (m, ranges)
+        else:
+            assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (m, ranges)
         ref = scheme.linear_ref(x.cpu(), tensors).float()
         err = (y.float().cpu() - ref).abs().mean() / ref.abs().mean()
         assert err < 1e-2, (m, names[km.kernel_at(m, ranges)], err.item())
+
+
+def test_load_timing_is_gpu_time_not_host_work():
+    """time_rows times each call as one CUDA graph replay: 400 us of Python in a call (a slow launcher on a busy host)
+    leaves its time the GEMM's own; timed eagerly, what outlasts the stream hold (about 108 us) would count."""
+    import time
+
+    from cublade.vllm.kernels import cublade_w4a16_measured as km
+
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def slow(x):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 400e-6:
+            pass
+        return torch.nn.functional.linear(x, w)
+
+    times = km.time_rows({"gemm": lambda x: torch.nn.functional.linear(x, w), "slow": slow}, 4096, torch.bfloat16,
+                         torch.device("cuda"), rows=(16, 256))
+    assert sorted(times) == [16, 256]
+    for m, (gemm, slow_gemm) in times.items():
+        assert 0 < gemm < 200 and slow_gemm < 1.25 * gemm + 5, (m, times)

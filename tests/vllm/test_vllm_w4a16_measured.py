@@ -147,6 +147,19 @@ def test_a_kernel_that_wins_nothing_keeps_no_copy(stand_ins):
     assert not any(n.startswith("cublade_humming") for n, _ in layer.named_parameters())
 
 
+def test_the_log_says_where_outputs_are_not_bit_reproducible(stand_ins, monkeypatch):
+    said = []
+    monkeypatch.setattr(km.logger, "info", lambda msg, *args: said.append(msg % args))
+    km._say_humming_order.cache_clear()
+    km.CubladeW4A16Measured(w4a16_layer(K=512)[0])  # Humming wins nothing here: nothing to say
+    assert not any("stream-K" in line for line in said)
+    km.CubladeW4A16Measured(w4a16_layer(K=256)[0])
+    km.CubladeW4A16Measured(w4a16_layer(K=256, prefix="model.layers.1.mlp.down_proj")[0])
+    assert [line for line in said if "stream-K" in line] == [
+        "cublade: vLLM's Humming splits K across thread blocks (stream-K) and adds their parts in no fixed order: at "
+        "the token counts it runs, outputs can differ in the last bits from run to run"]  # once a process
+
+
 def test_the_compiled_graph_does_not_depend_on_what_was_measured(stand_ins, monkeypatch):
     """vLLM may load a model compiled in another run (VLLM_USE_AOT_COMPILE), whose timings at load came out
     otherwise: a layer calls the op whatever it measured, cublade's kernels having won every count included."""

@@ -42,10 +42,8 @@ MEASURED_ROWS = (16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 512, 768
 TIMED_REPS = 5  # per kernel and token count; the median is kept
 FLUSH_BYTES = 256 << 20  # written before each timed call, so the weights come from DRAM as in a model's step
 # GPU clock cycles a spin kernel holds the stream before each timed call, so the call is queued before its start
-# event runs and the timing sees the kernel's GPU time, as a CUDA-graph replay runs it. Unheld, host work that
-# outlasts the flush (87 us on the H200) shows: K 4096 x N 28672 at 16 tokens, cublade's 30 us kernel read 48-97 us
-# at load and Machete took those decode batches. Measured on the H200: 200k cycles hold 108 us, and a bf16 GEMM
-# after 150 us of host work timed 159 us unheld, 69 us held (its own time, as with none).
+# event runs. Measured on the H200: 200k cycles hold 108 us, and a bf16 GEMM after 150 us of host work timed 159 us
+# unheld, 69 us held (its own time, as with none).
 HOLD_CYCLES = 200_000
 NO_END = 2**62  # the upper end of a range that runs to any token count
 # A vLLM kernel takes a measured count only where its time is under this fraction of cublade's: closer than that the
@@ -91,27 +89,46 @@ def describe(ranges: list[tuple[int, int, int]], names: list[str]) -> str:
     return ", ".join(parts + [f"{LABELS[names[0]]} at {'the rest' if parts else 'every count'}"])
 
 
+def _replay(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple[Callable[[], object], object]:
+    """f(x) captured once as a CUDA graph: (its replay, the graph to keep alive). Timed as replays, a kernel's time is
+    its GPU time whatever the host spends launching it, as in vLLM's CUDA-graphed steps. Eager calls behind the hold
+    alone count host work that outlasts it: at load on the H200, one run of two read cublade's 30 us kernel (K 4096 x
+    N 6144, 160-256 tokens) at 126-196 us and Humming's 13-26 us ones (K 4096 x N 4096) at 39-86 us. Where f cannot
+    be captured, f(x) itself, held as the timing holds every call."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            f(x)
+    except RuntimeError as e:
+        logger.info("cublade: a w4a16 kernel timed without a CUDA graph (%s)", str(e).splitlines()[0])
+        return functools.partial(f, x), None
+    return graph.replay, graph
+
+
 def time_rows(kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]], K: int, dtype: torch.dtype,
               device: torch.device, rows=MEASURED_ROWS, reps: int = TIMED_REPS) -> dict[int, list[float]]:
-    """{M: [median us of each kernel, in `kernels`' order]} for random x [M, K]: CUDA events around each call, the
-    L2 flushed and the stream held (HOLD_CYCLES) before it, the kernels alternated within each rep."""
+    """{M: [median us of each kernel, in `kernels`' order]} for random x [M, K]: CUDA events around each call, one
+    CUDA graph replay (_replay), the L2 flushed and the stream held (HOLD_CYCLES) before it, the kernels alternated
+    within each rep."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     out = {}
     for m in rows:
         x = torch.randn(m, K, dtype=dtype, device=device)
         for f in kernels.values():
-            f(x)  # first calls (workspaces, lazy setup, Humming's JIT) out of the timing
+            f(x)  # first calls (workspaces, lazy setup, Humming's JIT) out of the capture and the timing
+        calls = [_replay(f, x) for f in kernels.values()]
         samples: list[list[float]] = [[] for _ in kernels]
         for r in range(reps):
-            for i, f in enumerate(kernels.values()):
+            for i, (call, _) in enumerate(calls):
                 flush.zero_()
                 torch.cuda._sleep(HOLD_CYCLES)
                 events[r][0].record()
-                f(x)
+                call()
                 events[r][1].record()
                 events[r][1].synchronize()
                 samples[i].append(events[r][0].elapsed_time(events[r][1]) * 1e3)
+        del calls  # the graphs and their outputs
         out[m] = [statistics.median(s) for s in samples]
     del flush
     torch.cuda.empty_cache()  # the flush buffer and the timing's outputs back before vLLM sizes its KV cache
@@ -165,6 +182,14 @@ def _(x, size_n, layer):
     return x.new_empty((x.shape[0], size_n))
 
 
+@functools.cache
+def _say_humming_order() -> None:
+    # measured on the H200: the same input twice through Humming alone, 17-384 tokens, differed by up to 0.19 (mean
+    # relative 1e-3..4e-3); cublade's kernels and Machete gave the same bits each time
+    logger.info("cublade: vLLM's Humming splits K across thread blocks (stream-K) and adds their parts in no fixed "
+                "order: at the token counts it runs, outputs can differ in the last bits from run to run")
+
+
 def _cublade_gemm(x, packed, group_size, symmetric, size_n):
     return torch.ops.cublade.w4a16_gemm(x, packed, group_size, symmetric, size_n, 0, True)
 
@@ -209,6 +234,8 @@ class CubladeW4A16Measured(CubladeW4A16Gemm):
         self.adapters = [None] + [adapters[n] if n in won else None for n in names]
         for n in names:  # the copies that won a range stay with the layer (their tensors move with it)
             setattr(layer, f"cublade_{n}", copies[n] if n in won else None)
+        if "humming" in won:
+            _say_humming_order()
         self.layer_name = _register(layer, self)
 
     def _kernels(self, layer, copies, adapters) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
