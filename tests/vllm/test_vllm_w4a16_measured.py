@@ -315,3 +315,45 @@ def test_machetes_copy_in_its_layout(vllm_ctx, monkeypatch, group_size, symmetri
                                       group_size)]
     else:
         assert machete_calls[1:] == []
+
+
+def test_a_kernel_that_cannot_be_captured_is_timed_eagerly(monkeypatch):
+    """_replay: f(x) as a CUDA graph where it can be captured (the graph's replay, the graph kept alive), else f(x)
+    itself, said in the log (the CUDA graph API stood in for: no GPU here)."""
+    import contextlib
+
+    said, capturing = [], []
+    monkeypatch.setattr(km.logger, "info", lambda msg, *args: said.append(msg % args))
+
+    class Graph:
+        def replay(self):
+            return "replayed"
+
+    @contextlib.contextmanager
+    def graph(g, capture_error_mode):
+        assert capture_error_mode == "thread_local"  # another thread's CUDA calls do not spoil the capture
+        capturing.append(g)
+        try:
+            yield
+        finally:
+            capturing.remove(g)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    x, calls = torch.ones(2), []
+
+    def capturable(a):
+        calls.append(("captured" if capturing else "eager", a))
+    call, kept = km._replay(capturable, x)
+    assert isinstance(kept, Graph) and call() == "replayed" and calls == [("captured", x)] and not said
+
+    def uncapturable(a):
+        if capturing:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+        calls.append(("eager", a))
+    calls.clear()
+    call, kept = km._replay(uncapturable, x)
+    assert kept is None and not calls
+    call()
+    assert calls == [("eager", x)]
+    assert said == ["cublade: a w4a16 kernel timed without a CUDA graph (CUDA error: operation not permitted when "
+                    "stream is capturing)"]
