@@ -522,11 +522,12 @@ def report(results: dict, batches: list[int]) -> None:
              ("cublade-w4a16-lm-head", "cublade-w4a16"), ("cublade-w4a16-lm-head", "vllm-w4a16"),
              ("cublade-fp8-lm-head", "cublade-fp8"), ("cublade-fp8-lm-head", "vllm-fp8")] + [
                  (n, "bf16") for n in results if n != "bf16"]
-    print("\nspeed-up, decode step (baseline's time / ours):")
-    for ours, base in pairs:
-        if ours in results and base in results:
-            print(f"  {ours} vs {base}: " + ", ".join(f"B={o['batch']} {b['step_ms'] / o['step_ms']:.2f}x"
-                                                   for o, b in zip(results[ours]["rows"], results[base]["rows"])))
+    for what, key in (("decode step", "step_ms"), ("the prompts' forward and first step", "prefill_ms")):
+        print(f"\nspeed-up, {what} (baseline's time / ours):")
+        for ours, base in pairs:
+            if ours in results and base in results:
+                print(f"  {ours} vs {base}: " + ", ".join(f"B={o['batch']} {b[key] / o[key]:.2f}x" for o, b in
+                                                       zip(results[ours]["rows"], results[base]["rows"])))
 
 
 def cmd_report(args) -> None:

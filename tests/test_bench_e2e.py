@@ -124,17 +124,19 @@ def test_make_mixtral_shape_writes_the_moe_source_and_its_fp4_conversion(bench_e
 def test_report_flags_step_times_whose_reps_spread(bench_e2e, capsys):
     """The report names every step time whose reps spread over NOISY of their median, so a ratio built on one is not
     read as settled (a TP = 2 run gave 0.26 ms of spread on a 1.85 ms step)."""
-    def row(b, step, spread):
-        return {"batch": b, "step_ms": step, "tok_s": b / step * 1e3, "spread_ms": spread, "prefill_ms": 5.0}
+    def row(b, step, spread, prefill=5.0):
+        return {"batch": b, "step_ms": step, "tok_s": b / step * 1e3, "spread_ms": spread, "prefill_ms": prefill}
 
-    results = {"cublade-w4a16": {"rows": [row(1, 1.845, 0.261), row(16, 1.711, 0.05)]},
-               "vllm-w4a16": {"rows": [row(1, 1.713, 0.067), row(16, 1.901, 0.126)]}}
+    results = {"cublade-w4a16": {"rows": [row(1, 1.845, 0.261), row(16, 1.711, 0.05, prefill=8.0)]},
+               "vllm-w4a16": {"rows": [row(1, 1.713, 0.067), row(16, 1.901, 0.126, prefill=10.0)]}}
     bench_e2e.report(results, [1, 16])
     out = capsys.readouterr().out
     flagged = out.split("reps spread over 5% of their median")[1].splitlines()[0]
     assert "cublade-w4a16 B=1 (0.261 ms, 14%)" in flagged and "vllm-w4a16 B=16 (0.126 ms, 7%)" in flagged
     assert "cublade-w4a16 B=16" not in flagged and "vllm-w4a16 B=1 " not in flagged
-    assert "cublade-w4a16 vs vllm-w4a16: B=1 0.93x, B=16 1.11x" in out
+    decode, prompts = out.split("speed-up, decode step")[1].split("speed-up, the prompts")
+    assert "cublade-w4a16 vs vllm-w4a16: B=1 0.93x, B=16 1.11x" in decode
+    assert "cublade-w4a16 vs vllm-w4a16: B=1 1.00x, B=16 1.25x" in prompts  # the prompts' times, not the steps'
 
 
 def test_run_writes_each_configuration_as_it_finishes(bench_e2e, tmp_path, monkeypatch, capsys):
