@@ -147,6 +147,18 @@ def test_a_kernel_that_wins_nothing_keeps_no_copy(stand_ins):
     assert not any(n.startswith("cublade_humming") for n, _ in layer.named_parameters())
 
 
+def test_the_log_gives_the_bytes_of_each_copy_kept(stand_ins, monkeypatch):
+    said = []
+    monkeypatch.setattr(km.logger, "info", lambda msg, *args: said.append(msg % args))
+    for K, kept in ((256, ("Machete", "Humming")), (512, ("Machete",))):  # on K = 512 Humming wins nothing
+        layer, tensors = w4a16_layer(N=4096, K=K)
+        km.CubladeW4A16Measured(layer)
+        mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20  # the stand-ins keep them as given
+        line = [s for s in said if "measured at load" in s][-1]
+        assert [n for n in ("Machete", "Humming") if f"vLLM's {n}'s copy {mib:.2f} MiB a layer" in line] == list(kept)
+        assert line.count("'s copy") == len(kept), line
+
+
 def test_the_log_says_where_outputs_are_not_bit_reproducible(stand_ins, monkeypatch):
     said = []
     monkeypatch.setattr(km.logger, "info", lambda msg, *args: said.append(msg % args))

@@ -182,6 +182,13 @@ def _(x, size_n, layer):
     return x.new_empty((x.shape[0], size_n))
 
 
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the tensors a copy holds: its parameters and buffers, and the plain tensor attributes a vLLM kernel's
+    preparation may leave, each tensor once."""
+    tensors = [*module.parameters(), *module.buffers(), *(v for v in vars(module).values() if torch.is_tensor(v))]
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
 @functools.cache
 def _say_humming_order() -> None:
     # measured on the H200: the same input twice through Humming alone, 17-384 tokens, differed by up to 0.19 (mean
@@ -251,8 +258,10 @@ class CubladeW4A16Measured(CubladeW4A16Gemm):
             t0 = time.perf_counter()
             times = time_rows(self._kernels(layer, copies, adapters), K, layer.params_dtype, dev)
             _measured[key] = kernel_ranges(times)
-            logger.info("cublade: w4a16 layers of N=%d, K=%d run on %s (measured at load in %.1f s, us %s: %s)", N, K,
-                        describe(_measured[key], self.names), time.perf_counter() - t0,
+            won = sorted({self.names[k] for _, _, k in _measured[key]}, key=self.names.index)
+            kept = "".join(f"; {LABELS[n]}'s copy {_tensor_bytes(copies[n]) / 2**20:.2f} MiB a layer" for n in won)
+            logger.info("cublade: w4a16 layers of N=%d, K=%d run on %s%s (measured at load in %.1f s, us %s: %s)", N,
+                        K, describe(_measured[key], self.names), kept, time.perf_counter() - t0,
                         " / ".join(self.names), ", ".join(f"M={m} " + "/".join(f"{v:.1f}" for v in t)
                                                           for m, t in times.items()))
         return _measured[key]
