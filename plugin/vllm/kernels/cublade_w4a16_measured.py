@@ -92,9 +92,9 @@ def describe(ranges: list[tuple[int, int, int]], names: list[str]) -> str:
 def _replay(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple[Callable[[], object], object]:
     """f(x) captured once as a CUDA graph: (its replay, the graph to keep alive). Timed as replays, a kernel's time is
     its GPU time whatever the host spends launching it, as in vLLM's CUDA-graphed steps. Eager calls behind the hold
-    alone count host work that outlasts it: at load on the H200, one run of two read cublade's 30 us kernel (K 4096 x
-    N 6144, 160-256 tokens) at 126-196 us and Humming's 13-26 us ones (K 4096 x N 4096) at 39-86 us. Where f cannot
-    be captured, f(x) itself, held as the timing holds every call."""
+    alone count host work that outlasts it: at load on the H200, one run of two read K 4096 x N 4096 at 160-256 tokens
+    on cublade's kernels at 136-176 us (31-36 in the other) and at 16-512 tokens on Humming at 39-86 us (13-26). Where
+    f cannot be captured, f(x) itself, held as the timing holds every call."""
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
