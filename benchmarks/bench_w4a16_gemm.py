@@ -33,6 +33,7 @@ import functools
 import importlib.util
 import json
 import os
+from unittest.mock import patch
 
 import torch
 
@@ -87,29 +88,25 @@ def with_measured(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int, kernels: s
     (cublade.vllm.kernels.cublade_w4a16_measured), built on a stand-in layer holding the checkpoint tensors: cublade's
     op and the named vLLM kernels, each layer shape timed at load and each call on the fastest for its M. (None, why)
     where it cannot be built (no vLLM, a kernel that cannot take the shape)."""
-    old = os.environ.get("CUBLADE_W4A16_PREFILL")
-    os.environ["CUBLADE_W4A16_PREFILL"] = kernels
+    from cublade.config import W4A16Scheme
+    from cublade.numerics.linear import W4A16_PREFILL_ENV
+
+    layer = torch.nn.Module()
+    layer.register_parameter("weight_packed", torch.nn.Parameter(wp.clone(), requires_grad=False))
+    layer.register_parameter("weight_scale", torch.nn.Parameter(ws.clone(), requires_grad=False))
+    layer.output_size = layer.output_size_per_partition = N
+    layer.input_size = layer.input_size_per_partition = K
+    layer.logical_widths, layer.prefix = [N], f"bench.{K}x{N}"
+    layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, W4A16Scheme(G, True), None
     try:
-        from cublade.config import W4A16Scheme
-        from cublade.vllm.kernels.cublade_w4a16_measured import CubladeW4A16Measured, describe
-        layer = torch.nn.Module()
-        layer.register_parameter("weight_packed", torch.nn.Parameter(wp.clone(), requires_grad=False))
-        layer.register_parameter("weight_scale", torch.nn.Parameter(ws.clone(), requires_grad=False))
-        layer.output_size = layer.output_size_per_partition = N
-        layer.input_size = layer.input_size_per_partition = K
-        layer.logical_widths, layer.prefix = [N], f"bench.{K}x{N}"
-        layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, W4A16Scheme(G, True), None
-        ok, why = CubladeW4A16Measured.can_implement(layer)
-        if not ok:
-            return None, why
-        kernel = CubladeW4A16Measured(layer)
+        with patch.dict(os.environ, {W4A16_PREFILL_ENV: kernels}):  # the class reads its kernels when built
+            from cublade.vllm.kernels.cublade_w4a16_measured import CubladeW4A16Measured, describe
+            ok, why = CubladeW4A16Measured.can_implement(layer)
+            if not ok:
+                return None, why
+            kernel = CubladeW4A16Measured(layer)
     except Exception as e:  # noqa: BLE001  (any failure to build it means: no column)
         return None, f"{type(e).__name__}: {e}"
-    finally:
-        if old is None:
-            del os.environ["CUBLADE_W4A16_PREFILL"]
-        else:
-            os.environ["CUBLADE_W4A16_PREFILL"] = old
     return (lambda x: kernel.apply(layer, x, None)), describe(kernel.ranges, kernel.names)
 
 

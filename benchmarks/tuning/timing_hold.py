@@ -47,18 +47,18 @@ def main() -> None:
     print(f"flush {FLUSH_BYTES >> 20} MB: {median_us(flush.zero_):.1f} us")
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(28672, 4096, device="cuda", dtype=torch.bfloat16)
+    w2 = w[:4096]
     gemm = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
-    gemm_m = lambda w_: torch.nn.functional.linear(x, w_)  # noqa: E731
+    gemm2 = lambda: torch.nn.functional.linear(x, w2)  # noqa: E731
     held = lambda: (flush.zero_(), torch.cuda._sleep(HOLD_CYCLES))  # noqa: E731
     for host in (0, 50, 150):
         print(f"linear 16x4096x28672 with {host} us of host work first: unheld "
               f"{median_us(gemm, host, flush.zero_):.1f} us, held {median_us(gemm, host, held):.1f} us")
-    w2 = w[:4096]
     slow = {host: lambda a, host=host: (busy(host), torch.nn.functional.linear(a, w2))[1] for host in (0, 400)}
     times = time_rows(slow, 4096, torch.bfloat16, torch.device("cuda"), rows=(16, 256))
     print(f"linear Mx4096x4096 in time_rows, 0 / 400 us of host work in the call: {times} us")
-    print(f"  the same held, not graphed: 0 us {median_us(lambda: gemm_m(w2), 0, held):.1f}, "
-          f"400 us {median_us(lambda: gemm_m(w2), 400, held):.1f} us (M=16)")
+    print(f"  the same held, not graphed: 0 us {median_us(gemm2, 0, held):.1f}, "
+          f"400 us {median_us(gemm2, 400, held):.1f} us (M=16)")
 
 
 if __name__ == "__main__":

@@ -232,18 +232,22 @@ class CubladeW4A16Measured(CubladeW4A16Gemm):
         key = (layer.input_size_per_partition, layer.output_size_per_partition, s.group_size, s.symmetric,
                layer.params_dtype, layer.weight_packed.device, tuple(self.names))
         # a shape timed before: only the kernels that won a range there get a copy
-        wanted = [n for n in names if key not in _measured or any(self.names[k] == n for _, _, k in _measured[key])]
+        wanted = self._won(_measured[key]) if key in _measured else list(names)
         copies = {n: _Copy(layer) for n in wanted}
         adapters = {n: VLLM_KERNELS[n](copies[n]) for n in wanted}  # before cublade's repack replaces the tensors
         super().__init__(layer)
         self.ranges = self._measure(layer, key, copies, adapters)
-        won = {self.names[k] for _, _, k in self.ranges}
+        won = self._won(self.ranges)
         self.adapters = [None] + [adapters[n] if n in won else None for n in names]
         for n in names:  # the copies that won a range stay with the layer (their tensors move with it)
             setattr(layer, f"cublade_{n}", copies[n] if n in won else None)
         if "humming" in won:
             _say_humming_order()
         self.layer_name = _register(layer, self)
+
+    def _won(self, ranges: list[tuple[int, int, int]]) -> list[str]:
+        """The vLLM kernels that run a range under `ranges`, in CUBLADE_W4A16_PREFILL's order."""
+        return [n for k, n in enumerate(self.names) if k and any(kk == k for _, _, kk in ranges)]
 
     def _kernels(self, layer, copies, adapters) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         N = self.size_n
@@ -258,8 +262,8 @@ class CubladeW4A16Measured(CubladeW4A16Gemm):
             t0 = time.perf_counter()
             times = time_rows(self._kernels(layer, copies, adapters), K, layer.params_dtype, dev)
             _measured[key] = kernel_ranges(times)
-            won = sorted({self.names[k] for _, _, k in _measured[key]}, key=self.names.index)
-            kept = "".join(f"; {LABELS[n]}'s copy {_tensor_bytes(copies[n]) / 2**20:.2f} MiB a layer" for n in won)
+            kept = "".join(f"; {LABELS[n]}'s copy {_tensor_bytes(copies[n]) / 2**20:.2f} MiB a layer"
+                           for n in self._won(_measured[key]))
             logger.info("cublade: w4a16 layers of N=%d, K=%d run on %s%s (measured at load in %.1f s, us %s: %s)", N,
                         K, describe(_measured[key], self.names), kept, time.perf_counter() - t0,
                         " / ".join(self.names), ", ".join(f"M={m} " + "/".join(f"{v:.1f}" for v in t)
