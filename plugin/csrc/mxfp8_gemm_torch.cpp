@@ -13,9 +13,9 @@ namespace {
 
 at::Tensor mxfp8_dequant_packed(const at::Tensor& packed_in, int64_t size_n, int64_t size_k);
 
-// From mxfp8_gemm_prefill_rows(N, K) rows (w4a16_gemm.h: 384, 512 on large weights) the GEMM dequantizes the weight
-// once and runs a dense cuBLAS GEMM (the prefill path): the wide kernel re-reads the weights every pass (128 rows, 256
-// from 192 rows left).
+// From mxfp8_gemm_prefill_rows(N, K) rows (w4a16_gemm.h: 257, 640 or 1024 by the weight's size) the GEMM
+// dequantizes the weight once and runs a dense cuBLAS GEMM (the prefill path): the wide kernel re-reads the weights
+// every pass (128 rows, 256 from 192 rows left).
 
 at::Tensor mxfp8_gemm(const at::Tensor& x_in, const at::Tensor& packed, int64_t size_n, int64_t split_k) {
   constexpr const char* op = "mxfp8_gemm";

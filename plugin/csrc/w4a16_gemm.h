@@ -65,16 +65,22 @@ constexpr int64_t kMidWeightElements = int64_t(1) << 26;
 // 1.04 at 768; on 8192x10240 and 4096x28672 0.89-0.98 up to 768, 1.05-1.06 at 1024; on 8192x28672 and 28672x8192
 // 0.82-0.89 up to 768, 0.95-0.97 at 1024.
 // Exact passes of 128, on the first four: 0.77-0.84 at 320-384 rows, 0.95 at 512, 0.97-1.04 at 640 (large), 0.74-0.90
-// at 320, 0.89-1.03 at 448, 1.03-1.10 at 512 (the other two). MXFP8 on the large two 0.87-0.92 at 320-384, 0.68-0.98 at
-// 448, 1.06-1.07 at 512; on the small two 0.77-0.97 at 320, 0.99-1.03 at 384, 1.09-1.18 at 512. (cuBLAS is uneven
-// between sizes: the prefill path took 700-762 us at 448 rows on 8192x28672 against 485-513 at 512.)
+// at 320, 0.89-1.03 at 448, 1.03-1.10 at 512 (the other two). (cuBLAS is uneven between sizes: the prefill path took
+// 700-762 us at 448 rows on 8192x28672 against 485-513 at 512.)
+// MXFP8's passes of 256 (from 192 rows) take the same tiers: kernels / prefill path 0.55-0.93 up to 512 rows on
+// 8192x28672, 28672x8192 and 4096x28672, 0.93-1.09 at 640-1024; 0.61-0.93 up to 512 and 1.01-1.13 from 640 on
+// 8192x10240; 0.65-1.07 up to 512 and 1.05-1.31 from 640 on 4096x14336 / 14336x4096 (14336x4096 1.06-1.07 at
+// 448-512); on 4096x4096 / 4096x6144 1.09 / 0.83 at 256, 1.06-2.25 from 320. The worst call against the faster path, over the 72 measured (7 shapes x 192-1024 rows): 1.09x (4096x4096
+// at 256 rows), 1.65x under the tiers of the passes of 128 (384 rows; 512 from 2^27 elements).
+constexpr int64_t rounded_prefill_rows(int64_t N, int64_t K) {
+  return N * K < kSmallWeightElements ? 257 : N * K < kMidWeightElements ? 640 : 1024;
+}
 constexpr int64_t w4a16_gemm_prefill_rows(int64_t group_size, int64_t N, int64_t K, bool rounded = false) {
   if (!w4a16_gemm_wide_takes(group_size)) return 128;
-  if (rounded && group_size == 128)
-    return N * K < kSmallWeightElements ? 257 : N * K < kMidWeightElements ? 640 : 1024;
+  if (rounded && group_size == 128) return rounded_prefill_rows(N, K);
   return N * K >= kLargeWeightElements ? 640 : 448;
 }
-constexpr int64_t mxfp8_gemm_prefill_rows(int64_t N, int64_t K) { return N * K >= kLargeWeightElements ? 512 : 384; }
+constexpr int64_t mxfp8_gemm_prefill_rows(int64_t N, int64_t K) { return rounded_prefill_rows(N, K); }
 
 // Device workspace bytes launch_w4a16_gemm needs for these arguments (0: none). From 17 rows (9 on weights of
 // 2^27 elements or more), at group size 128 or per channel, the automatic choice (split_k = 0) runs the wide

@@ -69,9 +69,14 @@ MXFP8 = [
     ("stream-K on 8192x10240", 128, 8192, 10240, "128w2:sk"),
     ("split-K kept on 4096x14336", 128, 4096, 14336, "128w2:1"),
     ("split-K kept on 28672x8192 (two splits)", 128, 28672, 8192, "128w2:2"),
-    ("the prefill path from 384 rows", 384, 4096, 14336, "prefill"),
-    ("383 rows still on the wide kernel: 256, then 127", 383, 4096, 14336, "256w2:sk 128w2:1"),
-    ("from 512 rows on weights of 2^27 elements or more", 512, 8192, 28672, "prefill"),
+    ("383 rows on the wide kernel: 256, then 127", 383, 4096, 14336, "256w2:sk 128w2:1"),
+    ("256 rows on Llama-3-8B's o (under 2^25 elements): one pass", 256, 4096, 4096, "256w2:sk"),
+    ("the prefill path from 257 rows there (int4's rounded tiers)", 257, 4096, 4096, "prefill"),
+    ("639 rows on 4096x14336 (2^25 to 2^26 elements): passes of 256", 639, 4096, 14336, "256w2:sk 256w2:sk 128w2:1"),
+    ("the prefill path from 640 rows there", 640, 4096, 14336, "prefill"),
+    ("1023 rows on 8192x28672 (2^26 elements or more): four passes", 1023, 8192, 28672,
+     "256w2:sk 256w2:sk 256w2:sk 256w2:sk"),
+    ("the prefill path from 1024 rows there", 1024, 8192, 28672, "prefill"),
 ]
 
 # FP4 experts (fp4_gemm.cu's rule, docs/decisions.md "FP4 tokens per pass"): the plan's K and N places hold the

@@ -1,6 +1,6 @@
 """mxfp8_gemm: repack (exact round trip), a bit-level model of the kernels' register dequant (CPU), the reference GEMM,
-and the CUDA kernels (streaming 1-16 rows, wide from 17, dequantize + cuBLAS from 384; 512 on weights of 2^27
-elements or more).
+and the CUDA kernels (streaming 1-16 rows, wide from 17, dequantize + cuBLAS from 257 rows on weights under 2^25
+elements, 640 under 2^26, 1024 above).
 
 Tolerance classes: the repack, the model and the reference are exact (rtol=0, atol=0). The kernels multiply bf16
 weights that are exact (e4m3 times a power of two) and sum in fp32 in another order, so each output is held to one
@@ -156,7 +156,7 @@ def test_dequant_kernel_is_bit_exact():
 @GPU
 def test_kernel_every_m_1_to_64_and_large():
     packed, w = gpu_case(272, 1024)
-    for M in list(range(1, 65)) + [100, 127, 128, 129, 145, 200, 255, 319, 383]:  # from 17 the wide kernel
+    for M in list(range(1, 65)) + [100, 127, 128, 129, 145, 200, 255, 319, 383]:  # wide from 17, prefill 257
         check(torch.randn(M, 1024, device="cuda").to(torch.bfloat16), packed, w)
     check(torch.randn(100, 1024, device="cuda").to(torch.bfloat16), packed, w, split_k=1)  # forced: 4 passes of 32
 
@@ -220,32 +220,38 @@ def test_wide_kernel_stream_k_when_the_last_wave_is_short():
 
 
 @GPU
-@pytest.mark.parametrize("N", [200, 150])
-def test_wide_kernel_256_token_passes_from_192_rows(N):
+@pytest.mark.parametrize("N,K,stream_k,cases", [
+    (200, 1152, True, [(191, 0, 2), (192, 1, 1), (256, 1, 1)]),  # K past the blob's last whole chunk of 512
+    (150, 1152, False, [(191, 0, 2), (192, 1, 1), (256, 1, 1)]),
+    (8192, 4096, True, [(300, 1, 2), (383, 1, 2)]),  # 2^25 elements: the kernels up to 639 rows
+    (8256, 4096, False, [(300, 1, 2), (383, 1, 2)]),
+], ids=["200x1152", "150x1152", "8192x4096", "8256x4096"])
+def test_wide_kernel_256_token_passes_from_192_rows(N, K, stream_k, cases):
     """From 192 rows left the wide kernel runs passes of up to 256 rows (256 tokens on 2 warpgroups, one packet per
-    issue: Mxfp8Steps; stream-K where the tile groups pair up, 200 rows, the split-K form where they do not, 150), the
-    rest in passes of up to 128: within the bars (the weights are exact in bf16 on every pass), and stream-K the same
-    bits on every call."""
+    issue: Mxfp8Steps; stream-K where the tile groups pair up, the split-K form where they do not), the rest in passes
+    of up to 128: within the bars (the weights are exact in bf16 on every pass), and stream-K the same bits on every
+    call. (M, passes of 256, launches) per case; two passes where the weight keeps the kernels past 256 rows."""
     from profiling import kernels_run
-    packed, w = gpu_case(N, 1152, seed=N)  # K past the blob's last whole chunk of 512
-    for M, large, launches in [(191, 0, 2), (192, 1, 1), (256, 1, 1), (300, 1, 2), (383, 1, 2)]:
-        x = torch.randn(M, 1152, device="cuda").to(torch.bfloat16)
+    packed, w = gpu_case(N, K, seed=N)
+    for M, large, launches in cases:
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
         ys = []
         names = [n for n in kernels_run(lambda: ys.append(check(x, packed, w))) if "wide_gemm_kernel" in n]
         steps = [n for n in names if "Mxfp8Steps" in n]
         assert len(steps) == large and len(names) == launches, (M, names)
         sk = [bool(re.search(r"wide_gemm_kernel<.*, (false|true), true>\(|wide_gemm_kernel\w*Lb[01]ELb1EEEv", n))
               for n in steps]
-        assert all(v == (N == 200) for v in sk), (N, steps)
+        assert all(v == stream_k for v in sk), (N, steps)
         assert torch.equal(ys[0], check(x, packed, w))
 
 
 @GPU
-def test_prefill_path_from_384_rows_or_512_on_large_weights():
-    """The op runs its wide kernel up to 383 rows and its prefill path (mxfp8_dequant_packed, then cuBLAS) from 384;
-    from 512 on weights of 2^27 elements or more (16384 x 8192 here). The kernels launched say which."""
+def test_prefill_path_from_257_640_or_1024_rows_by_weight_size():
+    """The op runs its wide kernel below its switch and its prefill path (mxfp8_dequant_packed, then cuBLAS) from it:
+    257 rows on weights under 2^25 elements, 640 under 2^26 (8192 x 4096 here), 1024 above (16384 x 8192). The kernels
+    launched say which."""
     from profiling import kernels_run
-    for N, K, switch in [(200, 1024, 384), (16384, 8192, 512)]:
+    for N, K, switch in [(200, 1024, 257), (8192, 4096, 640), (16384, 8192, 1024)]:
         q, codes = torch.ops.cublade.mxfp8_quant((torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16), True)
         packed = mxfp8_repack(q, codes)
         for M in (switch - 1, switch):
