@@ -12,7 +12,11 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
                           ops, for Inductor to fuse with RMSNorm / SiLU-and-mul)
     cublade-fp8-gemm      the same with CUBLADE_FP8_GEMM=1 (cublade's FP8 decode GEMM up to 16 tokens, CUTLASS above)
     vllm-mxfp8            the source with vLLM's online `--quantization mxfp8`
+    vllm-mxfp8-humming    the same on vLLM's Humming MXFP8 kernel (every earlier MXFP8 kernel disabled; needs the
+                          humming-kernels package)
     cublade-mxfp8         `cublade convert ... --scheme mxfp8`
+    cublade-mxfp8-measured  the same checkpoint with CUBLADE_MXFP8_PREFILL=humming (vLLM's Humming at the token counts
+                          where it measured faster at load, from a copy of the weights)
     vllm-w4a16            cublade's w4a16 checkpoint relabelled as compressed-tensors pack-quantized (the same
                           tensors: cublade writes that layout), served by vLLM's own WNA16 method (Machete on
                           Hopper; `VLLM_DISABLED_KERNELS=MacheteLinearKernel` gives Marlin)
@@ -91,7 +95,10 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-fp8-gemm": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1"}, None),
     "cublade-fp8-lm-head": ("cublade-fp8-dynamic-lm-head", None, {}, None),
     "vllm-mxfp8": ("src", "mxfp8", {}, None),
+    "vllm-mxfp8-humming": ("src", "mxfp8", {"VLLM_DISABLED_KERNELS": ",".join(
+        f"{k}Mxfp8LinearKernel" for k in ("FlashInferCutedsl", "FlashInferCutlass", "Marlin", "Emulation"))}, None),
     "cublade-mxfp8": ("cublade-mxfp8", None, {}, None),
+    "cublade-mxfp8-measured": ("cublade-mxfp8", None, {"CUBLADE_MXFP8_PREFILL": "humming"}, None),
     "vllm-w4a16": ("ct-w4a16", None, {}, None),
     "vllm-w4a16-marlin": ("ct-w4a16", None, {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}, None),
     "vllm-w4a16-humming": ("ct-w4a16", None, {"VLLM_DISABLED_KERNELS": ",".join(
@@ -516,7 +523,9 @@ def report(results: dict, batches: list[int]) -> None:
              ("cublade-w4a16-machete", "vllm-w4a16"), ("cublade-w4a16-machete", "cublade-w4a16"),
              ("cublade-w4a16-humming", "vllm-w4a16-humming"), ("cublade-w4a16-measured", "vllm-w4a16"),
              ("cublade-w4a16-measured", "vllm-w4a16-humming"), ("cublade-w4a16-measured", "cublade-w4a16"),
-             ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),
+             ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-mxfp8", "vllm-mxfp8-humming"),
+             ("cublade-mxfp8-measured", "vllm-mxfp8"), ("cublade-mxfp8-measured", "vllm-mxfp8-humming"),
+             ("cublade-mxfp8-measured", "cublade-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),
              ("cublade-w4a16", "vllm-w4a16-marlin"), ("cublade-fp8-kv", "cublade-fp8-kv-vllm"),
              ("cublade-fp8-kv-qa", "cublade-fp8-kv-vllm"), ("cublade-fp8-kv-qa", "cublade-fp8-kv"),
              ("cublade-w4a16-lm-head", "cublade-w4a16"), ("cublade-w4a16-lm-head", "vllm-w4a16"),

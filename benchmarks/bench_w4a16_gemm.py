@@ -100,14 +100,14 @@ def with_measured(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int, kernels: s
     layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, W4A16Scheme(G, True), None
     try:
         with patch.dict(os.environ, {W4A16_PREFILL_ENV: kernels}):  # the class reads its kernels when built
-            from cublade.vllm.kernels.cublade_w4a16_measured import CubladeW4A16Measured, describe
+            from cublade.vllm.kernels.cublade_w4a16_measured import CubladeW4A16Measured
             ok, why = CubladeW4A16Measured.can_implement(layer)
             if not ok:
                 return None, why
             kernel = CubladeW4A16Measured(layer)
     except Exception as e:  # noqa: BLE001  (any failure to build it means: no column)
         return None, f"{type(e).__name__}: {e}"
-    return (lambda x: kernel.apply(layer, x, None)), describe(kernel.ranges, kernel.names)
+    return (lambda x: kernel.apply(layer, x, None)), kernel.said()
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""What holding the stream does to a kernel timed with CUDA events (cublade_w4a16_measured.HOLD_CYCLES).
+"""What holding the stream does to a kernel timed with CUDA events (cublade.vllm.kernels.measured.HOLD_CYCLES).
 
     python benchmarks/tuning/timing_hold.py
 
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from cublade.vllm.kernels.cublade_w4a16_measured import FLUSH_BYTES, HOLD_CYCLES, time_rows
+from cublade.vllm.kernels.measured import FLUSH_BYTES, HOLD_CYCLES, time_rows
 
 
 def busy(us: float) -> None:

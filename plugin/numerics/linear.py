@@ -141,6 +141,23 @@ def w4a16_measured_kernels() -> tuple[str, ...]:
     return _w4a16_prefill()[1]
 
 
+MXFP8_PREFILL_ENV = "CUBLADE_MXFP8_PREFILL"
+# The vLLM MXFP8 kernels CUBLADE_MXFP8_PREFILL may name: timed against cublade's at load
+MXFP8_MEASURED_KERNELS = ("humming",)
+
+
+def mxfp8_measured_kernels() -> tuple[str, ...]:
+    """The vLLM MXFP8 kernels CUBLADE_MXFP8_PREFILL names (comma-separated, of MXFP8_MEASURED_KERNELS; unset: none):
+    the token counts where one measured faster than cublade's at load run on it, from a copy of the weights in its
+    layout (cublade.vllm.kernels.cublade_mxfp8_measured). The math is the same weight-only MXFP8."""
+    v = os.environ.get(MXFP8_PREFILL_ENV, "").strip().lower()
+    names = tuple(n.strip() for n in v.split(",")) if v else ()
+    if all(n in MXFP8_MEASURED_KERNELS for n in names) and len(set(names)) == len(names):
+        return names
+    raise ValueError(f"{MXFP8_PREFILL_ENV}={os.environ[MXFP8_PREFILL_ENV]!r}: expected vLLM kernels to time against "
+                     f"cublade's at load, comma-separated, of {', '.join(MXFP8_MEASURED_KERNELS)}")
+
+
 def fp8_activations_per_group(x2: torch.Tensor) -> torch.Tensor:
     """x [M, K] (K % 128 == 0) rounded to E4M3 per 1 x 128 group with the dynamic per-token rule per group, back in
     fp32 (q * scale, exact)."""

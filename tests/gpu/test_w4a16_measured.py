@@ -38,6 +38,7 @@ def test_each_call_is_its_kernels_output(vllm_dist, monkeypatch, kernels, group_
     from cublade.config import W4A16Scheme
     from cublade.vllm.kernels import CubladeW4A16Gemm
     from cublade.vllm.kernels import cublade_w4a16_measured as km
+    from cublade.vllm.kernels import measured as mk
 
     monkeypatch.setenv("CUBLADE_W4A16_PREFILL", kernels)
     scheme = W4A16Scheme(group_size, symmetric)
@@ -46,23 +47,23 @@ def test_each_call_is_its_kernels_output(vllm_dist, monkeypatch, kernels, group_
     ok, why = km.CubladeW4A16Measured.can_implement(layer)
     assert ok, why
     names = ["cublade", *kernels.split(",")]
-    measured, measure = [], km.kernel_ranges
+    measured, measure = [], mk.kernel_ranges
 
     def every_kernel_in_a_range(times):  # what this GPU measured, checked below; the calls then cover every kernel
         measured.append((times, measure(times)))
-        return [(17, 129, 1), (129, 385, len(names) - 1), (385, km.NO_END, 1)]
+        return [(17, 129, 1), (129, 385, len(names) - 1), (385, mk.NO_END, 1)]
 
-    monkeypatch.setattr(km, "_measured", {})
-    monkeypatch.setattr(km, "kernel_ranges", every_kernel_in_a_range)
+    monkeypatch.setattr(mk, "_measured", {})
+    monkeypatch.setattr(mk, "kernel_ranges", every_kernel_in_a_range)
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cuda"))):
         impl = km.CubladeW4A16Measured(layer)
         alone = [(CubladeW4A16Gemm if n == "cublade" else km.VLLM_KERNELS[n], w4a16_layer(scheme, tensors, N, K))
                  for n in names]
         alone = [(cls(l), l) for cls, l in alone]
     (times, ranges), = measured
-    assert sorted(times) == list(km.MEASURED_ROWS)
+    assert sorted(times) == list(mk.MEASURED_ROWS)
     assert all(len(t) == len(names) and all(0 < v < 1e5 for v in t) for t in times.values()), times
-    assert all(lo == km.MEASURED_ROWS[0] or lo - 1 in km.MEASURED_ROWS for lo, _, _ in ranges)  # start past a point
+    assert all(lo == mk.MEASURED_ROWS[0] or lo - 1 in mk.MEASURED_ROWS for lo, _, _ in ranges)  # start past a point
     assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
     ranges = impl.ranges
     assert all(getattr(layer, f"cublade_{n}") is not None for n in names[1:])  # each won a range: its copy kept
@@ -74,7 +75,7 @@ def test_each_call_is_its_kernels_output(vllm_dist, monkeypatch, kernels, group_
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16).cuda()
         ran.clear()
         y = impl.apply(layer, x, None)
-        k = km.kernel_at(m, ranges)
+        k = mk.kernel_at(m, ranges)
         assert ran == ([k] if k else []), (m, ranges, ran)
         kernel, alone_layer = alone[k]
         want = kernel.apply(alone_layer, x, None)
@@ -85,7 +86,7 @@ def test_each_call_is_its_kernels_output(vllm_dist, monkeypatch, kernels, group_
             assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (m, ranges)
         ref = scheme.linear_ref(x.cpu(), tensors).float()
         err = (y.float().cpu() - ref).abs().mean() / ref.abs().mean()
-        assert err < 1e-2, (m, names[km.kernel_at(m, ranges)], err.item())
+        assert err < 1e-2, (m, names[k], err.item())
 
 
 def test_load_timing_is_gpu_time_not_host_work():
@@ -93,7 +94,7 @@ def test_load_timing_is_gpu_time_not_host_work():
     leaves its time the GEMM's own; timed eagerly, what outlasts the stream hold (about 108 us) would count."""
     import time
 
-    from cublade.vllm.kernels import cublade_w4a16_measured as km
+    from cublade.vllm.kernels import measured as mk
 
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
 
@@ -103,7 +104,7 @@ def test_load_timing_is_gpu_time_not_host_work():
             pass
         return torch.nn.functional.linear(x, w)
 
-    times = km.time_rows({"gemm": lambda x: torch.nn.functional.linear(x, w), "slow": slow}, 4096, torch.bfloat16,
+    times = mk.time_rows({"gemm": lambda x: torch.nn.functional.linear(x, w), "slow": slow}, 4096, torch.bfloat16,
                          torch.device("cuda"), rows=(16, 256))
     assert sorted(times) == [16, 256]
     for m, (gemm, slow_gemm) in times.items():

@@ -198,7 +198,8 @@ def test_kernel_choice_is_logged_once_per_distinct_choice(vllm_ctx, caplog):
     lines = [r.getMessage() for r in caplog.records if "run on" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "mxfp8(scale_rule=rceil)" in lines[0] and "run on reference" in lines[0]
-    assert ("passed over cublade-mxfp8-gemm: needs a CUDA device; vllm-marlin-mxfp8: needs a CUDA device; "
+    assert ("passed over cublade-mxfp8-measured: runs when asked for (CUBLADE_MXFP8_PREFILL=humming); "
+            "cublade-mxfp8-gemm: needs a CUDA device; vllm-marlin-mxfp8: needs a CUDA device; "
             "cublade-mxfp8-gemm-sm80: needs a CUDA device; cublade-mxfp8-dequant-matmul: needs a CUDA device" in lines[0])
 
 

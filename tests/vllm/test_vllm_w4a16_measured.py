@@ -21,8 +21,9 @@ from cublade.config import W4A16Scheme
 from cublade.numerics.linear import w4a16_measured_kernels, w4a16_prefill_math
 from cublade.ops.w4a16_gemm import w4a16_gemm_ref
 from cublade.vllm.kernels import cublade_w4a16_measured as km
+from cublade.vllm.kernels import measured as mk
 
-END = km.NO_END
+END = mk.NO_END
 
 
 @pytest.mark.parametrize("times,ranges", [
@@ -39,17 +40,17 @@ END = km.NO_END
     ({64: [10, 12, 9.9], 128: [10, 8, 9.7]}, [(65, END, 1)]),                       # the fastest, if past the margin
 ])
 def test_ranges_from_the_measured_times(times, ranges):
-    assert km.kernel_ranges(times) == ranges
+    assert mk.kernel_ranges(times) == ranges
 
 
 def test_ranges_read_back():
     ranges = [(17, 129, 1), (161, 225, 2), (4000, END, 1)]
-    assert [km.kernel_at(m, ranges) for m in (1, 16, 17, 128, 129, 160, 161, 224, 225, 3999, 4000, 10**6)] == [
+    assert [mk.kernel_at(m, ranges) for m in (1, 16, 17, 128, 129, 160, 161, 224, 225, 3999, 4000, 10**6)] == [
         0, 0, 1, 1, 0, 0, 2, 2, 0, 0, 1, 1]
-    names = ["cublade", "machete", "humming"]
-    assert km.describe(ranges, names) == ("vLLM's Machete at 17-128, 4000+ tokens, vLLM's Humming at 161-224 tokens, "
+    names = [km.LABELS[n] for n in ("cublade", "machete", "humming")]
+    assert mk.describe(ranges, names) == ("vLLM's Machete at 17-128, 4000+ tokens, vLLM's Humming at 161-224 tokens, "
                                           "cublade's kernels at the rest")
-    assert km.describe([], names) == "cublade's kernels at every count"
+    assert mk.describe([], names) == "cublade's kernels at every count"
 
 
 @pytest.mark.parametrize("value,kernels", [("machete", ("machete",)), ("humming", ("humming",)),
@@ -93,11 +94,11 @@ def stand_ins(monkeypatch):
     """cublade's op as its reference, two stand-in vLLM kernels, and the times a GPU gave: Machete fastest at 128-256
     tokens, Humming from 512 (k = 1, 2); Humming never wins on a shape of N = 64."""
     _StandInAdapter.built = []
-    monkeypatch.setattr(km, "VLLM_KERNELS", {"machete": type("M", (_StandInAdapter,), {}),
-                                             "humming": type("H", (_StandInAdapter,), {})})
+    monkeypatch.setattr(km.CubladeW4A16Measured, "vllm_kernels", {"machete": type("M", (_StandInAdapter,), {}),
+                                                                  "humming": type("H", (_StandInAdapter,), {})})
     monkeypatch.setattr(km, "_cublade_gemm", w4a16_gemm_ref)
-    monkeypatch.setattr(km, "_measured", {})
-    monkeypatch.setattr(km, "_layers", {})
+    monkeypatch.setattr(mk, "_measured", {})
+    monkeypatch.setattr(mk, "_layers", {})
     timed = []
 
     def time_rows(kernels, K, dtype, device):
@@ -106,7 +107,7 @@ def stand_ins(monkeypatch):
             f(torch.randn(16, K, dtype=dtype))
         humming = 30.0 if K == 256 else 1e9
         return {16: [1.0, 2.0, 3.0], 128: [10.0, 8.0, 9.0], 256: [20.0, 15.0, 16.0], 512: [40.0, 39.0, humming]}
-    monkeypatch.setattr(km, "time_rows", time_rows)
+    monkeypatch.setattr(mk, "time_rows", time_rows)
     monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "machete,humming")
     return timed
 
@@ -131,7 +132,7 @@ def test_each_call_runs_on_its_ranges_kernel_with_its_copy(stand_ins):
     x = torch.randn(600, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for m in (1, 16, 17, 256, 257, 600):
         y = impl.apply(layer, x[:m], None)
-        want = {0: None, 1: 100.0, 2: 200.0}[km.kernel_at(m, impl.ranges)]
+        want = {0: None, 1: 100.0, 2: 200.0}[mk.kernel_at(m, impl.ranges)]
         assert y.shape == (m, 128)
         assert torch.equal(y, scheme.linear_ref(x[:m], tensors)) if want is None else (y == want).all(), m
     assert machete.calls[1:] == [17, 256] and humming.calls[1:] == [257, 600]
@@ -149,7 +150,7 @@ def test_a_kernel_that_wins_nothing_keeps_no_copy(stand_ins):
 
 def test_the_log_gives_the_bytes_of_each_copy_kept(stand_ins, monkeypatch):
     said = []
-    monkeypatch.setattr(km.logger, "info", lambda msg, *args: said.append(msg % args))
+    monkeypatch.setattr(mk.logger, "info", lambda msg, *args: said.append(msg % args))
     for K, kept in ((256, ("Machete", "Humming")), (512, ("Machete",))):  # on K = 512 Humming wins nothing
         layer, tensors = w4a16_layer(N=4096, K=K)
         km.CubladeW4A16Measured(layer)
@@ -161,8 +162,8 @@ def test_the_log_gives_the_bytes_of_each_copy_kept(stand_ins, monkeypatch):
 
 def test_the_log_says_where_outputs_are_not_bit_reproducible(stand_ins, monkeypatch):
     said = []
-    monkeypatch.setattr(km.logger, "info", lambda msg, *args: said.append(msg % args))
-    km._say_humming_order.cache_clear()
+    monkeypatch.setattr(mk.logger, "info", lambda msg, *args: said.append(msg % args))
+    mk.say_humming_order.cache_clear()
     km.CubladeW4A16Measured(w4a16_layer(K=512)[0])  # Humming wins nothing here: nothing to say
     assert not any("stream-K" in line for line in said)
     km.CubladeW4A16Measured(w4a16_layer(K=256)[0])
@@ -181,7 +182,7 @@ def test_the_compiled_graph_does_not_depend_on_what_was_measured(stand_ins, monk
         graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
         return gm.forward
 
-    monkeypatch.setattr(km, "time_rows", lambda kernels, K, dtype, device: {16: [1.0, 2.0, 3.0]})
+    monkeypatch.setattr(mk, "time_rows", lambda kernels, K, dtype, device: {16: [1.0, 2.0, 3.0]})
     layer, tensors = w4a16_layer()
     impl = km.CubladeW4A16Measured(layer)
     assert impl.ranges == [] and layer.cublade_machete is None and layer.cublade_humming is None
@@ -189,7 +190,7 @@ def test_the_compiled_graph_does_not_depend_on_what_was_measured(stand_ins, monk
     torch._dynamo.reset()
     y = torch.compile(lambda x: impl.apply(layer, x, None), fullgraph=True, backend=backend)(x)
     assert torch.equal(y, W4A16Scheme(128, True).linear_ref(x, tensors))
-    assert torch.ops.cublade.w4a16_measured in graphs[0]
+    assert torch.ops.cublade.measured_linear in graphs[0]
 
 
 @pytest.mark.parametrize("K,built", [(256, 6), (512, 4)])
@@ -296,8 +297,8 @@ def test_machetes_copy_in_its_layout(vllm_ctx, monkeypatch, group_size, symmetri
 
     monkeypatch.setattr(vllm_ops, "machete_prepack_B", lambda w, a_type, b_type, group_scales_type: w.clone())
     monkeypatch.setattr(vllm_ops, "machete_mm", machete_mm)
-    monkeypatch.setattr(km, "time_rows", time_rows)
-    monkeypatch.setattr(km, "_measured", {})
+    monkeypatch.setattr(mk, "time_rows", time_rows)
+    monkeypatch.setattr(mk, "_measured", {})
     monkeypatch.setattr(km, "_cublade_gemm", w4a16_gemm_ref)
     monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "machete")
     impl = km.CubladeW4A16Measured(layer)
@@ -335,7 +336,7 @@ def test_a_kernel_that_cannot_be_captured_is_timed_eagerly(monkeypatch):
     import contextlib
 
     said, capturing = [], []
-    monkeypatch.setattr(km.logger, "info", lambda msg, *args: said.append(msg % args))
+    monkeypatch.setattr(mk.logger, "info", lambda msg, *args: said.append(msg % args))
 
     class Graph:
         def replay(self):
@@ -355,7 +356,7 @@ def test_a_kernel_that_cannot_be_captured_is_timed_eagerly(monkeypatch):
 
     def capturable(a):
         calls.append(("captured" if capturing else "eager", a))
-    call, kept = km._replay(capturable, x)
+    call, kept = mk._replay(capturable, x)
     assert isinstance(kept, Graph) and call() == "replayed" and calls == [("captured", x)] and not said
 
     def uncapturable(a):
@@ -363,9 +364,9 @@ def test_a_kernel_that_cannot_be_captured_is_timed_eagerly(monkeypatch):
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
         calls.append(("eager", a))
     calls.clear()
-    call, kept = km._replay(uncapturable, x)
+    call, kept = mk._replay(uncapturable, x)
     assert kept is None and not calls
     call()
     assert calls == [("eager", x)]
-    assert said == ["cublade: a w4a16 kernel timed without a CUDA graph (CUDA error: operation not permitted when "
+    assert said == ["cublade: a kernel timed without a CUDA graph (CUDA error: operation not permitted when "
                     "stream is capturing)"]

@@ -26,6 +26,7 @@ from cublade.vllm.kernels.cublade_fp8_w8a16 import CubladeFp8W8A16
 from cublade.vllm.kernels.cublade_mxfp8_dequant_matmul import CubladeMxfp8DequantMatmul
 from cublade.vllm.kernels.cublade_mxfp8_gemm import CubladeMxfp8Gemm
 from cublade.vllm.kernels.cublade_mxfp8_gemm_sm80 import CubladeMxfp8GemmSm80
+from cublade.vllm.kernels.cublade_mxfp8_measured import CubladeMxfp8Measured
 from cublade.vllm.kernels.cublade_w4a16_fp8_prefill import CubladeW4A16Fp8Prefill
 from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
 from cublade.vllm.kernels.cublade_w4a16_gemm_sm80 import CubladeW4A16GemmSm80
@@ -56,10 +57,12 @@ CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel] | type[MoEKernel], ...]]
     # Machete (Hopper) and Marlin; the sm_80 kernel for what Marlin refuses.
     W4A16Scheme: (CubladeW4A16Fp8Prefill, CubladeW4A16Measured, CubladeW4A16Gemm, VllmMachete, VllmMarlin,
                   CubladeW4A16GemmSm80, ReferenceKernel),
-    # W8A16 on the 1-byte weights (bf16 activations): the Hopper kernels; then Marlin (fp16 activations, block
-    # scales above 2^7); the sm_80 kernel; then dequantize to the activation dtype with cublade's op and a dense GEMM
-    # (no MX tensor cores before sm_100).
-    MXFP8Scheme: (CubladeMxfp8Gemm, VllmMarlinMxfp8, CubladeMxfp8GemmSm80, CubladeMxfp8DequantMatmul, ReferenceKernel),
+    # W8A16 on the 1-byte weights (bf16 activations): when asked for (CUBLADE_MXFP8_PREFILL=humming), cublade's
+    # kernels with vLLM's Humming at the token counts where it measured faster (a copy of the weights); the Hopper
+    # kernels; then Marlin (fp16 activations, block scales above 2^7); the sm_80 kernel; then dequantize to the
+    # activation dtype with cublade's op and a dense GEMM (no MX tensor cores before sm_100).
+    MXFP8Scheme: (CubladeMxfp8Measured, CubladeMxfp8Gemm, VllmMarlinMxfp8, CubladeMxfp8GemmSm80,
+                  CubladeMxfp8DequantMatmul, ReferenceKernel),
     # MoE experts only (the linear method refuses fp4): kernels of a FusedMoE layer.
     FP4Scheme: (CubladeFp4MoE, VllmMarlinMoE, ReferenceMoE),
 }

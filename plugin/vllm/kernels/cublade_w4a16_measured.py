@@ -1,285 +1,43 @@
 """W4A16 on cublade's kernels, and on vLLM's W4A16 kernels (Machete, Humming) at the token counts where one of them
-measured faster on this GPU (CUBLADE_W4A16_PREFILL=machete, humming, or machete,humming).
-
-cublade's kernels lead at decode batches; from about 128 tokens, where the GEMM is bound by the bf16 tensor cores,
-Machete or Humming lead on most shapes (docs/performance.md#w4a16-gemm). Each layer shape is timed once when the
-model loads, cublade's op and each named vLLM kernel at each of MEASURED_ROWS tokens, and the token counts are split
-at the measured points: a call of M tokens runs on the kernel that was fastest at the smallest measured count >= M
-(the largest's beyond it; cublade's below the first). The upper point, because cublade's time steps up just past its
-pass sizes (a call of 200 tokens costs about what 224 does: docs/decisions.md, "Rounded passes of 256 rows"), and
-the others' grow smoothly. The price is memory: each vLLM kernel reads its own layout, so the layer keeps a copy of
-its int4 weights and scales per kernel that won a range (the layer's int4 bytes once more each, still under bf16's
-for one); a kernel that won no measured count keeps no copy.
-
-Each call goes through one custom op, `cublade::w4a16_measured(x, size_n, layer)`: the choice by M is made when the
-call runs, not when vLLM traces the model, and the op finds the layer's kernels by its name (vLLM's prefix) in a
-table of this module, as vLLM's attention ops find their layers."""
+measured faster on this GPU (CUBLADE_W4A16_PREFILL=machete, humming, or machete,humming): cublade.vllm.kernels.measured
+has how the counts are timed and split, and what the copies cost. On the H200, from about 128 tokens Machete or
+Humming lead cublade's kernels on most Llama shapes (docs/performance.md#w4a16-gemm)."""
 from __future__ import annotations
-
-import functools
-import logging
-import statistics
-import time
-import weakref
-from typing import Callable
 
 import torch
 
 from cublade.numerics.linear import W4A16_PREFILL_ENV, w4a16_measured_kernels
-from cublade.vllm.kernels.base import LinearKernel, replace_parameter
-from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm, batch_invariant
+from cublade.vllm.kernels.base import LinearKernel
+from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
+from cublade.vllm.kernels.measured import MeasuredLinear
 from cublade.vllm.kernels.vllm_humming import VllmHumming
 from cublade.vllm.kernels.vllm_machete import VllmMachete
-
-logger = logging.getLogger("vllm.cublade")
 
 # The vLLM kernels CUBLADE_W4A16_PREFILL may name, and the names the log gives them.
 VLLM_KERNELS: dict[str, type[LinearKernel]] = {"machete": VllmMachete, "humming": VllmHumming}
 LABELS = {"cublade": "cublade's kernels", "machete": "vLLM's Machete", "humming": "vLLM's Humming"}
-
-# Token counts timed at load: the decode batches where the kernels cross, then prefill chunk sizes.
-MEASURED_ROWS = (16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
-TIMED_REPS = 5  # per kernel and token count; the median is kept
-FLUSH_BYTES = 256 << 20  # written before each timed call, so the weights come from DRAM as in a model's step
-# GPU clock cycles a spin kernel holds the stream before each timed call, so the call is queued before its start
-# event runs. Measured on the H200: 200k cycles hold 108 us, and a bf16 GEMM after 150 us of host work timed 159 us
-# unheld, 69 us held (its own time, as with none).
-HOLD_CYCLES = 200_000
-NO_END = 2**62  # the upper end of a range that runs to any token count
-# A vLLM kernel takes a measured count only where its time is under this fraction of cublade's: closer than that the
-# two are within the timing's noise and the floor cublade holds itself to (0.98x the best vLLM kernel), and a kernel
-# that never leads by more keeps no copy.
-MARGIN = 0.98
-
-
-def kernel_ranges(times: dict[int, list[float]]) -> list[tuple[int, int, int]]:
-    """The token ranges the vLLM kernels run, [(lo, hi, k), ...] (hi exclusive, NO_END: no bound; k >= 1 indexes the
-    timed kernels, 0 being cublade's), from `times` {M: [cublade us, kernel 1 us, ...]}: at each measured M the
-    fastest vLLM kernel takes M if it is under MARGIN x cublade's time, and its range covers the counts above the
-    measured one before it up to M itself (the last one also those above it; below the first, decode batches,
-    cublade's kernels always); adjacent ranges of one kernel merged."""
-    ms = sorted(times)
-    out: list[tuple[int, int, int]] = []
-    for i, m in enumerate(ms):
-        t = times[m]
-        k = min(range(1, len(t)), key=lambda j: t[j], default=0)
-        if not k or t[k] >= MARGIN * t[0]:
-            continue
-        lo = ms[i - 1] + 1 if i else m
-        hi = m + 1 if i + 1 < len(ms) else NO_END
-        if out and out[-1][1] == lo and out[-1][2] == k:
-            out[-1] = (out[-1][0], hi, k)
-        else:
-            out.append((lo, hi, k))
-    return out
-
-
-def kernel_at(m: int, ranges: list[tuple[int, int, int]]) -> int:
-    """The index of the kernel a call of m tokens runs on under `ranges` (kernel_ranges'): 0 = cublade's."""
-    return next((k for lo, hi, k in ranges if lo <= m < hi), 0)
-
-
-def describe(ranges: list[tuple[int, int, int]], names: list[str]) -> str:
-    """"vLLM's Machete at 97-128, 385+ tokens, vLLM's Humming at 193-384 tokens, cublade's kernels at the rest"."""
-    parts = []
-    for k, name in enumerate(names[1:], 1):
-        mine = [f"{lo}+" if hi == NO_END else f"{lo}-{hi - 1}" for lo, hi, kk in ranges if kk == k]
-        if mine:
-            parts.append(f"{LABELS[name]} at {', '.join(mine)} tokens")
-    return ", ".join(parts + [f"{LABELS[names[0]]} at {'the rest' if parts else 'every count'}"])
-
-
-def _replay(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple[Callable[[], object], object]:
-    """f(x) captured once as a CUDA graph: (its replay, the graph to keep alive). Timed as replays, a kernel's time is
-    its GPU time whatever the host spends launching it, as in vLLM's CUDA-graphed steps. Eager calls behind the hold
-    alone count host work that outlasts it: at load on the H200, one run of two read K 4096 x N 4096 at 160-256 tokens
-    on cublade's kernels at 136-176 us (31-36 in the other) and at 16-512 tokens on Humming at 39-86 us (13-26). Where
-    f cannot be captured, f(x) itself, held as the timing holds every call."""
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            f(x)
-    except RuntimeError as e:
-        logger.info("cublade: a w4a16 kernel timed without a CUDA graph (%s)", str(e).splitlines()[0])
-        return functools.partial(f, x), None
-    return graph.replay, graph
-
-
-def time_rows(kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]], K: int, dtype: torch.dtype,
-              device: torch.device, rows=MEASURED_ROWS, reps: int = TIMED_REPS) -> dict[int, list[float]]:
-    """{M: [median us of each kernel, in `kernels`' order]} for random x [M, K]: CUDA events around each call, one
-    CUDA graph replay (_replay), the L2 flushed and the stream held (HOLD_CYCLES) before it, the kernels alternated
-    within each rep."""
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    out = {}
-    for m in rows:
-        x = torch.randn(m, K, dtype=dtype, device=device)
-        for f in kernels.values():
-            f(x)  # first calls (workspaces, lazy setup, Humming's JIT) out of the capture and the timing
-        calls = [_replay(f, x) for f in kernels.values()]
-        samples: list[list[float]] = [[] for _ in kernels]
-        for r in range(reps):
-            for i, (call, _) in enumerate(calls):
-                flush.zero_()
-                torch.cuda._sleep(HOLD_CYCLES)
-                events[r][0].record()
-                call()
-                events[r][1].record()
-                events[r][1].synchronize()
-                samples[i].append(events[r][0].elapsed_time(events[r][1]) * 1e3)
-        del calls  # the graphs and their outputs
-        out[m] = [statistics.median(s) for s in samples]
-    del flush
-    torch.cuda.empty_cache()  # the flush buffer and the timing's outputs back before vLLM sizes its KV cache
-    return out
-
-
-class _Copy(torch.nn.Module):
-    """The attributes vLLM's mixed-precision kernels read from a layer, with the layer's int4 tensors in cublade's
-    checkpoint layout: a vLLM kernel's adapter builds its own layout here and leaves the layer's tensors to cublade.
-    Its bias stays with the layer (added after whichever kernel ran)."""
-
-    def __init__(self, layer: torch.nn.Module):
-        super().__init__()
-        for name in ("cublade_scheme", "params_dtype", "input_size_per_partition", "output_size_per_partition"):
-            setattr(self, name, getattr(layer, name))
-        self.input_size = getattr(layer, "input_size", layer.input_size_per_partition)
-        self.output_size = getattr(layer, "output_size", layer.output_size_per_partition)
-        self.output_partition_sizes = list(getattr(layer, "logical_widths", [layer.output_size_per_partition]))
-        self.has_bias = False
-        for name in ("weight_packed", "weight_scale", "weight_zero_point"):
-            t = getattr(layer, name, None)
-            if t is not None:  # a copy: no vLLM kernel's preparation may touch the tensors cublade repacks next
-                replace_parameter(self, name, t.data.clone())
-
-
-_measured: dict[tuple, list[tuple[int, int, int]]] = {}  # (K, N, group, symmetric, dtype, device, names) -> ranges
-_layers: dict[str, tuple[weakref.ref, "CubladeW4A16Measured"]] = {}  # the op's table: layer name -> (layer, kernel)
-
-
-def _register(layer: torch.nn.Module, impl: "CubladeW4A16Measured") -> str:
-    """The name the op finds `layer` by: vLLM's prefix (the same in every process, so a compiled graph cached by vLLM
-    names the right layer), suffixed where a live layer of another model already holds it."""
-    base = getattr(layer, "prefix", "") or "w4a16"
-    name, n = base, 0
-    while name in _layers and _layers[name][0]() not in (None, layer):
-        n += 1
-        name = f"{base}#{n}"
-    _layers[name] = (weakref.ref(layer), impl)
-    return name
-
-
-@torch.library.custom_op("cublade::w4a16_measured", mutates_args=())
-def w4a16_measured(x: torch.Tensor, size_n: int, layer: str) -> torch.Tensor:
-    """y [M, size_n] = x [M, K] @ W^T on the kernel the layer named `layer` measured fastest at M tokens."""
-    ref, impl = _layers[layer]
-    return impl.run(ref(), x)
-
-
-@w4a16_measured.register_fake
-def _(x, size_n, layer):
-    return x.new_empty((x.shape[0], size_n))
-
-
-def _tensor_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the tensors a copy holds: its parameters and buffers, and the plain tensor attributes a vLLM kernel's
-    preparation may leave, each tensor once."""
-    tensors = [*module.parameters(), *module.buffers(), *(v for v in vars(module).values() if torch.is_tensor(v))]
-    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
-
-
-@functools.cache
-def _say_humming_order() -> None:
-    # measured on the H200: the same input twice through Humming alone, 17-384 tokens, differed by up to 0.19 (mean
-    # relative 1e-3..4e-3); cublade's kernels and Machete gave the same bits each time
-    logger.info("cublade: vLLM's Humming splits K across thread blocks (stream-K) and adds their parts in no fixed "
-                "order: at the token counts it runs, outputs can differ in the last bits from run to run")
 
 
 def _cublade_gemm(x, packed, group_size, symmetric, size_n):
     return torch.ops.cublade.w4a16_gemm(x, packed, group_size, symmetric, size_n, 0, True)
 
 
-class CubladeW4A16Measured(CubladeW4A16Gemm):
+class CubladeW4A16Measured(MeasuredLinear, CubladeW4A16Gemm):
     """cublade's W4A16 GEMM, and the vLLM kernels CUBLADE_W4A16_PREFILL names at the token counts where one measured
-    faster when the model loaded (module docstring). Not under VLLM_BATCH_INVARIANT=1 (a prompt's logits would
-    depend on which kernel its batch size picks)."""
+    faster when the model loaded (cublade.vllm.kernels.measured). Each vLLM kernel's copy holds the layer's int4
+    weights, scales and zero points in its own layout."""
     name = "cublade-w4a16-measured"
     own = True
+    what = "w4a16"
+    asked_for = f"{W4A16_PREFILL_ENV}=machete, humming or machete,humming"
+    vllm_kernels = VLLM_KERNELS
+    labels = LABELS
+    copied = ("weight_packed", "weight_scale", "weight_zero_point")
+    weights = "int4"
+    kernel_names = staticmethod(w4a16_measured_kernels)
 
-    @classmethod
-    def can_implement(cls, layer):
-        names = w4a16_measured_kernels()
-        if not names:
-            return False, f"runs when asked for ({W4A16_PREFILL_ENV}=machete, humming or machete,humming)"
-        if batch_invariant():
-            return False, "VLLM_BATCH_INVARIANT=1 asks for one kernel at every batch size"
-        ok, why = super().can_implement(layer)
-        if not ok:
-            return ok, why
-        for n in names:
-            ok, why = VLLM_KERNELS[n].can_implement(layer)
-            if not ok:
-                return False, f"needs {LABELS[n]} too: {why}"
-        return True, (f"cublade's CUDA op w4a16_gemm, and {' and '.join(LABELS[n] for n in names)} at the token "
-                      f"counts where measured faster at load (a copy of the int4 weights in each one's layout)")
+    def shape_key(self, layer):
+        return layer.cublade_scheme.group_size, layer.cublade_scheme.symmetric
 
-    def __init__(self, layer):
-        names = w4a16_measured_kernels()
-        self.names = ["cublade", *names]
-        s = layer.cublade_scheme
-        key = (layer.input_size_per_partition, layer.output_size_per_partition, s.group_size, s.symmetric,
-               layer.params_dtype, layer.weight_packed.device, tuple(self.names))
-        # a shape timed before: only the kernels that won a range there get a copy
-        wanted = self._won(_measured[key]) if key in _measured else list(names)
-        copies = {n: _Copy(layer) for n in wanted}
-        adapters = {n: VLLM_KERNELS[n](copies[n]) for n in wanted}  # before cublade's repack replaces the tensors
-        super().__init__(layer)
-        self.ranges = self._measure(layer, key, copies, adapters)
-        won = self._won(self.ranges)
-        self.adapters = [None] + [adapters[n] if n in won else None for n in names]
-        for n in names:  # the copies that won a range stay with the layer (their tensors move with it)
-            setattr(layer, f"cublade_{n}", copies[n] if n in won else None)
-        if "humming" in won:
-            _say_humming_order()
-        self.layer_name = _register(layer, self)
-
-    def _won(self, ranges: list[tuple[int, int, int]]) -> list[str]:
-        """The vLLM kernels that run a range under `ranges`, in CUBLADE_W4A16_PREFILL's order."""
-        return [n for k, n in enumerate(self.names) if k and any(kk == k for _, _, kk in ranges)]
-
-    def _kernels(self, layer, copies, adapters) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-        N = self.size_n
-        out = {"cublade": lambda x: _cublade_gemm(x, layer.weight_packed, self.group_size, self.symmetric, N)}
-        out.update({n: functools.partial(a.apply, copies[n], bias=None) for n, a in adapters.items()})
-        return out
-
-    def _measure(self, layer, key, copies, adapters) -> list[tuple[int, int, int]]:
-        K, N = layer.input_size_per_partition, self.size_n
-        dev = layer.weight_packed.device
-        if key not in _measured:
-            t0 = time.perf_counter()
-            times = time_rows(self._kernels(layer, copies, adapters), K, layer.params_dtype, dev)
-            _measured[key] = kernel_ranges(times)
-            kept = "".join(f"; {LABELS[n]}'s copy {_tensor_bytes(copies[n]) / 2**20:.2f} MiB a layer"
-                           for n in self._won(_measured[key]))
-            logger.info("cublade: w4a16 layers of N=%d, K=%d run on %s%s (measured at load in %.1f s, us %s: %s)", N,
-                        K, describe(_measured[key], self.names), kept, time.perf_counter() - t0,
-                        " / ".join(self.names), ", ".join(f"M={m} " + "/".join(f"{v:.1f}" for v in t)
-                                                          for m, t in times.items()))
-        return _measured[key]
-
-    def run(self, layer, x2: torch.Tensor) -> torch.Tensor:
-        """x2 [M, K] on the kernel of M's range."""
-        k = kernel_at(x2.shape[0], self.ranges)
-        if k == 0:
-            return _cublade_gemm(x2, layer.weight_packed, self.group_size, self.symmetric, self.size_n)
-        return self.adapters[k].apply(getattr(layer, f"cublade_{self.names[k]}"), x2, None)
-
-    def apply(self, layer, x, bias):
-        # Through the op even where cublade's kernels won every count: the compiled graph is then the same whatever
-        # a run measured, and vLLM loads a compiled model cached by another run (VLLM_USE_AOT_COMPILE) as it is.
-        y = torch.ops.cublade.w4a16_measured(x.reshape(-1, x.shape[-1]), self.size_n, self.layer_name)
-        y = y.reshape(*x.shape[:-1], self.size_n)
-        return y if bias is None else y + bias
+    def cublade_call(self, layer, x2):
+        return _cublade_gemm(x2, layer.weight_packed, self.group_size, self.symmetric, self.size_n)

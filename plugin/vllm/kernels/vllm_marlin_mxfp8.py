@@ -1,6 +1,8 @@
 """MXFP8 (W8A16) on vLLM's Marlin (a fallback)."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 from cublade.vllm.kernels.base import LinearKernel, gpu_half
 
 
@@ -12,6 +14,11 @@ class VllmMarlinMxfp8(LinearKernel):
     CubladeMxfp8Gemm (cublade_mxfp8_gemm.py)."""
     name = "vllm-marlin-mxfp8"
     own = False
+    vllm_class: ClassVar[str] = "MarlinMxfp8LinearKernel"  # in vllm.model_executor.kernels.linear
+
+    @classmethod
+    def _why_not_installed(cls) -> str | None:
+        return None
 
     @classmethod
     def can_implement(cls, layer):
@@ -19,17 +26,22 @@ class VllmMarlinMxfp8(LinearKernel):
         if cap is None:
             return False, why
         try:
-            from vllm.model_executor.kernels.linear import MarlinMxfp8LinearKernel
-        except ImportError as e:
-            return False, f"this vLLM has no MarlinMxfp8LinearKernel ({e})"
-        ok, why = MarlinMxfp8LinearKernel.is_supported(cap)
-        return ok, (f"vLLM's MarlinMxfp8LinearKernel on sm_{cap}" if ok else f"vLLM's MarlinMxfp8LinearKernel: {why}")
+            from vllm.model_executor.kernels import linear as vllm_linear
+
+            k = getattr(vllm_linear, cls.vllm_class)
+        except (ImportError, AttributeError) as e:
+            return False, f"this vLLM has no {cls.vllm_class} ({e})"
+        why = cls._why_not_installed()
+        if why is not None:
+            return False, why
+        ok, why = k.is_supported(cap)
+        return ok, (f"vLLM's {cls.vllm_class} on sm_{cap}" if ok else f"vLLM's {cls.vllm_class}: {why}")
 
     def __init__(self, layer):
         super().__init__(layer)
-        from vllm.model_executor.kernels.linear import MarlinMxfp8LinearKernel, Mxfp8LinearLayerConfig
+        from vllm.model_executor.kernels import linear as vllm_linear
 
-        self.impl = MarlinMxfp8LinearKernel(Mxfp8LinearLayerConfig())
+        self.impl = getattr(vllm_linear, self.vllm_class)(vllm_linear.Mxfp8LinearLayerConfig())
         self.impl.process_weights_after_loading(layer)
 
     def apply(self, layer, x, bias):
