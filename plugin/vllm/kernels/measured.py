@@ -243,8 +243,9 @@ class MeasuredLinear:
     def __init__(self, layer):
         names = self.kernel_names()
         self.names = ["cublade", *names]
+        self.device = getattr(layer, self.copied[0]).device
         key = (self.what, layer.input_size_per_partition, layer.output_size_per_partition, *self.shape_key(layer),
-               layer.params_dtype, getattr(layer, self.copied[0]).device, tuple(self.names))
+               layer.params_dtype, self.device, tuple(self.names))
         # a shape timed before: only the kernels that won a range there get a copy
         wanted = self._won(_measured[key]) if key in _measured else list(names)
         copies = {n: WeightCopy(layer, self.copied) for n in wanted}
@@ -277,7 +278,7 @@ class MeasuredLinear:
         K, N = layer.input_size_per_partition, self.measured_n
         if key not in _measured:
             t0 = time.perf_counter()
-            times = time_rows(self._kernels(layer, copies, adapters), K, layer.params_dtype, key[-2])
+            times = time_rows(self._kernels(layer, copies, adapters), K, layer.params_dtype, self.device)
             _measured[key] = kernel_ranges(times)
             kept = "".join(f"; {self.labels[n]}'s copy {tensor_bytes(copies[n]) / 2**20:.2f} MiB a layer"
                            for n in self._won(_measured[key]))
