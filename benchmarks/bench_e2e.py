@@ -25,6 +25,11 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
     cublade-w4a16         `cublade convert ... --scheme w4a16` (RTN, group 128, symmetric)
     cublade-w4a16-fp8     the same checkpoint with CUBLADE_W4A16_PREFILL=fp8 (batches of 512 tokens or more on
                           FP8 tensor cores, activations rounded to E4M3 per 1 x 128)
+    cublade-w4a16-machete, -humming, -measured
+                          the same checkpoint with CUBLADE_W4A16_PREFILL=machete, humming, machete,humming (the
+                          named vLLM kernels at the token counts where they measured faster at load)
+    cublade-w4a16-measured-fp8  the same with CUBLADE_W4A16_PREFILL=fp8,machete,humming (cublade's FP8 tensor-core
+                          path timed too, and run where it measured fastest)
     cublade-fp8-kv-vllm   cublade-fp8 with an FP8 KV cache (k_scale = v_scale = KV_SCALE in every layer: the
                           step's time does not depend on them), K rounded to nearest, vLLM's FlashAttention and
                           its own cache write
@@ -110,6 +115,7 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-w4a16-machete": ("cublade-w4a16", None, {"CUBLADE_W4A16_PREFILL": "machete"}, None),
     "cublade-w4a16-humming": ("cublade-w4a16", None, {"CUBLADE_W4A16_PREFILL": "humming"}, None),
     "cublade-w4a16-measured": ("cublade-w4a16", None, {"CUBLADE_W4A16_PREFILL": "machete,humming"}, None),
+    "cublade-w4a16-measured-fp8": ("cublade-w4a16", None, {"CUBLADE_W4A16_PREFILL": "fp8,machete,humming"}, None),
     "cublade-fp8-kv-vllm": ("cublade-fp8-kv-nearest", None, {}, None),
     "cublade-fp8-kv": ("cublade-fp8-kv-nearest", None, {}, "CUSTOM"),
     "cublade-fp8-kv-qa": ("cublade-fp8-kv-query-aware", None, {}, "CUSTOM"),
@@ -523,6 +529,7 @@ def report(results: dict, batches: list[int]) -> None:
              ("cublade-w4a16-machete", "vllm-w4a16"), ("cublade-w4a16-machete", "cublade-w4a16"),
              ("cublade-w4a16-humming", "vllm-w4a16-humming"), ("cublade-w4a16-measured", "vllm-w4a16"),
              ("cublade-w4a16-measured", "vllm-w4a16-humming"), ("cublade-w4a16-measured", "cublade-w4a16"),
+             ("cublade-w4a16-measured-fp8", "cublade-w4a16-measured"), ("cublade-w4a16-measured-fp8", "vllm-w4a16"),
              ("cublade-mxfp8", "vllm-mxfp8"), ("cublade-mxfp8", "vllm-mxfp8-humming"),
              ("cublade-mxfp8-measured", "vllm-mxfp8"), ("cublade-mxfp8-measured", "vllm-mxfp8-humming"),
              ("cublade-mxfp8-measured", "cublade-mxfp8"), ("cublade-w4a16", "vllm-w4a16"),

@@ -116,8 +116,8 @@ def main() -> None:
     ap.add_argument("--m", default="1,4,16,32,64,128,256,1024,4096", help="token counts")
     ap.add_argument("--sweep", action="store_true", help="also time each split_k (K splits per cluster)")
     ap.add_argument("--measured", default="machete,humming" if importlib.util.find_spec("humming") else "machete",
-                    help="the vLLM kernels of the measured column (CUBLADE_W4A16_PREFILL's value; default Machete, and "
-                         "Humming where installed)")
+                    help="the kernels of the measured column (CUBLADE_W4A16_PREFILL's value; default Machete, and "
+                         "Humming where installed; add fp8 to time cublade's FP8 tensor-core path too)")
     ap.add_argument("--graph", action="store_true",
                     help="time each column as one CUDA graph replay (no host launch gaps; L2 still cleared)")
     ap.add_argument("--json", default=None, help="write all rows here")

@@ -115,29 +115,33 @@ W4A16_FP8_MIN_ROWS = 512
 
 
 def _w4a16_prefill() -> tuple[str, tuple[str, ...]]:
-    """CUBLADE_W4A16_PREFILL read once: its math ("bf16", "fp8" or "measured") and the vLLM kernels it names."""
+    """CUBLADE_W4A16_PREFILL read once: its math ("bf16", "fp8" or "measured") and the kernels it names to time (vLLM
+    kernels, and "fp8" among them: cublade's FP8 tensor-core path timed too)."""
     v = os.environ.get(W4A16_PREFILL_ENV, "").strip().lower() or "bf16"
     if v in W4A16_PREFILL_CHOICES:
         return v, ()
     names = tuple(n.strip() for n in v.split(","))
-    if all(n in W4A16_MEASURED_KERNELS for n in names) and len(set(names)) == len(names):
+    if (all(n in (*W4A16_MEASURED_KERNELS, "fp8") for n in names) and len(set(names)) == len(names)
+            and any(n in W4A16_MEASURED_KERNELS for n in names)):
         return "measured", names
     raise ValueError(f"{W4A16_PREFILL_ENV}={os.environ[W4A16_PREFILL_ENV]!r}: expected "
                      f"{' or '.join(W4A16_PREFILL_CHOICES)}, or vLLM kernels to time against cublade's at load, "
-                     f"comma-separated, of {', '.join(W4A16_MEASURED_KERNELS)}")
+                     f"comma-separated, of {', '.join(W4A16_MEASURED_KERNELS)} (with fp8 among them: the FP8 "
+                     "tensor-core path timed too)")
 
 
 def w4a16_prefill_math() -> str:
     """CUBLADE_W4A16_PREFILL: "bf16" (default: bf16/fp16 activations at every batch size), "fp8" (calls of
     W4A16_FP8_MIN_ROWS rows or more take their activations in E4M3 per 1 x 128, on FP8 tensor cores) or "measured"
     when it names vLLM kernels (W4A16_MEASURED_KERNELS, e.g. "machete,humming": the token counts where one measured
-    faster at load run on it, from a copy of the weights in its layout; the math is bf16's:
-    cublade.vllm.kernels.cublade_w4a16_measured)."""
+    faster at load run on it, from a copy of the weights in its layout; the math is bf16's, except where "fp8" is
+    among them and the FP8 path measured fastest: cublade.vllm.kernels.cublade_w4a16_measured)."""
     return _w4a16_prefill()[0]
 
 
 def w4a16_measured_kernels() -> tuple[str, ...]:
-    """The vLLM kernels CUBLADE_W4A16_PREFILL names, in its order (none unless w4a16_prefill_math() is "measured")."""
+    """The kernels CUBLADE_W4A16_PREFILL names to time against cublade's, in its order (none unless
+    w4a16_prefill_math() is "measured"): vLLM's ("machete", "humming") and cublade's FP8 path ("fp8")."""
     return _w4a16_prefill()[1]
 
 

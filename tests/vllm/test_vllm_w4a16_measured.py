@@ -20,6 +20,7 @@ from vllm_layers import KINDS
 from cublade.config import W4A16Scheme
 from cublade.numerics.linear import w4a16_measured_kernels, w4a16_prefill_math
 from cublade.ops.w4a16_gemm import w4a16_gemm_ref
+from cublade.ops.w4a16_gemm_fp8 import w4a16_gemm_fp8_ref
 from cublade.vllm.kernels import cublade_w4a16_measured as km
 from cublade.vllm.kernels import measured as mk
 
@@ -54,14 +55,16 @@ def test_ranges_read_back():
 
 
 @pytest.mark.parametrize("value,kernels", [("machete", ("machete",)), ("humming", ("humming",)),
-                                           (" Humming, machete ", ("humming", "machete")), ("fp8", ()), ("", ())])
+                                           (" Humming, machete ", ("humming", "machete")), ("fp8", ()), ("", ()),
+                                           ("fp8,machete", ("fp8", "machete"))])
 def test_the_environment_names_the_kernels(monkeypatch, value, kernels):
     monkeypatch.setenv("CUBLADE_W4A16_PREFILL", value)
     assert w4a16_measured_kernels() == kernels
     assert w4a16_prefill_math() == ("measured" if kernels else (value or "bf16"))
 
 
-@pytest.mark.parametrize("value", ["marlin", "machete,machete", "machete,", "machete;humming"])
+@pytest.mark.parametrize("value", ["marlin", "machete,machete", "machete,", "machete;humming", "fp8,fp8", "bf16,fp8",
+                                   "machete,bf16"])
 def test_the_environment_refuses_what_it_cannot_time(monkeypatch, value):
     monkeypatch.setenv("CUBLADE_W4A16_PREFILL", value)
     with pytest.raises(ValueError, match=r"CUBLADE_W4A16_PREFILL=.*: expected bf16 or fp8, or vLLM kernels to time "
@@ -370,3 +373,42 @@ def test_a_kernel_that_cannot_be_captured_is_timed_eagerly(monkeypatch):
     assert calls == [("eager", x)]
     assert said == ["cublade: a kernel timed without a CUDA graph (CUDA error: operation not permitted when "
                     "stream is capturing)"]
+
+
+def test_the_fp8_path_is_timed_on_the_layers_own_blob(stand_ins, monkeypatch):
+    """"fp8" among the names: cublade's FP8 tensor-core path is a timed column like a vLLM kernel, but runs on the
+    layer's own blob (no copy), with min_rows 0 where it won (here the op's reference on CPU: activations rounded to
+    E4M3 per 1 x 128)."""
+    said = []
+    monkeypatch.setattr(mk.logger, "info", lambda msg, *args: said.append(msg % args))
+    monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "machete,fp8")
+    monkeypatch.setattr(mk, "time_rows", lambda kernels, K, dtype, device: (stand_ins.append(list(kernels)), {
+        16: [1.0, 2.0, 3.0], 128: [10.0, 8.0, 9.0], 512: [40.0, 39.0, 30.0]})[1])
+    scheme = W4A16Scheme(128, True)
+    layer, tensors = w4a16_layer(scheme=scheme)
+    impl = km.CubladeW4A16Measured(layer)
+    assert stand_ins == [["cublade", "machete", "fp8"]]
+    assert impl.ranges == [(17, 129, 1), (129, END, 2)]
+    assert impl.said() == ("vLLM's Machete at 17-128 tokens, cublade's FP8 tensor-core path at 129+ tokens, "
+                           "cublade's kernels at the rest")
+    assert isinstance(layer.cublade_machete, torch.nn.Module) and not hasattr(layer, "cublade_fp8")
+    line, = [s for s in said if "measured at load" in s]
+    assert "vLLM's Machete's copy" in line and "FP8 tensor-core path's copy" not in line
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    y = impl.apply(layer, x, None)
+    assert torch.equal(y, w4a16_gemm_fp8_ref(x, layer.weight_packed, 128, True, 128, 0))
+    assert not torch.equal(y, scheme.linear_ref(x, tensors))  # the activations' E4M3 rounding: not the bf16 math
+    assert torch.equal(impl.apply(layer, x[:16], None), scheme.linear_ref(x[:16], tensors))
+
+
+@pytest.mark.parametrize("scheme", [W4A16Scheme(128, True), W4A16Scheme(32, True)], ids=lambda s: s.describe())
+def test_the_fp8_path_only_where_it_runs(vllm_ctx, monkeypatch, scheme):
+    layer = loaded_layer(scheme, KINDS["qkv"], monkeypatch)
+    monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "fp8,machete")
+    with mocked_gpu(monkeypatch, 90):
+        ok, why = km.CubladeW4A16Measured.can_implement(layer)
+    if scheme.group_size == 128:
+        assert ok and "cublade's FP8 tensor-core path and vLLM's Machete at the token counts" in why, why
+    else:
+        assert not ok and why == ("needs cublade's FP8 tensor-core path too: needs group size 128 or per channel "
+                                  "(1 x 128 block scales), the layer has 32")

@@ -10,6 +10,24 @@ from cublade.vllm.kernels.base import why_no_kernel
 from cublade.vllm.kernels.cublade_w4a16_gemm import CubladeW4A16Gemm
 
 
+def why_not_fp8(layer) -> str | None:
+    """Why the FP8 tensor-core path (cublade.ops.w4a16_gemm_fp8) cannot run this w4a16 layer, None where it can."""
+    G, K = layer.cublade_scheme.group_size, layer.input_size_per_partition
+    if G not in (128, -1):
+        return f"needs group size 128 or per channel (1 x 128 block scales), the layer has {G}"
+    if K % 128:
+        return f"needs K a multiple of 128 (1 x 128 blocks), the layer has K={K}"
+    if layer.output_size_per_partition % 16:
+        return f"needs N a multiple of 16, the layer has N={layer.output_size_per_partition}"
+    for op in ("w4a16_dequant_fp8", "fp8_quant_per_group"):
+        why = why_no_kernel(op, layer.weight_packed.device)
+        if why is not None:
+            return why
+    if not blockwise_fp8_supported():
+        return f"torch {torch.__version__} has no blockwise-scaled FP8 GEMM (torch.nn.functional.scaled_mm)"
+    return None
+
+
 class CubladeW4A16Fp8Prefill(CubladeW4A16Gemm):
     """cublade's W4A16 GEMM below W4A16_FP8_MIN_ROWS tokens; from there the int4 values as exact E4M3 codes with their
     scales as 1 x 128 block scales, the activations quantized to E4M3 per 1 x 128 group, and one blockwise-scaled
@@ -26,19 +44,9 @@ class CubladeW4A16Fp8Prefill(CubladeW4A16Gemm):
         ok, why = super().can_implement(layer)
         if not ok:
             return ok, why
-        G, K = layer.cublade_scheme.group_size, layer.input_size_per_partition
-        if G not in (128, -1):
-            return False, f"needs group size 128 or per channel (1 x 128 block scales), the layer has {G}"
-        if K % 128:
-            return False, f"needs K a multiple of 128 (1 x 128 blocks), the layer has K={K}"
-        if layer.output_size_per_partition % 16:
-            return False, f"needs N a multiple of 16, the layer has N={layer.output_size_per_partition}"
-        for op in ("w4a16_dequant_fp8", "fp8_quant_per_group"):
-            why = why_no_kernel(op, layer.weight_packed.device)
-            if why is not None:
-                return False, why
-        if not blockwise_fp8_supported():
-            return False, f"torch {torch.__version__} has no blockwise-scaled FP8 GEMM (torch.nn.functional.scaled_mm)"
+        why = why_not_fp8(layer)
+        if why is not None:
+            return False, why
         rows = W4A16_FP8_MIN_ROWS
         return True, (f"cublade's w4a16_gemm below {rows} tokens, from {rows} FP8 tensor cores "
                       f"(activations in E4M3 per 1 x 128)")

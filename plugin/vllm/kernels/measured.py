@@ -201,6 +201,8 @@ class MeasuredLinear:
     vllm_kernels: ClassVar[dict[str, type[LinearKernel]]] = {}  # name the setting gives -> adapter class
     labels: ClassVar[dict[str, str]] = {}  # "cublade" and each name -> the log's words
     copied: ClassVar[tuple[str, ...]] = ()  # the layer's tensors a vLLM kernel's copy takes
+    # names the setting may give for cublade's other paths on the layer's own tensors (no copy): `own_call` runs them
+    own_kernels: ClassVar[tuple[str, ...]] = ()
     weights: ClassVar[str] = ""  # what they are ("int4", "MXFP8"), in the reason
 
     @staticmethod
@@ -222,6 +224,14 @@ class MeasuredLinear:
         """cublade's op on the layer's repacked tensors, x2 [M, K] -> [M, N]."""
         raise NotImplementedError
 
+    def own_call(self, name: str, layer: torch.nn.Module, x2: torch.Tensor) -> torch.Tensor:
+        """cublade's other path `name` (of `own_kernels`) on the layer's repacked tensors."""
+        raise NotImplementedError
+
+    @classmethod
+    def own_can_implement(cls, name: str, layer: torch.nn.Module) -> tuple[bool, str]:
+        raise NotImplementedError
+
     @classmethod
     def can_implement(cls, layer):
         names = cls.kernel_names()
@@ -233,7 +243,10 @@ class MeasuredLinear:
         if not ok:
             return ok, why
         for n in names:
-            ok, why = cls.vllm_kernels[n].can_implement(layer)
+            if n in cls.own_kernels:
+                ok, why = cls.own_can_implement(n, layer)
+            else:
+                ok, why = cls.vllm_kernels[n].can_implement(layer)
             if not ok:
                 return False, f"needs {cls.labels[n]} too: {why}"
         vllm = " and ".join(cls.labels[n] for n in names)
@@ -246,17 +259,18 @@ class MeasuredLinear:
         self.device = getattr(layer, self.copied[0]).device
         key = (self.what, layer.input_size_per_partition, layer.output_size_per_partition, *self.shape_key(layer),
                layer.params_dtype, self.device, tuple(self.names))
-        # a shape timed before: only the kernels that won a range there get a copy
+        # a shape timed before: only the vLLM kernels that won a range there get a copy
         wanted = self._won(_measured[key]) if key in _measured else list(names)
-        copies = {n: WeightCopy(layer, self.copied) for n in wanted}
-        adapters = {n: self.vllm_kernels[n](copies[n]) for n in wanted}  # before cublade's repack replaces the tensors
+        copies = {n: WeightCopy(layer, self.copied) for n in wanted if n not in self.own_kernels}
+        adapters = {n: self.vllm_kernels[n](c) for n, c in copies.items()}  # before cublade's repack of the tensors
         super().__init__(layer)
         self.measured_n = layer.output_size_per_partition
         self.ranges = self._measure(layer, key, copies, adapters)
         won = self._won(self.ranges)
-        self.adapters = [None] + [adapters[n] if n in won else None for n in names]
+        self.adapters = [None] + [adapters[n] if n in won and n in adapters else None for n in names]
         for n in names:  # the copies that won a range stay with the layer (their tensors move with it)
-            setattr(layer, f"cublade_{n}", copies[n] if n in won else None)
+            if n not in self.own_kernels:
+                setattr(layer, f"cublade_{n}", copies[n] if n in won else None)
         if "humming" in won:
             say_humming_order()
         self.layer_name = _register(layer, self)
@@ -271,7 +285,9 @@ class MeasuredLinear:
 
     def _kernels(self, layer, copies, adapters) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         out = {"cublade": functools.partial(self.cublade_call, layer)}
-        out.update({n: functools.partial(a.apply, copies[n], bias=None) for n, a in adapters.items()})
+        for n in self.names[1:]:  # in the names' order: the timings' columns
+            out[n] = (functools.partial(self.own_call, n, layer) if n in self.own_kernels
+                      else functools.partial(adapters[n].apply, copies[n], bias=None))
         return out
 
     def _measure(self, layer, key, copies, adapters) -> list[tuple[int, int, int]]:
@@ -281,7 +297,7 @@ class MeasuredLinear:
             times = time_rows(self._kernels(layer, copies, adapters), K, layer.params_dtype, self.device)
             _measured[key] = kernel_ranges(times)
             kept = "".join(f"; {self.labels[n]}'s copy {tensor_bytes(copies[n]) / 2**20:.2f} MiB a layer"
-                           for n in self._won(_measured[key]))
+                           for n in self._won(_measured[key]) if n in copies)
             logger.info("cublade: %s layers of N=%d, K=%d run on %s%s (measured at load in %.1f s, us %s: %s)",
                         self.what, N, K, describe(_measured[key], [self.labels[n] for n in self.names]), kept,
                         time.perf_counter() - t0, " / ".join(self.names),
@@ -293,6 +309,8 @@ class MeasuredLinear:
         k = kernel_at(x2.shape[0], self.ranges)
         if k == 0:
             return self.cublade_call(layer, x2)
+        if self.names[k] in self.own_kernels:
+            return self.own_call(self.names[k], layer, x2)
         return self.adapters[k].apply(getattr(layer, f"cublade_{self.names[k]}"), x2, None)
 
     def apply(self, layer, x, bias):
