@@ -1,7 +1,8 @@
 """W4A16 on cublade's kernels, and on vLLM's W4A16 kernels (Machete, Humming) at the token counts where one of them
-measured faster on this GPU (CUBLADE_W4A16_PREFILL=machete, humming, or machete,humming): cublade.vllm.kernels.measured
-has how the counts are timed and split, and what the copies cost. On the H200, from about 128 tokens Machete or
-Humming lead cublade's kernels on most Llama shapes (docs/performance.md#w4a16-gemm)."""
+measured faster on this GPU (CUBLADE_W4A16_PREFILL=machete, humming, or machete,humming; with fp8 among them,
+cublade's FP8 tensor-core path is timed too): cublade.vllm.kernels.measured has how the counts are timed and split,
+and what the copies cost. On the H200, from about 128 tokens Machete or Humming lead cublade's bf16 kernels on most
+Llama shapes, and from about 1024 the FP8 path leads them all (docs/performance.md#w4a16-gemm)."""
 from __future__ import annotations
 
 import torch
