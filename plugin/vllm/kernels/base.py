@@ -48,6 +48,13 @@ def env_switch(name: str) -> bool:
 ALLOW_REFERENCE_ENV = "CUBLADE_ALLOW_REFERENCE"
 
 
+def batch_invariant() -> bool:
+    """vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)."""
+    from vllm import envs
+
+    return bool(envs.VLLM_BATCH_INVARIANT)
+
+
 def reference_allowed(device: torch.device) -> tuple[bool, str]:
     """(may the reference kernel run a layer on `device`, why). Off a GPU it is the CPU path and always may; on a
     GPU only when asked for with CUBLADE_ALLOW_REFERENCE=1: its fp32 math is many times slower than any

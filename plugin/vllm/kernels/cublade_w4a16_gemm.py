@@ -4,14 +4,8 @@ from __future__ import annotations
 import functools
 
 from cublade.ops.w4a16_gemm import w4a16_gemm_ref, w4a16_repack
-from cublade.vllm.kernels.base import HALF_DTYPES, LinearKernel, cublade_op, replace_parameter, why_no_kernel
-
-
-def batch_invariant() -> bool:
-    """vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)."""
-    from vllm import envs
-
-    return bool(envs.VLLM_BATCH_INVARIANT)
+from cublade.vllm.kernels.base import (HALF_DTYPES, LinearKernel, batch_invariant, cublade_op, replace_parameter,
+                                       why_no_kernel)
 
 
 class CubladeW4A16Gemm(LinearKernel):

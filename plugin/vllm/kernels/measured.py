@@ -26,7 +26,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from cublade.vllm.kernels.base import LinearKernel, replace_parameter
+from cublade.vllm.kernels.base import LinearKernel, batch_invariant, replace_parameter
 
 logger = logging.getLogger("vllm.cublade")
 
@@ -210,12 +210,6 @@ class MeasuredLinear:
         """The vLLM kernels asked for, in the setting's order (none: the kernel does not run)."""
         raise NotImplementedError
 
-    @staticmethod
-    def batch_invariant() -> bool:
-        from vllm import envs
-
-        return bool(envs.VLLM_BATCH_INVARIANT)
-
     def shape_key(self, layer: torch.nn.Module) -> tuple:
         """What besides K, N, dtype and the kernels makes two layers time alike (cublade's op's arguments)."""
         return ()
@@ -237,7 +231,7 @@ class MeasuredLinear:
         names = cls.kernel_names()
         if not names:
             return False, f"runs when asked for ({cls.asked_for})"
-        if cls.batch_invariant():
+        if batch_invariant():
             return False, "VLLM_BATCH_INVARIANT=1 asks for one kernel at every batch size"
         ok, why = super().can_implement(layer)
         if not ok:
