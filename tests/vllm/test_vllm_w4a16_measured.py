@@ -412,3 +412,26 @@ def test_the_fp8_path_only_where_it_runs(vllm_ctx, monkeypatch, scheme):
     else:
         assert not ok and why == ("needs cublade's FP8 tensor-core path too: needs group size 128 or per channel "
                                   "(1 x 128 block scales), the layer has 32")
+
+
+@pytest.mark.parametrize("fails_in", ["preparation", "timing"])
+def test_a_named_kernel_that_fails_here_stops_the_load_in_one_line(stand_ins, monkeypatch, fails_in):
+    """vLLM's Humming compiles its kernels on first use: where that fails on the serving machine (no nvcc, say), the
+    load stops with one line naming the setting, the kernel, the layer shape and the error, not inside Humming."""
+    class Failing(_StandInAdapter):
+        def __init__(self, copy):
+            if fails_in == "preparation":
+                raise ImportError("no module named humming.jit\n  more lines")
+            super().__init__(copy)
+
+        def apply(self, copy, x, bias):
+            raise RuntimeError("nvcc not found")
+    kernels = dict(km.CubladeW4A16Measured.vllm_kernels, humming=Failing)
+    monkeypatch.setattr(km.CubladeW4A16Measured, "vllm_kernels", kernels)
+    with pytest.raises(RuntimeError) as e:
+        km.CubladeW4A16Measured(w4a16_layer()[0])
+    why = "ImportError: no module named humming.jit" if fails_in == "preparation" else "RuntimeError: nvcc not found"
+    assert str(e.value) == (
+        "cublade: CUBLADE_W4A16_PREFILL='machete,humming' asks for a vLLM kernel that failed on this machine while "
+        f"w4a16 layers of N=128, K=256 were prepared for it at load (vLLM's Humming: {why}); leave it out of "
+        "CUBLADE_W4A16_PREFILL")

@@ -22,6 +22,7 @@ class CubladeMxfp8Measured(MeasuredLinear, CubladeMxfp8Gemm):
     own = True
     what = "mxfp8"
     asked_for = f"{MXFP8_PREFILL_ENV}=humming"
+    setting = MXFP8_PREFILL_ENV
     vllm_kernels = VLLM_KERNELS
     labels = LABELS
     copied = ("weight", "weight_scale")

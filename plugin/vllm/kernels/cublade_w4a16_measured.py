@@ -35,6 +35,7 @@ class CubladeW4A16Measured(MeasuredLinear, CubladeW4A16Gemm):
     own = True
     what = "w4a16"
     asked_for = f"{W4A16_PREFILL_ENV}=machete, humming or machete,humming"
+    setting = W4A16_PREFILL_ENV
     vllm_kernels = VLLM_KERNELS
     labels = LABELS
     copied = ("weight_packed", "weight_scale", "weight_zero_point")

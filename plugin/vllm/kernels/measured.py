@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import statistics
 import time
 import weakref
@@ -129,6 +130,23 @@ def time_rows(kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]], K: int
     return out
 
 
+class KernelFailed(RuntimeError):
+    """A vLLM kernel the setting names failed on this machine while a layer was prepared or timed at load."""
+
+
+def _guarded(label: str, f: Callable) -> Callable:
+    """f, its failures raised as KernelFailed naming `label` (one line: the error's type and first line)."""
+    def call(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except KernelFailed:
+            raise
+        except Exception as e:  # noqa: BLE001  (whatever a vLLM kernel raises: named, then stopped in __init__)
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise KernelFailed(f"{label}: {type(e).__name__}{': ' + first if first else ''}") from e
+    return call
+
+
 class WeightCopy(torch.nn.Module):
     """The attributes vLLM's linear kernels read from a layer, with copies of the layer's quantized tensors `names` in
     cublade's checkpoint layout: a vLLM kernel's adapter builds its own layout here and leaves the layer's tensors to
@@ -198,6 +216,7 @@ class MeasuredLinear:
     picks)."""
     what: ClassVar[str] = ""  # the scheme, in the log
     asked_for: ClassVar[str] = ""  # the setting that asks for the kernel, in its refusal
+    setting: ClassVar[str] = ""  # its environment variable, in the error where a named kernel fails
     vllm_kernels: ClassVar[dict[str, type[LinearKernel]]] = {}  # name the setting gives -> adapter class
     labels: ClassVar[dict[str, str]] = {}  # "cublade" and each name -> the log's words
     copied: ClassVar[tuple[str, ...]] = ()  # the layer's tensors a vLLM kernel's copy takes
@@ -256,10 +275,18 @@ class MeasuredLinear:
         # a shape timed before: only the vLLM kernels that won a range there get a copy
         wanted = self._won(_measured[key]) if key in _measured else list(names)
         copies = {n: WeightCopy(layer, self.copied) for n in wanted if n not in self.own_kernels}
-        adapters = {n: self.vllm_kernels[n](c) for n, c in copies.items()}  # before cublade's repack of the tensors
-        super().__init__(layer)
-        self.measured_n = layer.output_size_per_partition
-        self.ranges = self._measure(layer, key, copies, adapters)
+        try:
+            # before cublade's repack replaces the tensors
+            adapters = {n: _guarded(self.labels[n], self.vllm_kernels[n])(c) for n, c in copies.items()}
+            super().__init__(layer)
+            self.measured_n = layer.output_size_per_partition
+            self.ranges = self._measure(layer, key, copies, adapters)
+        except KernelFailed as e:
+            raise RuntimeError(
+                f"cublade: {self.setting}={os.environ.get(self.setting, '')!r} asks for a vLLM kernel that failed on "
+                f"this machine while {self.what} layers of N={layer.output_size_per_partition}, "
+                f"K={layer.input_size_per_partition} were prepared for it at load ({e}); leave it out of "
+                f"{self.setting}") from e
         won = self._won(self.ranges)
         self.adapters = [None] + [adapters[n] if n in won and n in adapters else None for n in names]
         for n in names:  # the copies that won a range stay with the layer (their tensors move with it)
@@ -281,7 +308,7 @@ class MeasuredLinear:
         out = {"cublade": functools.partial(self.cublade_call, layer)}
         for n in self.names[1:]:  # in the names' order: the timings' columns
             out[n] = (functools.partial(self.own_call, n, layer) if n in self.own_kernels
-                      else functools.partial(adapters[n].apply, copies[n], bias=None))
+                      else _guarded(self.labels[n], functools.partial(adapters[n].apply, copies[n], bias=None)))
         return out
 
     def _measure(self, layer, key, copies, adapters) -> list[tuple[int, int, int]]:

@@ -16,4 +16,6 @@ class VllmHummingMxfp8(VllmMarlinMxfp8):
     def _why_not_installed(cls) -> str | None:
         from vllm.utils.import_utils import has_humming
 
-        return None if has_humming() else "vLLM's Humming needs the humming-kernels package (pip install humming-kernels)"
+        if has_humming():
+            return None
+        return "vLLM's Humming needs the humming-kernels package (pip install humming-kernels)"
