@@ -27,13 +27,11 @@ import argparse
 import functools
 import importlib.util
 import json
-import os
-from unittest.mock import patch
 
 import torch
 
-from common import (bench_us, graphed, humming_linear, print_kernel_table, rel_err, require_op, stand_in_layer,
-                    vllm_single_process_state, write_json)
+from common import (bench_us, graphed, humming_linear, measured_linear, print_kernel_table, rel_err, require_op,
+                    stand_in_layer, vllm_single_process_state, write_json)
 
 bench = functools.partial(bench_us, rep_ms=100)
 KERNELS = ("cublade-mxfp8-gemm", "vllm-marlin-mxfp8", "cublade-mxfp8-dequant-matmul")
@@ -92,17 +90,8 @@ def with_measured(q: torch.Tensor, codes: torch.Tensor):
 
     layer = mxfp8_layer(q, codes)
     layer.logical_widths, layer.prefix = [q.shape[0]], f"bench.mxfp8.{q.shape[1]}x{q.shape[0]}"
-    try:
-        vllm_single_process_state()
-        with patch.dict(os.environ, {MXFP8_PREFILL_ENV: "humming"}):  # the class reads its kernels when built
-            from cublade.vllm.kernels.cublade_mxfp8_measured import CubladeMxfp8Measured
-            ok, why = CubladeMxfp8Measured.can_implement(layer)
-            if not ok:
-                return None, why
-            kernel = CubladeMxfp8Measured(layer)
-    except Exception as e:  # noqa: BLE001  (any failure to build it means: no column)
-        return None, f"{type(e).__name__}: {e}"
-    return (lambda x: kernel.apply(layer, x, None)), kernel.said()
+    return measured_linear("cublade.vllm.kernels.cublade_mxfp8_measured", "CubladeMxfp8Measured", MXFP8_PREFILL_ENV,
+                           "humming", layer)
 
 
 def main() -> None:

@@ -32,12 +32,11 @@ import argparse
 import functools
 import importlib.util
 import json
-import os
-from unittest.mock import patch
 
 import torch
 
-from common import REFERENCE_COPY_TBPS, bench_us, graphed, rel_err, require_op, vllm_single_process_state, write_json
+from common import (REFERENCE_COPY_TBPS, bench_us, graphed, measured_linear, rel_err, require_op,
+                    vllm_single_process_state, write_json)
 
 bench = functools.partial(bench_us, rep_ms=100)  # median us, do_bench's 100 ms window
 G = 128
@@ -98,16 +97,8 @@ def with_measured(wp: torch.Tensor, ws: torch.Tensor, N: int, K: int, kernels: s
     layer.input_size = layer.input_size_per_partition = K
     layer.logical_widths, layer.prefix = [N], f"bench.{K}x{N}"
     layer.params_dtype, layer.cublade_scheme, layer.bias = torch.bfloat16, W4A16Scheme(G, True), None
-    try:
-        with patch.dict(os.environ, {W4A16_PREFILL_ENV: kernels}):  # the class reads its kernels when built
-            from cublade.vllm.kernels.cublade_w4a16_measured import CubladeW4A16Measured
-            ok, why = CubladeW4A16Measured.can_implement(layer)
-            if not ok:
-                return None, why
-            kernel = CubladeW4A16Measured(layer)
-    except Exception as e:  # noqa: BLE001  (any failure to build it means: no column)
-        return None, f"{type(e).__name__}: {e}"
-    return (lambda x: kernel.apply(layer, x, None)), kernel.said()
+    return measured_linear("cublade.vllm.kernels.cublade_w4a16_measured", "CubladeW4A16Measured", W4A16_PREFILL_ENV,
+                           kernels, layer)
 
 
 def main() -> None:

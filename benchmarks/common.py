@@ -201,6 +201,27 @@ def stand_in_layer(tensors: dict, scheme, N: int, K: int) -> torch.nn.Module:
     return layer
 
 
+def measured_linear(module: str, cls: str, env: str, value: str, layer: torch.nn.Module):
+    """(fn(x), the ranges it measured, in the log's words) for one of cublade's measured kernel classes
+    (cublade.vllm.kernels.measured: `cls` of `module`) built on `layer` with `env`=`value` (the class reads its kernels
+    when built): cublade's op and the named kernels, the shape timed as at load and each call on the fastest for its
+    M; or (None, why) where it cannot be built (no vLLM, a kernel that cannot take the shape or fails here)."""
+    import importlib
+    from unittest.mock import patch
+
+    try:
+        vllm_single_process_state()
+        with patch.dict(os.environ, {env: value}):
+            kernel_cls = getattr(importlib.import_module(module), cls)
+            ok, why = kernel_cls.can_implement(layer)
+            if not ok:
+                return None, why
+            kernel = kernel_cls(layer)
+    except Exception as e:  # noqa: BLE001  (any failure to build it means: no column)
+        return None, f"{type(e).__name__}: {e}"
+    return (lambda x: kernel.apply(layer, x, None)), kernel.said()
+
+
 def humming_linear(kernel_cls, config, layer: torch.nn.Module, what: str):
     """(fn(x), None) for one of vLLM's Humming linear kernel classes prepared on `layer` as vLLM does at load time, or
     (None, why it cannot run here): the humming package missing, the GPU refused, or the preparation failing."""

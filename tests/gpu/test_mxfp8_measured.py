@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 import torch
-from stand_in import stand_in_layer
+from stand_in import vllm_stand_in_layer
 
 HUMMING = "vLLM's Humming needs the humming-kernels package (README: the device's wheels)"
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)"),
@@ -18,12 +18,7 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 
 def mxfp8_layer(scheme, tensors, N: int, K: int) -> torch.nn.Module:
-    layer = stand_in_layer(scheme, {k: v.clone() for k, v in tensors.items()}, N, K)
-    # what vLLM's Humming reads from a linear layer (full sizes: one rank)
-    layer.input_size, layer.output_size = K, N
-    layer.output_partition_sizes, layer.logical_widths, layer.has_bias = [N], [N], False
-    layer.prefix = f"test.mxfp8.{N}x{K}"
-    return layer
+    return vllm_stand_in_layer(scheme, tensors, N, K, f"test.mxfp8.{N}x{K}")
 
 
 @pytest.mark.parametrize("N,K", [(4096, 4096), (4096, 14336), (1024, 2048)])

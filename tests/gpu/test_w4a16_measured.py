@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 import torch
-from stand_in import stand_in_layer
+from stand_in import vllm_stand_in_layer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 device)")
 HUMMING = pytest.mark.skipif(importlib.util.find_spec("humming") is None,
@@ -20,12 +20,7 @@ HUMMING = pytest.mark.skipif(importlib.util.find_spec("humming") is None,
 
 
 def w4a16_layer(scheme, tensors, N: int, K: int) -> torch.nn.Module:
-    layer = stand_in_layer(scheme, {k: v.clone() for k, v in tensors.items()}, N, K)
-    # what vLLM's adapters read from a linear layer (full sizes: one rank)
-    layer.input_size, layer.output_size = K, N
-    layer.output_partition_sizes, layer.logical_widths, layer.has_bias = [N], [N], False
-    layer.prefix = f"test.{N}x{K}"
-    return layer
+    return vllm_stand_in_layer(scheme, tensors, N, K, f"test.{N}x{K}")
 
 
 @pytest.mark.parametrize("kernels", ["machete", pytest.param("humming", marks=HUMMING),

@@ -10,7 +10,7 @@ import torch
 from gpu_mock import mocked_gpu
 from stand_in import stand_in_layer
 from test_vllm_kernels_by_gpu import choice, loaded_layer
-from test_vllm_w4a16_measured import _StandInAdapter
+from test_vllm_w4a16_measured import _StandInAdapter, stand_in_timing
 from vllm_layers import KINDS
 
 from cublade.config import MXFP8Scheme
@@ -37,21 +37,10 @@ def test_the_environment_refuses_what_it_cannot_time(monkeypatch, value):
 def stand_in(monkeypatch):
     """A stand-in Humming (tests/vllm/test_vllm_w4a16_measured.py's adapter: returns its offset, 100) and the times a
     GPU gave: Humming faster at 256-512 tokens, by 1% only at 1024 (cublade's there), faster again from 2048."""
-    _StandInAdapter.built = []
-    monkeypatch.setattr(kx.CubladeMxfp8Measured, "vllm_kernels", {"humming": type("H", (_StandInAdapter,), {})})
-    monkeypatch.setattr(mk, "_measured", {})
-    monkeypatch.setattr(mk, "_layers", {})
-    timed = []
-
-    def time_rows(kernels, K, dtype, device):
-        timed.append(list(kernels))
-        for f in kernels.values():  # each kernel runs on the layer's tensors
-            f(torch.randn(16, K, dtype=dtype))
-        return {16: [1.0, 2.0], 128: [10.0, 12.0], 256: [20.0, 15.0], 512: [40.0, 30.0], 1024: [80.0, 79.5],
-                2048: [160.0, 140.0]}
-    monkeypatch.setattr(mk, "time_rows", time_rows)
     monkeypatch.setenv("CUBLADE_MXFP8_PREFILL", "humming")
-    return timed
+    return stand_in_timing(monkeypatch, kx.CubladeMxfp8Measured, {"humming": type("H", (_StandInAdapter,), {})},
+                           lambda K: {16: [1.0, 2.0], 128: [10.0, 12.0], 256: [20.0, 15.0], 512: [40.0, 30.0],
+                                      1024: [80.0, 79.5], 2048: [160.0, 140.0]})
 
 
 def mxfp8_layer(N=128, K=256, prefix="model.layers.0.mlp.gate_up_proj"):

@@ -92,14 +92,12 @@ class _StandInAdapter:
         return x.new_full((x.shape[0], copy.output_size_per_partition), self.offset)
 
 
-@pytest.fixture
-def stand_ins(monkeypatch):
-    """cublade's op as its reference, two stand-in vLLM kernels, and the times a GPU gave: Machete fastest at 128-256
-    tokens, Humming from 512 (k = 1, 2); Humming never wins on a shape of N = 64."""
+def stand_in_timing(monkeypatch, kernel_class, adapters: dict, times) -> list:
+    """`kernel_class` (a measured kernel class) on the stand-in vLLM kernels `adapters`, with empty tables of timed
+    shapes and layers, and a stand-in timing: each kernel run once on the layer's tensors, then `times(K)`, the times
+    a GPU gave. Returns the kernels each timing was given, a list per timing."""
     _StandInAdapter.built = []
-    monkeypatch.setattr(km.CubladeW4A16Measured, "vllm_kernels", {"machete": type("M", (_StandInAdapter,), {}),
-                                                                  "humming": type("H", (_StandInAdapter,), {})})
-    monkeypatch.setattr(km, "_cublade_gemm", w4a16_gemm_ref)
+    monkeypatch.setattr(kernel_class, "vllm_kernels", adapters)
     monkeypatch.setattr(mk, "_measured", {})
     monkeypatch.setattr(mk, "_layers", {})
     timed = []
@@ -108,11 +106,21 @@ def stand_ins(monkeypatch):
         timed.append(list(kernels))
         for f in kernels.values():  # each kernel runs on the layer's tensors
             f(torch.randn(16, K, dtype=dtype))
-        humming = 30.0 if K == 256 else 1e9
-        return {16: [1.0, 2.0, 3.0], 128: [10.0, 8.0, 9.0], 256: [20.0, 15.0, 16.0], 512: [40.0, 39.0, humming]}
+        return times(K)
     monkeypatch.setattr(mk, "time_rows", time_rows)
-    monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "machete,humming")
     return timed
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """cublade's op as its reference, two stand-in vLLM kernels, and the times a GPU gave: Machete fastest at 128-256
+    tokens, Humming from 512 (k = 1, 2); Humming never wins on a shape of N = 64."""
+    monkeypatch.setattr(km, "_cublade_gemm", w4a16_gemm_ref)
+    monkeypatch.setenv("CUBLADE_W4A16_PREFILL", "machete,humming")
+    return stand_in_timing(monkeypatch, km.CubladeW4A16Measured, {"machete": type("M", (_StandInAdapter,), {}),
+                                                                  "humming": type("H", (_StandInAdapter,), {})},
+                           lambda K: {16: [1.0, 2.0, 3.0], 128: [10.0, 8.0, 9.0], 256: [20.0, 15.0, 16.0],
+                                      512: [40.0, 39.0, 30.0 if K == 256 else 1e9]})
 
 
 def w4a16_layer(N=128, K=256, scheme=W4A16Scheme(128, True), prefix="model.layers.0.mlp.down_proj", seed=0):

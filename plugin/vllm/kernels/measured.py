@@ -210,10 +210,10 @@ def say_humming_order() -> None:
 
 
 class MeasuredLinear:
-    """Mixin before one of cublade's kernel classes (its constructor repacks the layer's tensors, `cublade_call` runs
-    its op): the vLLM kernels `kernel_names()` returns run the token counts where one measured faster at load (module
-    docstring). Not under VLLM_BATCH_INVARIANT=1 (a prompt's logits would depend on which kernel its batch size
-    picks)."""
+    """Mixin before one of cublade's kernel classes (its constructor repacks the layer's tensors and sets `size_n`,
+    `cublade_call` runs its op): the vLLM kernels `kernel_names()` returns run the token counts where one measured
+    faster at load (module docstring). Not under VLLM_BATCH_INVARIANT=1 (a prompt's logits would depend on which kernel
+    its batch size picks)."""
     what: ClassVar[str] = ""  # the scheme, in the log
     asked_for: ClassVar[str] = ""  # the setting that asks for the kernel, in its refusal
     setting: ClassVar[str] = ""  # its environment variable, in the error where a named kernel fails
@@ -279,7 +279,6 @@ class MeasuredLinear:
             # before cublade's repack replaces the tensors
             adapters = {n: _guarded(self.labels[n], self.vllm_kernels[n])(c) for n, c in copies.items()}
             super().__init__(layer)
-            self.measured_n = layer.output_size_per_partition
             self.ranges = self._measure(layer, key, copies, adapters)
         except KernelFailed as e:
             raise RuntimeError(
@@ -288,7 +287,7 @@ class MeasuredLinear:
                 f"K={layer.input_size_per_partition} were prepared for it at load ({e}); leave it out of "
                 f"{self.setting}") from e
         won = self._won(self.ranges)
-        self.adapters = [None] + [adapters[n] if n in won and n in adapters else None for n in names]
+        self.adapters = [None] + [adapters.get(n) if n in won else None for n in names]  # cublade's paths: None
         for n in names:  # the copies that won a range stay with the layer (their tensors move with it)
             if n not in self.own_kernels:
                 setattr(layer, f"cublade_{n}", copies[n] if n in won else None)
@@ -312,7 +311,7 @@ class MeasuredLinear:
         return out
 
     def _measure(self, layer, key, copies, adapters) -> list[tuple[int, int, int]]:
-        K, N = layer.input_size_per_partition, self.measured_n
+        K, N = layer.input_size_per_partition, self.size_n
         if key not in _measured:
             t0 = time.perf_counter()
             times = time_rows(self._kernels(layer, copies, adapters), K, layer.params_dtype, self.device)
@@ -337,6 +336,6 @@ class MeasuredLinear:
     def apply(self, layer, x, bias):
         # Through the op even where cublade's kernels won every count: the compiled graph is then the same whatever
         # a run measured, and vLLM loads a compiled model cached by another run (VLLM_USE_AOT_COMPILE) as it is.
-        y = torch.ops.cublade.measured_linear(x.reshape(-1, x.shape[-1]), self.measured_n, self.layer_name)
-        y = y.reshape(*x.shape[:-1], self.measured_n)
+        y = torch.ops.cublade.measured_linear(x.reshape(-1, x.shape[-1]), self.size_n, self.layer_name)
+        y = y.reshape(*x.shape[:-1], self.size_n)
         return y if bias is None else y + bias
