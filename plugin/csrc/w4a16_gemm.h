@@ -69,9 +69,11 @@ constexpr int64_t kMidWeightElements = int64_t(1) << 26;
 // 700-762 us at 448 rows on 8192x28672 against 485-513 at 512.)
 // MXFP8's passes of 256 (from 192 rows) take the same tiers: kernels / prefill path 0.55-0.93 up to 512 rows on
 // 8192x28672, 28672x8192 and 4096x28672, 0.93-1.09 at 640-1024; 0.61-0.93 up to 512 and 1.01-1.13 from 640 on
-// 8192x10240; 0.65-1.07 up to 512 and 1.05-1.31 from 640 on 4096x14336 / 14336x4096 (14336x4096 1.06-1.07 at
-// 448-512); on 4096x4096 / 4096x6144 1.09 / 0.83 at 256, 1.06-2.25 from 320. The worst call against the faster path, over the 72 measured (7 shapes x 192-1024 rows): 1.09x (4096x4096
-// at 256 rows), 1.65x under the tiers of the passes of 128 (384 rows; 512 from 2^27 elements).
+// 8192x10240; 0.65-1.07 up to 512 and 1.05-1.31 from 640 on 4096x14336 / 14336x4096 (14336x4096 1.06-1.07 at 448-512);
+// on 4096x4096 / 4096x6144 1.09 / 0.83 at 256, 1.06-2.25 from 320. The worst call against the faster path, over the 72
+// measured (7 shapes x 192-1024 rows): 1.09x (4096x4096 at 256 rows), 1.65x under the tiers of the passes of 128 (384
+// rows; 512 from 2^27 elements). The op timed with these tiers (same 72 calls, another run): at worst 1.13x (4096x4096
+// at 256 rows), 1.007x on average.
 constexpr int64_t rounded_prefill_rows(int64_t N, int64_t K) {
   return N * K < kSmallWeightElements ? 257 : N * K < kMidWeightElements ? 640 : 1024;
 }

@@ -9,8 +9,8 @@ and the one-time repack of the checkpoint layout into the kernels'.
   bf16. On a GPU with the extension `torch.ops.cublade.mxfp8_gemm` (csrc/mxfp8_gemm.cu): 1-16 rows on the streaming
   kernel (mma.sync), from 17 on the wide kernel (wgmma, up to 128 rows a pass, 256 from 192 rows left; a workspace
   for x), from 257 rows on weights under 2^25 elements (640 under 2^26, 1024 above) the prefill path
-  (`mxfp8_dequant_packed`, then cuBLAS). Elsewhere the reference `mxfp8_gemm_ref`, the same numbers up to fp32 summation order. `split_k` (1..8
-  forces the streaming kernel at any M; 0 = automatic) is for tuning and tests.
+  (`mxfp8_dequant_packed`, then cuBLAS). Elsewhere the reference `mxfp8_gemm_ref`, the same numbers up to fp32
+  summation order. `split_k` (1..8 forces the streaming kernel at any M; 0 = automatic) is for tuning and tests.
 
 `mxfp8_dequant_packed(packed, size_n, size_k) -> bf16 [size_n, size_k]`: the weight the kernels multiply by, bit for
   bit (the prefill path's input to cuBLAS); equal to `mxfp8_dequant(weight, weight_scale, torch.bfloat16)`.

@@ -8,13 +8,12 @@ from cublade.vllm.kernels.base import LinearKernel, gpu_half, replace_parameter,
 
 
 class CubladeMxfp8Gemm(LinearKernel):
-    """cublade's MXFP8 GEMM (cublade.ops.mxfp8_gemm, W8A16) on weights repacked once by `mxfp8_repack` into the
-    kernels' tile layout (1 byte a weight plus its exponents, as the checkpoint). The op runs 1-16 tokens on its
-    streaming kernel, from 17 on its wide (wgmma) kernel, and from 257 (640 on weights of 2^25 elements or more,
-    1024 from 2^26) dequantizes the weight to bf16 and runs cuBLAS (the prefill path; a transient N x K bf16 weight
-    per call). Each
-    path multiplies the same exact bf16 weights. bf16 activations only (the kernels build bf16 weights); E8M0 scales
-    up to 2^7.
+    """cublade's MXFP8 GEMM (cublade.ops.mxfp8_gemm, W8A16) on weights repacked once by `mxfp8_repack` into the kernels'
+    tile layout (1 byte a weight plus its exponents, as the checkpoint). The op runs 1-16 tokens on its streaming
+    kernel, from 17 on its wide (wgmma) kernel, and from 257 (640 on weights of 2^25 elements or more, 1024 from 2^26)
+    dequantizes the weight to bf16 and runs cuBLAS (the prefill path; a transient N x K bf16 weight per call). Each path
+    multiplies the same exact bf16 weights. bf16 activations only (the kernels build bf16 weights); E8M0 scales up to
+    2^7.
     On an H200 (benchmarks/bench_mxfp8_gemm.py, every kernel class in one run; docs/performance.md): against vLLM's
     MXFP8 Marlin 1.00-1.63x as fast at 1-16 tokens, 1.03-1.70x at 32-256, 1.54-2.32x from 512 (K 8192 x N 28672 at
     M = 1 / 64 / 256 / 4096: 75.7 / 94.0 / 261.4 / 2845.5 us, Marlin 75.6 / 113.9 / 411.1 / 6591.4); 3.4-4.5x as fast
