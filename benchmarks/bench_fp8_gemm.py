@@ -3,11 +3,14 @@ in the same run, as the product runs them:
   cublade-fp8-gemm        the layer's kernel class (cublade.vllm.kernels): activations quantized by cublade's op,
                           then cublade's fp8_gemm up to FP8_GEMM_MAX_ROWS tokens, vLLM's CUTLASS above
   cublade fp8_gemm        cublade's quantization (bf16 values) + fp8_gemm at every M (where it crosses CUTLASS)
+  cublade fp8_gemm f16    the same with fp16 values: fp8_gemm's other decode (one conversion instruction per two
+                          codes, fp16 mma's)
   vllm-cutlass-scaled-mm  cublade's quantization (E4M3) + vLLM's CUTLASS scaled-mm (what the layer ran before)
   vllm-humming-fp8        vLLM's Humming FP8 kernel (HummingFP8ScaledMMLinearKernel, needs humming-kernels) on the
                           same tensors
   bf16                    a bf16 linear of the dequantized weight (cuBLAS)
-and the two GEMM kernels alone (their activations quantized beforehand): "fp8_gemm only", "cutlass only"; with
+and the GEMM kernels alone (their activations quantized beforehand): "fp8_gemm only", "fp8_gemm f16 only",
+"cutlass only"; with
 --splits, fp8_gemm alone at each of those K splits too ("fp8_gemm S=2": the split rule's tuning).
 
     python benchmarks/bench_fp8_gemm.py [--shapes 4096x6144,4096x4096,4096x28672,14336x4096]
@@ -98,7 +101,8 @@ def main() -> None:
 
     from cublade.numerics.fp8 import fp8_quant_weight
     from cublade.ops.fp8_gemm import fp8_gemm
-    from cublade.ops.fp8_quant_per_token import fp8_quant_per_token, fp8_quant_per_token_bf16
+    from cublade.ops.fp8_quant_per_token import (fp8_quant_per_token, fp8_quant_per_token_bf16,
+                                                 fp8_quant_per_token_f16)
 
     dev = torch.device("cuda")
     rows, why_not = [], {}
@@ -121,6 +125,7 @@ def main() -> None:
         else:
             fns["vllm-humming-fp8"] = hfn
         fns["cublade fp8_gemm"] = lambda x: fp8_gemm(*fp8_quant_per_token_bf16(x), w, ws)
+        fns["cublade fp8_gemm f16"] = lambda x: fp8_gemm(*fp8_quant_per_token_f16(x), w, ws)
         fns["bf16"] = lambda x: torch.nn.functional.linear(x, wbf)
         x16 = (torch.randn(16, K, device=dev, generator=g) * 2).to(torch.bfloat16)
         xq16, xs16 = fp8_quant_per_token(x16)
@@ -130,8 +135,10 @@ def main() -> None:
             x = (torch.randn(M, K, device=dev, generator=g) * 2).to(torch.bfloat16)
             xv, xs = fp8_quant_per_token_bf16(x)
             xq, _ = fp8_quant_per_token(x)
+            xh = xv.to(torch.float16)  # the same E4M3 values
             kernels_only = {
                 "fp8_gemm only": lambda: fp8_gemm(xv, xs, w, ws),
+                "fp8_gemm f16 only": lambda: fp8_gemm(xh, xs, w, ws),
                 "cutlass only": lambda: vllm_ops.cutlass_scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws,
                                                                    out_dtype=torch.bfloat16),
             }

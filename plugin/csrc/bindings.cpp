@@ -7,8 +7,9 @@
 TORCH_LIBRARY(cublade, m) {
   // Dynamic per-token FP8: x [..., K] -> (e4m3 [..., K], fp32 scale [..., 1]).
   m.def("fp8_quant_per_token(Tensor x) -> (Tensor, Tensor)");
-  // The same E4M3 values written as bf16 (exact): fp8_gemm's activations. bf16 x only.
+  // The same E4M3 values written as bf16 or fp16 (exact in both): fp8_gemm's activations. bf16 x only.
   m.def("fp8_quant_per_token_bf16(Tensor x) -> (Tensor, Tensor)");
+  m.def("fp8_quant_per_token_f16(Tensor x) -> (Tensor, Tensor)");
   // Per-tensor FP8, dynamic (scale=None) or static: x -> (e4m3 of x's shape, fp32 scale [1]).
   m.def("fp8_quant_per_tensor(Tensor x, Tensor? scale=None) -> (Tensor, Tensor)");
   // Dynamic FP8 per 1 x 128 group: x [M, K] -> (e4m3 [M, K], fp32 scale [M, K/128] column-major).
@@ -41,8 +42,9 @@ TORCH_LIBRARY(cublade, m) {
   // -> bf16 [..., size_n]; and the same blob -> the dense bf16 weight [size_n, size_k] (the prefill path).
   m.def("mxfp8_gemm(Tensor x, Tensor packed, int size_n, int split_k=0) -> Tensor");
   m.def("mxfp8_dequant_packed(Tensor packed, int size_n, int size_k) -> Tensor");
-  // FP8 W8A8 decode GEMM on the E4M3 weight [size_n, K] as stored (no repack): x [..., K] bf16 holding E4M3 values
-  // (fp8_quant_per_token_bf16), x_scale fp32 (one per row or one), weight_scale fp32 [size_n] -> bf16 [..., size_n].
+  // FP8 W8A8 decode GEMM on the E4M3 weight [size_n, K] as stored (no repack): x [..., K] bf16 or fp16 holding E4M3
+  // values (fp8_quant_per_token_bf16 / _f16), x_scale fp32 (one per row or one), weight_scale fp32 [size_n] -> bf16
+  // [..., size_n].
   m.def("fp8_gemm(Tensor x, Tensor x_scale, Tensor weight, Tensor weight_scale, int split_k=0) -> Tensor");
   // MoE routing around fp4_gemm: topk_ids [T, k] + x [T, H] -> (xs [T*k, H] sorted by expert, expert_offsets
   // [E+1] int32, pos [T*k] int32); then y [T*k, N] -> out [T, N] = sum_j topk_weights[t, j] * y[pos[t*k + j]].

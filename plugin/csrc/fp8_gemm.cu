@@ -3,13 +3,14 @@
 // batches above this kernel's range stay on CUTLASS's FP8 tensor cores.
 //   out[m, n] = (sum_k x[m, k] * w[n, k]) * x_scale[m] * w_scale[n]
 // Numerics (the `fp8` scheme's W8A8 reference, cublade.numerics.linear.fp8_linear_ref): x holds the E4M3 activation
-// values as bf16 (exact), each weight code is decoded to its exact bf16 value, so every product is exact in the
-// mma's fp32 accumulators; the sums differ from the reference's only in fp32 summation order; then the two scales in
-// the reference's order and one rounding to bf16.
+// values as bf16 or fp16 (exact in both), each weight code is decoded to its exact value in the same type, so every
+// product is exact in the mma's fp32 accumulators; the sums differ from the reference's only in fp32 summation order;
+// then the two scales in the reference's order and one rounding to bf16.
 // Kernel: the weight-streaming kernel of w4a16_gemm.cuh with plain rows (kPlainRows): each stage's 64 rows x 512 K
 // arrive as four TMA boxes of 64 rows x 128 K with the 128-byte swizzle (the rows' 16-byte chunks rotated by row,
 // which the consumers' loads undo, see the kernel), and the codes become bf16 as the MXFP8 kernels decode theirs
-// (mxfp8_codes.cuh: bit placement, then one HMUL2 by 2^120).
+// (mxfp8_codes.cuh: bit placement, then one HMUL2 by 2^120) for bf16 x, or with one conversion instruction per two
+// codes (cvt.rn.f16x2.e4m3x2) for fp16 x: 8 instructions per lane and packet half instead of 19.
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp8_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
 #include "mxfp8_codes.cuh"
@@ -51,6 +52,39 @@ struct Fp8RowsPolicy {
       mxfp8::dequant_step(blob_order(q[h].z), blob_order(q[h].w), kTwo120, kTwo120, a[2 * h + 1]);
     }
     lowbit::mma_packet<T>(acc, a, xc);
+  }
+};
+
+// The same rows for fp16 x: each 16-bit half of a lane word (2 consecutive K) becomes an fp16 pair in one conversion
+// instruction, already in the mma's pair order, and the mma's run on fp16 (the output is still bf16). Lane word .x
+// (.y) holds row g's (g + 8's) K kc .. kc + 3, .z / .w their kc + 4 .. + 7; x's 16-byte load holds kc .. kc + 7
+// as pairs (kc, kc + 1) .. (kc + 6, kc + 7), the B fragments of two k-steps.
+template <int NT_>
+struct Fp8RowsF16Policy : Fp8RowsPolicy<NT_> {
+  template <int j, int kSliceK>
+  __device__ static void packet(typename Fp8RowsPolicy<NT_>::State&, const uint4 (&q)[2], const unsigned char*,
+                                const uint4 (&xc)[2][NT_], float (&acc)[NT_][4], int) {
+    auto f16x2 = [](uint32_t w, bool high) {  // the two codes of w's low or high 16 bits as an fp16 pair (exact)
+      uint32_t d;
+      if (high)
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h; }" : "=r"(d) : "r"(w));
+      else
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l; }" : "=r"(d) : "r"(w));
+      return d;
+    };
+    uint32_t a[4][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // k-step 2h: K kc .. kc + 3 (rows g, g + 8: (kc, kc+1) then (kc+2, kc+3))
+      const uint32_t w[4] = {q[h].x, q[h].y, q[h].z, q[h].w};
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        a[2 * h + s][0] = f16x2(w[2 * s], false);
+        a[2 * h + s][1] = f16x2(w[2 * s + 1], false);
+        a[2 * h + s][2] = f16x2(w[2 * s], true);
+        a[2 * h + s][3] = f16x2(w[2 * s + 1], true);
+      }
+    }
+    lowbit::mma_packet<__half>(acc, a, xc);
   }
 };
 
@@ -107,6 +141,11 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream) {
   const int S = a.split_k > 0 ? a.split_k : lowbit::pick_split(prm.groups, prm.chunks, a.sms);
   const int nt = lowbit::token_tiles(prm.M);
   prm.xrows = std::min(8 * nt, prm.M);
+  if (a.x_f16) {
+    if (nt == 1) return lowbit::launch_byte_weights_8_rows<Fp8RowsF16Policy<1>>(prm, S, stream);
+    if (nt == 2) return lowbit::launch_tpw<Fp8RowsF16Policy<2>>(prm, 1, S, stream);
+    return lowbit::launch_tpw<Fp8RowsF16Policy<4>>(prm, 1, S, stream);
+  }
   if (nt == 1) return lowbit::launch_byte_weights_8_rows<Fp8RowsPolicy<1>>(prm, S, stream);
   if (nt == 2) return lowbit::launch_tpw<Fp8RowsPolicy<2>>(prm, 1, S, stream);
   return lowbit::launch_tpw<Fp8RowsPolicy<4>>(prm, 1, S, stream);

@@ -15,8 +15,10 @@ namespace {
 at::Tensor fp8_gemm(const at::Tensor& x_in, const at::Tensor& x_scale_in, const at::Tensor& weight,
                     const at::Tensor& weight_scale_in, int64_t split_k) {
   constexpr const char* op = "fp8_gemm";
-  CUBLADE_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kBFloat16, op,
-                                "x must be bfloat16 (E4M3 values from fp8_quant_per_token_bf16), got ",
+  const bool x_f16 = x_in.scalar_type() == at::kHalf;
+  CUBLADE_CHECK_NOT_IMPLEMENTED(x_f16 || x_in.scalar_type() == at::kBFloat16, op,
+                                "x must be bfloat16 or float16 (E4M3 values from fp8_quant_per_token_bf16 / _f16), "
+                                "got ",
                                 dt(x_in.scalar_type()));
   CUBLADE_CHECK_VALUE(x_in.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
   CUBLADE_CHECK_VALUE(x_in.is_cuda() && weight.device() == x_in.device(), op,
@@ -52,10 +54,10 @@ at::Tensor fp8_gemm(const at::Tensor& x_in, const at::Tensor& x_scale_in, const 
   const at::Tensor x_scale = x_scale_in.contiguous(), weight_scale = weight_scale_in.contiguous();
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = N;
-  at::Tensor out = at::empty(out_shape, x_in.options());
+  at::Tensor out = at::empty(out_shape, x_in.options().dtype(at::kBFloat16));
   if (M == 0) return out;
   Fp8GemmArgs a;
-  a.x = x.data_ptr(); a.M = M; a.K = K; a.x_stride = x.stride(0);
+  a.x = x.data_ptr(); a.x_f16 = x_f16; a.M = M; a.K = K; a.x_stride = x.stride(0);
   a.x_scale = x_scale.data_ptr<float>(); a.x_scale_stride = x_scale.numel() == M && M > 1 ? 1 : 0;
   a.w = weight.data_ptr(); a.w_scale = weight_scale.data_ptr<float>();
   a.out = out.data_ptr(); a.out_stride = N; a.N = N;

@@ -1,7 +1,7 @@
 // Dynamic per-token FP8 E4M3 quantization: x [M, K] (bf16/fp16/fp32) -> q e4m3 [M, K], scale fp32 [M].
 //   scale = max(amax_row / 448, 1/(448*512)) (NaN kept), q = e4m3(x / scale) (IEEE division, as vLLM's
 //   dynamic_per_token_scaled_fp8_quant, so the bytes match vLLM's op), saturating at +-448.
-// Values form (kValues): the same E4M3 values written as bf16 (exact), the activations of fp8_gemm.cu.
+// Values forms (kV): the same E4M3 values written as bf16 or fp16 (exact in both), the activations of fp8_gemm.cu.
 // Layout and the reasons: docs/kernels.md, "fp8_quant_per_token".
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp8_quant_per_token_torch.cpp
 #include "common.cuh"
@@ -14,30 +14,36 @@ constexpr int kMaxVecsWarpMode = 32 * 8;  // rows up to 256 vectors (K <= 2048 b
 constexpr int kMaxThreads = 1024;
 constexpr int kMaxVecsFast = kMaxThreads * 8;  // longer rows go to the two-read fallback
 
-// Four E4M3 bytes -> their four values as bf16 (exact).
-__device__ __forceinline__ uint2 e4m3x4_to_bf16x4(uint32_t w) {
-  const float2 lo = e4m3x2_to_f32x2(static_cast<uint16_t>(w & 0xFFFFu));
-  const float2 hi = e4m3x2_to_f32x2(static_cast<uint16_t>(w >> 16));
-  const __nv_bfloat162 a = __floats2bfloat162_rn(lo.x, lo.y), b = __floats2bfloat162_rn(hi.x, hi.y);
+// Four E4M3 bytes -> their four values as bf16 or fp16 (exact): fp16 straight from the conversion instruction,
+// bf16 through fp32.
+template <Fp8Values kV>
+__device__ __forceinline__ uint2 e4m3x4_to_values(uint32_t w) {
+  uint32_t lo, hi;
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+  if constexpr (kV == Fp8Values::kF16) return make_uint2(lo, hi);
+  const float2 l = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+  const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  const __nv_bfloat162 a = __floats2bfloat162_rn(l.x, l.y), b = __floats2bfloat162_rn(h.x, h.y);
   return make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
 }
 
-// Quantize one 16-byte input vector with the row's scale and store its 8 (or 4) fp8 bytes, or with kValues their
-// values as bf16; dst: the vector's first output element.
+// Quantize one 16-byte input vector with the row's scale and store its 8 (or 4) fp8 bytes, or in a values form their
+// values as bf16 / fp16; dst: the vector's first output element.
 // kFast: s passed div_fast_ok (every finite row scale does: s >= 1/(448*512), s <= bf16/fp32 max / 448), and
 // then every x of the row is finite with |x / s| <= 448, so div_rn_fast is exact; a row with NaN/Inf has a
 // NaN/Inf scale and takes the IEEE division.
-template <InDtype T, bool kFast, bool kValues>
+template <InDtype T, bool kFast, Fp8Values kV>
 __device__ __forceinline__ void quant_store_div(const uint4& v, float s, float y, uint8_t* dst) {
   constexpr int N = Elem<T>::kPerVec;
   float f[N];
   vec_to_float<T>(v, f);
 #pragma unroll
   for (int i = 0; i < N; ++i) f[i] = kFast ? div_rn_fast(f[i], s, y) : __fdiv_rn(f[i], s);
-  if constexpr (kValues) {
+  if constexpr (kV != Fp8Values::kCodes) {
 #pragma unroll
     for (int i = 0; i < N; i += 4) {
-      const uint2 o = e4m3x4_to_bf16x4(f32x4_to_e4m3x4(f[i], f[i + 1], f[i + 2], f[i + 3]));
+      const uint2 o = e4m3x4_to_values<kV>(f32x4_to_e4m3x4(f[i], f[i + 1], f[i + 2], f[i + 3]));
       st_cs_v2(dst + 2 * i, o);
     }
   } else if constexpr (N == 8) {
@@ -52,13 +58,13 @@ __device__ __forceinline__ void quant_store_div(const uint4& v, float s, float y
 
 // Fast path. The row stays in registers (VPT vectors per thread) between the abs-max and the cast, so it
 // is read from DRAM once. kWarpPerRow: a warp owns a row (shuffles only); else the block owns one row.
-template <InDtype T, int VPT, bool kWarpPerRow, bool kValues>
+template <InDtype T, int VPT, bool kWarpPerRow, Fp8Values kV>
 __global__ void __launch_bounds__(kMaxThreads)
 per_token_vec_kernel(const typename Elem<T>::type* __restrict__ x, int64_t M, int nvec, int64_t row_stride,
                      uint8_t* __restrict__ q, int64_t K, float* __restrict__ scale) {
   constexpr int N = Elem<T>::kPerVec;
   // the values form feeds fp8_gemm, a programmatic dependent launch that may start streaming its weights now
-  if constexpr (kValues) asm volatile("griddepcontrol.launch_dependents;" :::);
+  if constexpr (kV != Fp8Values::kCodes) asm volatile("griddepcontrol.launch_dependents;" :::);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   int64_t row;
@@ -97,27 +103,27 @@ per_token_vec_kernel(const typename Elem<T>::type* __restrict__ x, int64_t M, in
   const float s = fp8_dynamic_scale(amax);
   if (t == 0) scale[row] = s;
 
-  constexpr int kOutBytes = kValues ? 2 : 1;
+  constexpr int kOutBytes = kV == Fp8Values::kCodes ? 1 : 2;
   uint8_t* qr = q + row * K * kOutBytes;
   if (div_fast_ok(s)) {  // uniform over the row
     const float y = __frcp_rn(s);
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int idx = t + i * nthreads;
-      if (idx < nvec) quant_store_div<T, true, kValues>(v[i], s, y, qr + static_cast<int64_t>(idx) * N * kOutBytes);
+      if (idx < nvec) quant_store_div<T, true, kV>(v[i], s, y, qr + static_cast<int64_t>(idx) * N * kOutBytes);
     }
   } else {
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int idx = t + i * nthreads;
       if (idx < nvec)
-        quant_store_div<T, false, kValues>(v[i], s, 0.0f, qr + static_cast<int64_t>(idx) * N * kOutBytes);
+        quant_store_div<T, false, kV>(v[i], s, 0.0f, qr + static_cast<int64_t>(idx) * N * kOutBytes);
     }
   }
 }
 
 // Fallback: any K, any strides, unaligned views. One block per row, reads the row twice, byte stores.
-template <InDtype T, bool kValues>
+template <InDtype T, Fp8Values kV>
 __global__ void __launch_bounds__(256)
 per_token_scalar_kernel(const typename Elem<T>::type* __restrict__ x, int64_t M, int64_t K, int64_t row_stride,
                         int64_t col_stride, uint8_t* __restrict__ q, float* __restrict__ scale) {
@@ -135,23 +141,25 @@ per_token_scalar_kernel(const typename Elem<T>::type* __restrict__ x, int64_t M,
   if (threadIdx.x == 0) scale[row] = s;
   for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
     const uint8_t c = f32_to_e4m3(__fdiv_rn(Elem<T>::to_float(xr[k * col_stride]), s));
-    if constexpr (kValues)
+    if constexpr (kV == Fp8Values::kBF16)
       reinterpret_cast<__nv_bfloat16*>(q)[row * K + k] = __float2bfloat16_rn(e4m3x2_to_f32x2(c).x);
+    else if constexpr (kV == Fp8Values::kF16)
+      reinterpret_cast<__half*>(q)[row * K + k] = __float2half_rn(e4m3x2_to_f32x2(c).x);
     else
       q[row * K + k] = c;
   }
 }
 
-template <InDtype T, int VPT, bool kWarpPerRow, bool kValues>
+template <InDtype T, int VPT, bool kWarpPerRow, Fp8Values kV>
 cudaError_t launch_vec(const void* x, int64_t M, int nvec, int64_t row_stride, uint8_t* q, int64_t K,
                        float* scale, int threads, cudaStream_t stream) {
   const int64_t grid = kWarpPerRow ? ceil_div(M, kWarpRowsPerBlock) : M;
-  per_token_vec_kernel<T, VPT, kWarpPerRow, kValues><<<static_cast<unsigned>(grid), threads, 0, stream>>>(
+  per_token_vec_kernel<T, VPT, kWarpPerRow, kV><<<static_cast<unsigned>(grid), threads, 0, stream>>>(
       static_cast<const typename Elem<T>::type*>(x), M, nvec, row_stride, q, K, scale);
   return cudaGetLastError();
 }
 
-template <InDtype T, bool kValues>
+template <InDtype T, Fp8Values kV>
 cudaError_t launch_typed(const Fp8QuantPerTokenArgs& a, cudaStream_t stream) {
   constexpr int N = Elem<T>::kPerVec;
   const void* x = a.x;
@@ -161,41 +169,44 @@ cudaError_t launch_typed(const Fp8QuantPerTokenArgs& a, cudaStream_t stream) {
   const bool fast = col_stride == 1 && K % N == 0 && row_stride % N == 0 && is_aligned(x, 16) &&
                     K / N <= kMaxVecsFast;
   if (!fast) {
-    per_token_scalar_kernel<T, kValues><<<static_cast<unsigned>(M), 256, 0, stream>>>(
+    per_token_scalar_kernel<T, kV><<<static_cast<unsigned>(M), 256, 0, stream>>>(
         static_cast<const typename Elem<T>::type*>(x), M, K, row_stride, col_stride, q, scale);
     return cudaGetLastError();
   }
   const int nvec = static_cast<int>(K / N);
   if (nvec <= kMaxVecsWarpMode) {
     const int threads = 32 * kWarpRowsPerBlock;
-    if (nvec <= 32) return launch_vec<T, 1, true, kValues>(x, M, nvec, row_stride, q, K, scale, threads, stream);
-    if (nvec <= 64) return launch_vec<T, 2, true, kValues>(x, M, nvec, row_stride, q, K, scale, threads, stream);
-    if (nvec <= 128) return launch_vec<T, 4, true, kValues>(x, M, nvec, row_stride, q, K, scale, threads, stream);
-    return launch_vec<T, 8, true, kValues>(x, M, nvec, row_stride, q, K, scale, threads, stream);
+    if (nvec <= 32) return launch_vec<T, 1, true, kV>(x, M, nvec, row_stride, q, K, scale, threads, stream);
+    if (nvec <= 64) return launch_vec<T, 2, true, kV>(x, M, nvec, row_stride, q, K, scale, threads, stream);
+    if (nvec <= 128) return launch_vec<T, 4, true, kV>(x, M, nvec, row_stride, q, K, scale, threads, stream);
+    return launch_vec<T, 8, true, kV>(x, M, nvec, row_stride, q, K, scale, threads, stream);
   }
   // Block per row: 4 vectors per thread while that takes at most 256 threads, else 8. Measured on the H200
   // (bf16, M = 16384; VPT x threads): K = 4096 4x128 56.4 us, 2x256 56.7, 8x64 57.5; K = 8192 4x256
   // 108.9 us, 8x128 110.6, 2x512 114.1; K = 14336 8x224 183.6 us, 4x448 195.7, 16x128 198.3.
   if (ceil_div(nvec, 4) <= 256) {
     const int threads = static_cast<int>(ceil_div(ceil_div(nvec, 4), 32) * 32);
-    return launch_vec<T, 4, false, kValues>(x, M, nvec, row_stride, q, K, scale, threads, stream);
+    return launch_vec<T, 4, false, kV>(x, M, nvec, row_stride, q, K, scale, threads, stream);
   }
   const int threads = static_cast<int>(ceil_div(ceil_div(nvec, 8), 32) * 32);
-  return launch_vec<T, 8, false, kValues>(x, M, nvec, row_stride, q, K, scale, threads, stream);
+  return launch_vec<T, 8, false, kV>(x, M, nvec, row_stride, q, K, scale, threads, stream);
 }
 
 }  // namespace
 
-// x: [M, K] with strides (row_stride, col_stride) in elements; q: contiguous [M, K] bytes (bf16 with values);
-// scale: [M].
+// x: [M, K] with strides (row_stride, col_stride) in elements; q: contiguous [M, K] bytes (bf16 / fp16 in a values
+// form); scale: [M].
 cudaError_t launch_fp8_quant_per_token(const Fp8QuantPerTokenArgs& a, cudaStream_t stream) {
   if (a.M == 0) return cudaSuccess;
-  if (a.values && a.dtype == InDtype::kBF16) return launch_typed<InDtype::kBF16, true>(a, stream);
-  if (a.values) return cudaErrorInvalidValue;  // the values form is the bf16 activations' (fp8_gemm's)
+  if (a.values != Fp8Values::kCodes) {  // the values forms are the bf16 activations' (fp8_gemm's)
+    if (a.dtype != InDtype::kBF16) return cudaErrorInvalidValue;
+    return a.values == Fp8Values::kF16 ? launch_typed<InDtype::kBF16, Fp8Values::kF16>(a, stream)
+                                       : launch_typed<InDtype::kBF16, Fp8Values::kBF16>(a, stream);
+  }
   switch (a.dtype) {
-    case InDtype::kBF16: return launch_typed<InDtype::kBF16, false>(a, stream);
-    case InDtype::kF16: return launch_typed<InDtype::kF16, false>(a, stream);
-    case InDtype::kF32: return launch_typed<InDtype::kF32, false>(a, stream);
+    case InDtype::kBF16: return launch_typed<InDtype::kBF16, Fp8Values::kCodes>(a, stream);
+    case InDtype::kF16: return launch_typed<InDtype::kF16, Fp8Values::kCodes>(a, stream);
+    case InDtype::kF32: return launch_typed<InDtype::kF32, Fp8Values::kCodes>(a, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -9,11 +9,11 @@
 namespace cublade {
 namespace {
 
-// values: the bf16 form (the E4M3 values as bf16, fp8_gemm's activations); bf16 x only.
-std::tuple<at::Tensor, at::Tensor> quant_per_token(const char* op, const at::Tensor& x_in, bool values) {
+// values: the E4M3 bytes, or their values as bf16 / fp16 (fp8_gemm's activations; bf16 x only).
+std::tuple<at::Tensor, at::Tensor> quant_per_token(const char* op, const at::Tensor& x_in, Fp8Values values) {
   CUBLADE_CHECK_VALUE(x_in.dim() >= 1, op, "x must have at least 1 dim, got a 0-dim tensor");
   const InDtype in_dt = in_dtype_of(op, "x", x_in);
-  CUBLADE_CHECK_NOT_IMPLEMENTED(!values || in_dt == InDtype::kBF16, op, "x must be bfloat16, got ",
+  CUBLADE_CHECK_NOT_IMPLEMENTED(values == Fp8Values::kCodes || in_dt == InDtype::kBF16, op, "x must be bfloat16, got ",
                                 dt(x_in.scalar_type()));
   check_arch(op, x_in);
   const int64_t K = x_in.size(-1);
@@ -22,7 +22,9 @@ std::tuple<at::Tensor, at::Tensor> quant_per_token(const char* op, const at::Ten
   // [..., K] -> [M, K]; a view when the leading dims collapse (always for 2-D), else a copy.
   const at::Tensor x = x_in.dim() == 2 ? x_in : x_in.reshape({-1, K});
   const int64_t M = x.size(0);
-  at::Tensor q = at::empty(x_in.sizes(), x_in.options().dtype(values ? at::kBFloat16 : at::kFloat8_e4m3fn));
+  const auto q_dtype = values == Fp8Values::kBF16 ? at::kBFloat16
+                       : values == Fp8Values::kF16 ? at::kHalf : at::kFloat8_e4m3fn;
+  at::Tensor q = at::empty(x_in.sizes(), x_in.options().dtype(q_dtype));
   std::vector<int64_t> scale_shape(x_in.sizes().begin(), x_in.sizes().end());
   scale_shape.back() = 1;
   at::Tensor scale = at::empty(scale_shape, x_in.options().dtype(at::kFloat));
@@ -36,10 +38,13 @@ std::tuple<at::Tensor, at::Tensor> quant_per_token(const char* op, const at::Ten
 }
 
 std::tuple<at::Tensor, at::Tensor> fp8_quant_per_token(const at::Tensor& x) {
-  return quant_per_token("fp8_quant_per_token", x, false);
+  return quant_per_token("fp8_quant_per_token", x, Fp8Values::kCodes);
 }
 std::tuple<at::Tensor, at::Tensor> fp8_quant_per_token_bf16(const at::Tensor& x) {
-  return quant_per_token("fp8_quant_per_token_bf16", x, true);
+  return quant_per_token("fp8_quant_per_token_bf16", x, Fp8Values::kBF16);
+}
+std::tuple<at::Tensor, at::Tensor> fp8_quant_per_token_f16(const at::Tensor& x) {
+  return quant_per_token("fp8_quant_per_token_f16", x, Fp8Values::kF16);
 }
 
 }  // namespace
@@ -47,6 +52,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_quant_per_token_bf16(const at::Tensor& x)
 TORCH_LIBRARY_IMPL(cublade, CUDA, m) {
   m.impl("fp8_quant_per_token", &fp8_quant_per_token);
   m.impl("fp8_quant_per_token_bf16", &fp8_quant_per_token_bf16);
+  m.impl("fp8_quant_per_token_f16", &fp8_quant_per_token_f16);
 }
 
 }  // namespace cublade

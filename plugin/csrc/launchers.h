@@ -14,8 +14,12 @@ namespace cublade {
 // Input element types the kernels take (activations, K/V).
 enum class InDtype : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
+// What fp8_quant_per_token writes: the E4M3 bytes, or the same E4M3 values as bf16 or fp16 (exact in both: fp8_gemm's
+// activations, bf16 x only).
+enum class Fp8Values : int { kCodes = 0, kBF16 = 1, kF16 = 2 };
+
 // fp8_quant_per_token.cu. x: [M, K] with strides (row_stride, col_stride); q: contiguous [M, K] E4M3 bytes, or
-// with `values` (bf16 x only) bf16 [M, K] holding the E4M3 values (fp8_gemm's activations); scale: [M] fp32.
+// [M, K] bf16 / fp16 values (`values`); scale: [M] fp32.
 struct Fp8QuantPerTokenArgs {
   const void* x = nullptr;
   InDtype dtype = InDtype::kBF16;
@@ -23,7 +27,7 @@ struct Fp8QuantPerTokenArgs {
   int64_t row_stride = 0, col_stride = 0;
   uint8_t* q = nullptr;
   float* scale = nullptr;
-  bool values = false;
+  Fp8Values values = Fp8Values::kCodes;
 };
 cudaError_t launch_fp8_quant_per_token(const Fp8QuantPerTokenArgs& a, cudaStream_t stream);
 

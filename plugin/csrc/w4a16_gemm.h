@@ -207,7 +207,8 @@ cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream);
 // cluster (0 = pick). Every M runs the streaming kernel (passes of up to 32 rows, each re-reading the weight): the
 // callers keep larger batches on an FP8 tensor-core GEMM.
 struct Fp8GemmArgs {
-  const void* x = nullptr;
+  const void* x = nullptr;  // bf16, or fp16 with x_f16, holding E4M3 values
+  bool x_f16 = false;
   int64_t M = 0, K = 0, x_stride = 0;
   const float* x_scale = nullptr;
   int x_scale_stride = 0;

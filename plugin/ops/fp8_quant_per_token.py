@@ -1,7 +1,8 @@
 """FP8 E4M3 dynamic per-token quantization of activations: `fp8_quant_per_token(x [..., K]) -> (e4m3 [..., K],
 fp32 scale [..., 1])`, one scale per row, q = e4m3(clamp(x / scale, ±448)) with a true fp32 division (vLLM's
-per-token bytes). `fp8_quant_per_token_bf16(x bf16)`: the same E4M3 values written as bf16 (exact), the
-activations of `fp8_gemm`. The numerics: cublade.numerics.fp8; the kernel: csrc/fp8_quant_per_token.cu."""
+per-token bytes). `fp8_quant_per_token_bf16(x bf16)` / `fp8_quant_per_token_f16(x bf16)`: the same E4M3 values
+written as bf16 / fp16 (exact in both), the activations of `fp8_gemm`. The numerics: cublade.numerics.fp8; the
+kernel: csrc/fp8_quant_per_token.cu."""
 from __future__ import annotations
 
 import torch
@@ -31,6 +32,12 @@ def fp8_quant_per_token_bf16_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return q.to(torch.bfloat16), s
 
 
+def fp8_quant_per_token_f16_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same with the values as fp16 (exact: E4M3's range and 3 mantissa bits fit fp16's)."""
+    q, s = quantize_per_token(x)
+    return q.to(torch.float16), s
+
+
 def fp8_quant_per_token_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if use_kernel(x, "fp8_quant_per_token_bf16"):
         return torch.ops.cublade.fp8_quant_per_token_bf16(x)
@@ -40,4 +47,16 @@ def fp8_quant_per_token_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 @register_fake("cublade::fp8_quant_per_token_bf16")
 def _fp8_quant_per_token_bf16_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty(x.shape, dtype=torch.bfloat16, device=x.device),
+            torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device))
+
+
+def fp8_quant_per_token_f16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_kernel(x, "fp8_quant_per_token_f16"):
+        return torch.ops.cublade.fp8_quant_per_token_f16(x)
+    return fp8_quant_per_token_f16_ref(x)
+
+
+@register_fake("cublade::fp8_quant_per_token_f16")
+def _fp8_quant_per_token_f16_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(x.shape, dtype=torch.float16, device=x.device),
             torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device))

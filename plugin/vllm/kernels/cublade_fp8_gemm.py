@@ -3,11 +3,13 @@ Opt-in (CUBLADE_FP8_GEMM=1): measured against vLLM's CUTLASS on Llama-3-8B's sha
 (docs/performance.md#fp8-gemm), so `fp8` layers run on CUTLASS by default."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cublade.numerics.fp8 import Fp8Activations
 from cublade.ops.fp8_gemm import fp8_gemm
-from cublade.ops.fp8_quant_per_token import fp8_quant_per_token, fp8_quant_per_token_bf16
+from cublade.ops.fp8_quant_per_token import fp8_quant_per_token, fp8_quant_per_token_bf16, fp8_quant_per_token_f16
 from cublade.vllm.kernels.base import LinearKernel, env_switch, gpu_half, replace_parameter, why_no_kernel
 from cublade.vllm.kernels.vllm_cutlass_scaled_mm import FUSE_ENV, VllmCutlassScaledMM, fuse_under_compile
 
@@ -16,6 +18,12 @@ from cublade.vllm.kernels.vllm_cutlass_scaled_mm import FUSE_ENV, VllmCutlassSca
 # fp8_gemm alone took 1.0-3.6x CUTLASS's time (benchmarks/bench_fp8_gemm.py, docs/performance.md#fp8-gemm).
 FP8_GEMM_MAX_ROWS = 16
 FP8_GEMM_ENV = "CUBLADE_FP8_GEMM"
+# The type the activations' E4M3 values reach fp8_gemm in, which picks its decode: bf16 (the codes decoded by bit
+# placement, bf16 mma's: the tested default) or f16 (one conversion instruction per two codes, fp16 mma's: a quarter of
+# the decode's instructions). Both give the reference's products; CUBLADE_FP8_GEMM_VALUES=f16 is for measuring it.
+VALUES_ENV = "CUBLADE_FP8_GEMM_VALUES"
+VALUES = {"bf16": ("fp8_quant_per_token_bf16", fp8_quant_per_token_bf16),
+          "f16": ("fp8_quant_per_token_f16", fp8_quant_per_token_f16)}
 
 
 def fp8_gemm_asked_for() -> bool:
@@ -23,14 +31,24 @@ def fp8_gemm_asked_for() -> bool:
     return env_switch(FP8_GEMM_ENV)
 
 
+def values_form() -> str:
+    """CUBLADE_FP8_GEMM_VALUES: "bf16" (default) or "f16", the activations' type into fp8_gemm (VALUES)."""
+    v = os.environ.get(VALUES_ENV, "bf16").strip()
+    if v not in VALUES:
+        raise ValueError(f"{VALUES_ENV}={v!r}: expected one of {', '.join(VALUES)}")
+    return v
+
+
 @torch.library.custom_op("cublade::fp8_linear", mutates_args=())
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, max_rows: int) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, max_rows: int,
+               values: str = "bf16") -> torch.Tensor:
     """y = x @ W^T for a per-token dynamic `fp8` layer: the activations quantized per token by cublade's op, then up
-    to `max_rows` rows cublade's fp8_gemm, else vLLM's CUTLASS scaled-mm; both W8A8 on the same E4M3 bytes and scales,
-    fp32 sums. One custom op, so torch.compile sees the row test as part of an opaque op (no guard on the batch)."""
+    to `max_rows` rows cublade's fp8_gemm (on the E4M3 values as `values`, VALUES), else vLLM's CUTLASS scaled-mm;
+    both W8A8 on the same E4M3 bytes and scales, fp32 sums. One custom op, so torch.compile sees the row test as part
+    of an opaque op (no guard on the batch)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] <= max_rows:
-        xv, xs = fp8_quant_per_token_bf16(x2)
+        xv, xs = VALUES[values][1](x2)
         y = fp8_gemm(xv, xs, weight, weight_scale)
     else:
         from vllm import _custom_ops as ops
@@ -41,7 +59,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 @fp8_linear.register_fake
-def _fp8_linear_fake(x, weight, weight_scale, max_rows):
+def _fp8_linear_fake(x, weight, weight_scale, max_rows, values="bf16"):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -70,7 +88,7 @@ class CubladeFp8Gemm(LinearKernel):
                            "(vLLM's CUTLASS runs the layer)")
         if fuse_under_compile():
             return False, f"{FUSE_ENV}=1 traces the quantization for Inductor onto vLLM's CUTLASS"
-        for op in ("fp8_gemm", "fp8_quant_per_token_bf16", "fp8_quant_per_token"):
+        for op in ("fp8_gemm", VALUES[values_form()][0], "fp8_quant_per_token"):
             why = why_no_kernel(op, layer.weight.device)
             if why is not None:
                 return False, f"{op}: {why}"
@@ -82,10 +100,15 @@ class CubladeFp8Gemm(LinearKernel):
 
     def __init__(self, layer):
         super().__init__(layer)
+        self.values = values_form()
+        if self.values != "bf16":
+            from cublade.vllm.kernels import add_to_compile_key
+
+            add_to_compile_key(f"{self.name}:{VALUES_ENV}={self.values}")  # the op's argument is in the traced graph
         N = layer.output_size_per_partition
         # one fp32 scale per output channel (a per-tensor scale repeated), as both GEMMs take it
         replace_parameter(layer, "weight_scale", layer.weight_scale.data.float().reshape(-1).expand(N).contiguous())
 
     def apply(self, layer, x, bias):
-        y = torch.ops.cublade.fp8_linear(x, layer.weight, layer.weight_scale, FP8_GEMM_MAX_ROWS)
+        y = torch.ops.cublade.fp8_linear(x, layer.weight, layer.weight_scale, FP8_GEMM_MAX_ROWS, self.values)
         return y if bias is None else y + bias
