@@ -35,12 +35,14 @@ def ext_modules():
     arch_sm80 = os.environ.get("CUBLADE_CUDA_ARCH_SM80", SM80_ARCH)
 
     def extension(name: str, sources: list[str], arch: str) -> CUDAExtension:
+        # --threads 0: a file built for several targets (the sm_80-89 library's four) compiles them in parallel
         return CUDAExtension(
             name=name,
             sources=sources,
             include_dirs=[os.path.abspath("plugin/csrc")],
             extra_compile_args={"cxx": ["-O3", "-std=c++17"],
-                                "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", *arch.split()]},
+                                "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "--threads", "0",
+                                         *arch.split()]},
             py_limited_api=False,
         )
 

@@ -61,13 +61,36 @@ run_jobs() {
 compile_cu() {
   local f=$1 arch=$ARCH
   case "$f" in */sm80/*) arch=$ARCH_SM80;; esac
-  local flags=(-std=c++17 -O3 --expt-relaxed-constexpr $arch -Iplugin/csrc -c "$f" -o "$out/$(basename "$f").o")
+  local flags=(-std=c++17 -O3 --expt-relaxed-constexpr --threads 0 $arch -Iplugin/csrc -c "$f"
+               -o "$out/$(basename "$f").o")
   [ $verbose -eq 1 ] && flags+=(-Xptxas -v)
   "$NVCC" "${flags[@]}"
 }
 kernels=()
 for f in "${files[@]}"; do case "$f" in *.cu) kernels+=("$f");; esac; done  # *.cpp: check_wrappers below
 [ ${#kernels[@]} -gt 0 ] && run_jobs compile_cu "${kernels[@]}"
+
+# With every kernel compiled, each extension's kernel objects linked into one program: a launcher that calls into
+# another translation unit (w4a16_gemm.cu's wide passes, compiled per dtype in w4a16_gemm_wide_*.cu) must find
+# what it calls there, or the extension would fail to load on the GPU machine with an undefined symbol.
+link_check() {  # NAME OBJECT...
+  local name=$1; shift
+  printf 'int main() { return 0; }\n' > "$out/link_main.cpp"
+  if "$NVCC" "$@" "$out/link_main.cpp" -o "$out/link_$name" > "$out/link_$name.log" 2>&1; then
+    echo "ok      link: $name's kernels"
+  else
+    echo "FAILED  link: $name's kernels"
+    grep -E "undefined|error" "$out/link_$name.log" | head -10 | sed 's/^/        /'
+    fail=1
+  fi
+}
+if [ $# -eq 0 ] && [ $fail -eq 0 ]; then
+  main_objs=() sm80_objs=()
+  for f in plugin/csrc/*.cu; do main_objs+=("$out/$(basename "$f").o"); done
+  for f in plugin/csrc/sm80/*.cu; do sm80_objs+=("$out/$(basename "$f").o"); done
+  link_check _C "${main_objs[@]}"
+  [ ${#sm80_objs[@]} -gt 0 ] && link_check _C_sm80 "${sm80_objs[@]}"
+fi
 
 # The torch wrappers (*_torch.cpp, bindings*.cpp) need torch's headers: a syntax check with the host compiler against
 # the installed torch's (a CPU build ships them), CUDA's runtime headers from nvcc's toolkit, and empty stand-ins for

@@ -100,6 +100,7 @@
 //   progress lines printed as each case finishes (the same numbers; useful if the run dies half-way).
 //   For scale: 3.6 TB/s is ~34 us at 8192 x 28672, M = 1.
 
+#define CUBLADE_W4A16_ONE_TU  // the wide kernel's instantiations in this program too (w4a16_gemm_wide.cuh)
 #include "w4a16_gemm.cu"  // the production launcher (launch_w4a16_gemm) and its kernel, for the comparison
 #include "harness.cuh"
 

@@ -18,6 +18,7 @@
 #ifdef CUBLADE_LAYERS_MXFP8
 #include "mxfp8_gemm.cu"
 #else
+#define CUBLADE_W4A16_ONE_TU  // the wide kernel's instantiations in this program too (w4a16_gemm_wide.cuh)
 #include "w4a16_gemm.cu"
 #include "null_policy.cuh"
 #endif

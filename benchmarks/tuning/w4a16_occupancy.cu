@@ -17,6 +17,7 @@
 // previous layer's GEMM in a decode step). Weights: random codes, every scale 2^-7 (timing only; the outputs of
 // every configuration are compared with the automatic one: same stages -> identical, other splits -> close).
 #define CUBLADE_LOWBIT_ALL_TPW  // every tiles-per-warp choice, not only the production one
+#define CUBLADE_W4A16_ONE_TU  // the wide kernel's instantiations in this program too (w4a16_gemm_wide.cuh)
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
 #include "int4_problem.cuh"

@@ -10,6 +10,7 @@
 // warp (fewer shared-memory reads, independent mma chains) moves M = 1 below ~44 us on 8192x28672; if the
 // pipeline alone takes as long, the copies, not the math, are what to change.
 #define CUBLADE_LOWBIT_ALL_TPW
+#define CUBLADE_W4A16_ONE_TU  // the wide kernel's instantiations in this program too (w4a16_gemm_wide.cuh)
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
 #include "null_policy.cuh"

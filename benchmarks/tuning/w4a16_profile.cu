@@ -6,6 +6,7 @@
 //   ncu -k regex:stream_gemm --launch-skip 2 --launch-count 1 --set full /tmp/w4a16_profile 32 [K N]
 //
 // Why: the occupancy and pipeline sweeps say what the time is, not where it goes (docs/kernels.md).
+#define CUBLADE_W4A16_ONE_TU  // the wide kernel's instantiations in this program too (w4a16_gemm_wide.cuh)
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
 

@@ -13,6 +13,7 @@
 // for passes of more than 128 tokens, Int4PrescaledBatch's, the decoded weights rounded to bf16 first); <= 1 is "ok"
 // (one bf16 rounding of the output). Rows with "-" for variant and S: the production choices ("- rounded": with
 // W4a16GemmArgs::rounded, as the torch op runs bf16 x; "- exact": without).
+#define CUBLADE_W4A16_ONE_TU  // the wide kernel's instantiations in this program too (w4a16_gemm_wide.cuh)
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
 #include "int4_problem.cuh"

@@ -27,6 +27,7 @@
 // int4 dequant and fold 72% (ordered 84%), with the dequant alone 85% (ordered 99%). Shared-memory writes beside the
 // mma's cost few cycles (ordered dequant-wait 99.1% -> 95.7% at 22 bytes a cycle) but lower the clock: the stream loop
 // took 13-18% longer in wall time at 40 bytes a cycle with the same cycle count.
+#define CUBLADE_W4A16_ONE_TU  // the wide kernel's instantiations in this program too (w4a16_gemm_wide.cuh)
 #include "w4a16_gemm.cu"
 #include "harness.cuh"
 
