@@ -16,7 +16,8 @@
 #   CUBLADE_PYTEST    extra pytest args (e.g. "-x --maxfail=3"), split on spaces
 #   CUBLADE_PYTEST_K  a pytest -k expression (may contain spaces, e.g. "not compile")
 #   CUBLADE_BENCHES   bench scripts (default benchmarks/bench_*.py); "none" skips them
-#   CUBLADE_CU_ONLY   space-separated .cu stems to build (default: all of plugin/csrc); the others are left out
+#   CUBLADE_CU_ONLY   space-separated op stems to build (default: all of plugin/csrc; an op's files STEM_*.cu come
+#                     along); the others are left out
 #                     of a copy of the tree, so one op's broken build does not cost the lease for the rest
 #   CUBLADE_SKIP_BUILD=1  reuse the build already in /tmp/site (a later call on the same warm machine)
 #   CUBLADE_TEST_TIMEOUT  seconds the tests may take (default 420), so the benches and summary still run
@@ -42,11 +43,11 @@ if [ -n "${CUBLADE_CU_ONLY:-}" ]; then
   rm -rf "$src" && mkdir -p "$src"
   tar -cf - --exclude=./out --exclude=./.device-stage --exclude=./build . | tar -xf - -C "$src"
   for f in "$src"/plugin/csrc/*.cu; do
-    stem=$(basename "$f" .cu)
-    case " $CUBLADE_CU_ONLY " in
-      *" $stem "*) ;;
-      *) rm -f "$f" "$src/plugin/csrc/${stem}_torch.cpp"; stamp "build: leaving out $stem.cu";;
-    esac
+    stem=$(basename "$f" .cu) keep=0
+    for op in $CUBLADE_CU_ONLY; do  # an op's stem, and its other files (w4a16_gemm_wide_bf16.cu for w4a16_gemm)
+      case "$stem" in "$op" | "$op"_*) keep=1;; esac
+    done
+    if [ $keep = 0 ]; then rm -f "$f" "$src/plugin/csrc/${stem}_torch.cpp"; stamp "build: leaving out $stem.cu"; fi
   done
 fi
 if [ "${CUBLADE_SKIP_BUILD:-0}" = 1 ] && ls "$SITE"/cublade/_C*.so >/dev/null 2>&1; then
