@@ -95,8 +95,9 @@ class CubladeFp8Gemm(LinearKernel):
         ok, why = VllmCutlassScaledMM.can_implement(layer)  # the batches above the decode GEMM's range
         if not ok:
             return False, f"larger batches need vLLM's CUTLASS: {why}"
+        values = "" if values_form() == "bf16" else f" (fp8_gemm on fp16 values: {VALUES_ENV}=f16)"
         return True, (f"cublade's fp8_gemm up to {FP8_GEMM_MAX_ROWS} tokens, vLLM's CUTLASS scaled-mm above, "
-                      "activations by cublade's fp8_quant_per_token")
+                      f"activations by cublade's fp8_quant_per_token{values}")
 
     def __init__(self, layer):
         super().__init__(layer)
