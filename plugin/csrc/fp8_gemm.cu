@@ -10,7 +10,7 @@
 // arrive as four TMA boxes of 64 rows x 128 K with the 128-byte swizzle (the rows' 16-byte chunks rotated by row,
 // which the consumers' loads undo, see the kernel), and the codes become bf16 as the MXFP8 kernels decode theirs
 // (mxfp8_codes.cuh: bit placement, then one HMUL2 by 2^120) for bf16 x, or with one conversion instruction per two
-// codes (cvt.rn.f16x2.e4m3x2) for fp16 x: 8 instructions per lane and packet half instead of 19.
+// codes (cvt.rn.f16x2.e4m3x2) for fp16 x: 8 instructions per lane and packet half instead of about 32 (ptxas).
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is fp8_gemm_torch.cpp
 #include "w4a16_gemm.cuh"
 #include "mxfp8_codes.cuh"
