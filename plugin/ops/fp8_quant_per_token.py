@@ -20,22 +20,30 @@ def fp8_quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_quant_per_token_ref(x)
 
 
+def _outputs(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ops' outputs for x, unfilled: the quantized values in `dtype`, one fp32 scale per row."""
+    return (torch.empty(x.shape, dtype=dtype, device=x.device),
+            torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device))
+
+
 @register_fake("cublade::fp8_quant_per_token")
 def _fp8_quant_per_token_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
-            torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device))
+    return _outputs(x, FP8_DTYPE)
+
+
+def _values_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = quantize_per_token(x)
+    return q.to(dtype), s
 
 
 def fp8_quant_per_token_bf16_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same quantization with the E4M3 values returned as bf16 (exact): fp8_gemm's activations."""
-    q, s = quantize_per_token(x)
-    return q.to(torch.bfloat16), s
+    return _values_ref(x, torch.bfloat16)
 
 
 def fp8_quant_per_token_f16_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same with the values as fp16 (exact: E4M3's range and 3 mantissa bits fit fp16's)."""
-    q, s = quantize_per_token(x)
-    return q.to(torch.float16), s
+    return _values_ref(x, torch.float16)
 
 
 def fp8_quant_per_token_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,8 +54,7 @@ def fp8_quant_per_token_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 @register_fake("cublade::fp8_quant_per_token_bf16")
 def _fp8_quant_per_token_bf16_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(x.shape, dtype=torch.bfloat16, device=x.device),
-            torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device))
+    return _outputs(x, torch.bfloat16)
 
 
 def fp8_quant_per_token_f16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,5 +65,4 @@ def fp8_quant_per_token_f16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 @register_fake("cublade::fp8_quant_per_token_f16")
 def _fp8_quant_per_token_f16_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(x.shape, dtype=torch.float16, device=x.device),
-            torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device))
+    return _outputs(x, torch.float16)
