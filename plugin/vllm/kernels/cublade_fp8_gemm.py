@@ -22,8 +22,7 @@ FP8_GEMM_ENV = "CUBLADE_FP8_GEMM"
 # placement, bf16 mma's: the tested default) or f16 (one conversion instruction per two codes, fp16 mma's: a quarter of
 # the decode's instructions). Both give the reference's products; CUBLADE_FP8_GEMM_VALUES=f16 is for measuring it.
 VALUES_ENV = "CUBLADE_FP8_GEMM_VALUES"
-VALUES = {"bf16": ("fp8_quant_per_token_bf16", fp8_quant_per_token_bf16),
-          "f16": ("fp8_quant_per_token_f16", fp8_quant_per_token_f16)}
+VALUES = {"bf16": fp8_quant_per_token_bf16, "f16": fp8_quant_per_token_f16}  # each entry is named after its op
 
 
 def fp8_gemm_asked_for() -> bool:
@@ -48,7 +47,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     of an opaque op (no guard on the batch)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] <= max_rows:
-        xv, xs = VALUES[values][1](x2)
+        xv, xs = VALUES[values](x2)
         y = fp8_gemm(xv, xs, weight, weight_scale)
     else:
         from vllm import _custom_ops as ops
@@ -88,7 +87,7 @@ class CubladeFp8Gemm(LinearKernel):
                            "(vLLM's CUTLASS runs the layer)")
         if fuse_under_compile():
             return False, f"{FUSE_ENV}=1 traces the quantization for Inductor onto vLLM's CUTLASS"
-        for op in ("fp8_gemm", VALUES[values_form()][0], "fp8_quant_per_token"):
+        for op in ("fp8_gemm", VALUES[values_form()].__name__, "fp8_quant_per_token"):
             why = why_no_kernel(op, layer.weight.device)
             if why is not None:
                 return False, f"{op}: {why}"
