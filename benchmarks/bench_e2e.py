@@ -11,7 +11,7 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
     cublade-fp8-fuse      the same with CUBLADE_FP8_FUSE=1 (under torch.compile the activation quantization in torch
                           ops, for Inductor to fuse with RMSNorm / SiLU-and-mul)
     cublade-fp8-gemm      the same with CUBLADE_FP8_GEMM=1 (cublade's FP8 decode GEMM up to 16 tokens, CUTLASS above)
-    cublade-fp8-gemm-f16  the same on its fp16 decode (CUBLADE_FP8_GEMM_VALUES=f16)
+    cublade-fp8-gemm-bf16  the same on its bf16 decode (CUBLADE_FP8_GEMM_VALUES=bf16; the default decodes to fp16)
     vllm-mxfp8            the source with vLLM's online `--quantization mxfp8`
     vllm-mxfp8-humming    the same on vLLM's Humming MXFP8 kernel (every earlier MXFP8 kernel disabled; needs the
                           humming-kernels package)
@@ -99,8 +99,8 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-fp8": ("cublade-fp8-dynamic", None, {}, None),
     "cublade-fp8-fuse": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_FUSE": "1"}, None),
     "cublade-fp8-gemm": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1"}, None),
-    "cublade-fp8-gemm-f16": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1", "CUBLADE_FP8_GEMM_VALUES": "f16"},
-                             None),
+    "cublade-fp8-gemm-bf16": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1", "CUBLADE_FP8_GEMM_VALUES": "bf16"},
+                              None),
     "cublade-fp8-lm-head": ("cublade-fp8-dynamic-lm-head", None, {}, None),
     "vllm-mxfp8": ("src", "mxfp8", {}, None),
     "vllm-mxfp8-humming": ("src", "mxfp8", {"VLLM_DISABLED_KERNELS": ",".join(

@@ -82,16 +82,16 @@ def test_layer_op_on_cpu_is_the_reference(form):
 
 
 def test_values_setting(monkeypatch):
-    """CUBLADE_FP8_GEMM_VALUES picks the layer's value form (bf16 unless set); anything else is one line naming it."""
+    """CUBLADE_FP8_GEMM_VALUES picks the layer's value form (f16 unless set); anything else is one line naming it."""
     pytest.importorskip("vllm")
     from cublade.vllm.kernels.cublade_fp8_gemm import values_form
 
     monkeypatch.delenv("CUBLADE_FP8_GEMM_VALUES", raising=False)
-    assert values_form() == "bf16"
-    monkeypatch.setenv("CUBLADE_FP8_GEMM_VALUES", "f16")
     assert values_form() == "f16"
+    monkeypatch.setenv("CUBLADE_FP8_GEMM_VALUES", "bf16")
+    assert values_form() == "bf16"
     monkeypatch.setenv("CUBLADE_FP8_GEMM_VALUES", "fp8")
-    with pytest.raises(ValueError, match=r"CUBLADE_FP8_GEMM_VALUES='fp8': expected one of bf16, f16"):
+    with pytest.raises(ValueError, match=r"CUBLADE_FP8_GEMM_VALUES='fp8': expected one of f16, bf16"):
         values_form()
 
 

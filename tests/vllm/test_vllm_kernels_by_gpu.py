@@ -152,9 +152,9 @@ def test_fp8_gemm_when_asked_for(vllm_ctx, monkeypatch, strategy):
         assert (got, skipped) == ("cublade-fp8-gemm", [])
         assert reason == ("cublade's fp8_gemm up to 16 tokens, vLLM's CUTLASS scaled-mm above, activations by "
                           "cublade's fp8_quant_per_token")
-        monkeypatch.setenv("CUBLADE_FP8_GEMM_VALUES", "f16")  # the kernel's fp16 decode
-        assert CubladeFp8Gemm.can_implement(layer) == (True, reason + " (fp8_gemm on fp16 values: "
-                                                             "CUBLADE_FP8_GEMM_VALUES=f16)")
+        monkeypatch.setenv("CUBLADE_FP8_GEMM_VALUES", "bf16")  # the kernel's other decode
+        assert CubladeFp8Gemm.can_implement(layer) == (True, reason + " (fp8_gemm on bf16 values: "
+                                                             "CUBLADE_FP8_GEMM_VALUES=bf16)")
         monkeypatch.delenv("CUBLADE_FP8_GEMM_VALUES")
         monkeypatch.setenv("CUBLADE_FP8_FUSE", "1")
         assert CubladeFp8Gemm.can_implement(layer) == (

@@ -18,11 +18,14 @@ from cublade.vllm.kernels.vllm_cutlass_scaled_mm import FUSE_ENV, VllmCutlassSca
 # fp8_gemm alone took 1.0-3.6x CUTLASS's time (benchmarks/bench_fp8_gemm.py, docs/performance.md#fp8-gemm).
 FP8_GEMM_MAX_ROWS = 16
 FP8_GEMM_ENV = "CUBLADE_FP8_GEMM"
-# The type the activations' E4M3 values reach fp8_gemm in, which picks its decode: bf16 (the codes decoded by bit
-# placement, bf16 mma's: the tested default) or f16 (one conversion instruction per two codes, fp16 mma's: a quarter of
-# the decode's instructions). Both give the reference's products; CUBLADE_FP8_GEMM_VALUES=f16 is for measuring it.
+# The type the activations' E4M3 values reach fp8_gemm in, which picks its decode: f16 (one conversion instruction
+# per two codes, fp16 mma's) or bf16 (the codes decoded by bit placement, bf16 mma's: four times the decode's
+# instructions). Both give the reference's products. f16 is the default: on the H200 fp8_gemm alone took 0.83-0.97x
+# the bf16 form's time at every measured point (Llama-3-8B's four shapes x 1-16 tokens; one layer at one token 91.8
+# against 99.7 us), docs/performance.md#fp8-gemm.
 VALUES_ENV = "CUBLADE_FP8_GEMM_VALUES"
-VALUES = {"bf16": fp8_quant_per_token_bf16, "f16": fp8_quant_per_token_f16}  # each entry is named after its op
+VALUES = {"f16": fp8_quant_per_token_f16, "bf16": fp8_quant_per_token_bf16}  # each entry is named after its op
+DEFAULT_VALUES = "f16"
 
 
 def fp8_gemm_asked_for() -> bool:
@@ -31,8 +34,8 @@ def fp8_gemm_asked_for() -> bool:
 
 
 def values_form() -> str:
-    """CUBLADE_FP8_GEMM_VALUES: "bf16" (default) or "f16", the activations' type into fp8_gemm (VALUES)."""
-    v = os.environ.get(VALUES_ENV, "bf16").strip()
+    """CUBLADE_FP8_GEMM_VALUES: "f16" (default) or "bf16", the activations' type into fp8_gemm (VALUES)."""
+    v = os.environ.get(VALUES_ENV, DEFAULT_VALUES).strip()
     if v not in VALUES:
         raise ValueError(f"{VALUES_ENV}={v!r}: expected one of {', '.join(VALUES)}")
     return v
@@ -40,7 +43,7 @@ def values_form() -> str:
 
 @torch.library.custom_op("cublade::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, max_rows: int,
-               values: str = "bf16") -> torch.Tensor:
+               values: str = DEFAULT_VALUES) -> torch.Tensor:
     """y = x @ W^T for a per-token dynamic `fp8` layer: the activations quantized per token by cublade's op, then up
     to `max_rows` rows cublade's fp8_gemm (on the E4M3 values as `values`, VALUES), else vLLM's CUTLASS scaled-mm;
     both W8A8 on the same E4M3 bytes and scales, fp32 sums. One custom op, so torch.compile sees the row test as part
@@ -58,7 +61,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 @fp8_linear.register_fake
-def _fp8_linear_fake(x, weight, weight_scale, max_rows, values="bf16"):
+def _fp8_linear_fake(x, weight, weight_scale, max_rows, values=DEFAULT_VALUES):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -94,14 +97,14 @@ class CubladeFp8Gemm(LinearKernel):
         ok, why = VllmCutlassScaledMM.can_implement(layer)  # the batches above the decode GEMM's range
         if not ok:
             return False, f"larger batches need vLLM's CUTLASS: {why}"
-        values = "" if values_form() == "bf16" else f" (fp8_gemm on fp16 values: {VALUES_ENV}=f16)"
+        values = "" if values_form() == DEFAULT_VALUES else f" (fp8_gemm on bf16 values: {VALUES_ENV}=bf16)"
         return True, (f"cublade's fp8_gemm up to {FP8_GEMM_MAX_ROWS} tokens, vLLM's CUTLASS scaled-mm above, "
                       f"activations by cublade's fp8_quant_per_token{values}")
 
     def __init__(self, layer):
         super().__init__(layer)
         self.values = values_form()
-        if self.values != "bf16":
+        if self.values != DEFAULT_VALUES:
             from cublade.vllm.kernels import add_to_compile_key
 
             add_to_compile_key(f"{self.name}:{VALUES_ENV}={self.values}")  # the op's argument is in the traced graph
