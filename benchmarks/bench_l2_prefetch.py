@@ -9,9 +9,9 @@ write and attention, before gate_up the residual add and RMSNorm, before down Si
 captured as one CUDA graph and replayed; the weights are many times the L2, so every replay reads them from HBM as a
 step does.
 
-    python benchmarks/bench_l2_prefetch.py [--m 1,4,16] [--mib 0,8,16,24,32] [--layers 16] [--gaps 2.5,12,2.5,2.5]
+    python benchmarks/bench_l2_prefetch.py [--m 1,4,16] [--mib 0,1,8,16,24,32] [--layers 16] [--gaps 2.5,12,2.5,2.5]
 
-Rows: per kernel class and token count M, us per layer (GEMMs and spins) at each prefetch size (0: off), the spins
+Rows: per kernel class and token count M (1 MiB: about what the prefetch's extra kernel launch alone costs), us per layer (GEMMs and spins) at each prefetch size (0: off), the spins
 alone, and x = the time without prefetch / with it (> 1: prefetching is faster). Kernel classes that cannot run here
 are listed with their reason."""
 from __future__ import annotations
@@ -104,7 +104,8 @@ def measure(name: str, layers: list, M: int, mibs: list[int], prefetch) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", default="1,4,16", help="token counts")
-    p.add_argument("--mib", default="0,8,16,24,32", help="prefetch sizes in MiB (0: off)")
+    p.add_argument("--mib", default="0,1,8,16,24,32",
+                   help="prefetch sizes in MiB (0: off; 1: about what the extra launch alone costs)")
     p.add_argument("--layers", type=int, default=16, help="decoder layers (each its own weights)")
     p.add_argument("--gaps", default="2.5,12,2.5,2.5", help="us of spin before qkv, o, gate_up, down")
     p.add_argument("--json", help="write the rows to this file")
