@@ -11,9 +11,9 @@ step does.
 
     python benchmarks/bench_l2_prefetch.py [--m 1,4,16] [--mib 0,1,8,16,24,32] [--layers 16] [--gaps 2.5,12,2.5,2.5]
 
-Rows: per kernel class and token count M (1 MiB: about what the prefetch's extra kernel launch alone costs), us per layer (GEMMs and spins) at each prefetch size (0: off), the spins
-alone, and x = the time without prefetch / with it (> 1: prefetching is faster). Kernel classes that cannot run here
-are listed with their reason."""
+Rows: per kernel class and token count M, us per decoder layer (GEMMs and spins) at each prefetch size (0: off;
+1 MiB: about what the prefetch's extra kernel launch alone costs), the spins alone, and x = the time without
+prefetch / with it (> 1: prefetching is faster). Kernel classes that cannot run here are listed with their reason."""
 from __future__ import annotations
 
 import argparse
