@@ -52,10 +52,6 @@ TORCH_LIBRARY(cublade, m) {
   m.def("moe_finalize(Tensor y, Tensor pos, Tensor topk_weights) -> Tensor");
   // silu(h[:, :I]) * h[:, I:] for h [M, 2I] (w13's output) -> [M, I], rounded as the two torch ops round.
   m.def("silu_mul(Tensor h) -> Tensor");
-  // Bring the first min(max_bytes, t's bytes) of a contiguous tensor into L2 and return at once (a hint: t is only
-  // read, by the memory system, after the call returns). A decode step runs it after a linear layer's GEMM for the
-  // next layer's weight; called from inside the layers' own ops (it has no output for a graph to keep).
-  m.def("l2_prefetch(Tensor t, int max_bytes) -> ()");
 }
 
 // `import cublade._C` loads this library; the TORCH_LIBRARY blocks above and in the .cu files register

@@ -159,12 +159,4 @@ struct SiluMulArgs {
 };
 cudaError_t launch_silu_mul(const SiluMulArgs& a, cudaStream_t stream);
 
-// l2_prefetch.cu: ask for bytes [p, p + bytes) to be brought into L2 and return (a hint: nothing is written and
-// nothing waits for the data). p is rounded up and bytes down to 16-byte boundaries.
-struct L2PrefetchArgs {
-  const void* p = nullptr;
-  int64_t bytes = 0;
-};
-cudaError_t launch_l2_prefetch(const L2PrefetchArgs& a, cudaStream_t stream);
-
 }  // namespace cublade

@@ -41,7 +41,7 @@ from cublade.config import compressed_tensors as ct_format
 from cublade.config.format import QuantMethod
 from cublade.numerics.constants import INT4_PER_INT32, MX_BLOCK
 from cublade.numerics.fp8 import FP8_DTYPE
-from cublade.vllm.kernels import prefetch, select_kernel
+from cublade.vllm.kernels import select_kernel
 from cublade.vllm.kernels.base import replace_parameter
 
 logger = logging.getLogger("vllm.cublade")
@@ -273,7 +273,6 @@ class CubladeLinearMethod(LinearMethodBase):
             replace_parameter(layer, "weight_zero_point", ct_format.unpack_zero_points(
                 layer.weight_zero_point.data, layer.output_size_per_partition))
         self.kernel = select_kernel(layer, self.prefix)
-        prefetch.link(layer, self.prefix, self.kernel)  # (CUBLADE_L2_PREFETCH; nothing when unset)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel.apply(layer, x, bias)

@@ -132,15 +132,9 @@ def replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor | N
 
 
 class LinearKernel:
-    """Runs one layer. Subclasses set `name`, `own` (cublade's own op, or a fallback named as such). With
-    CUBLADE_L2_PREFETCH (cublade.vllm.kernels.prefetch): `streamed` names the layer tensor its GEMM streams (what the
-    layer before it prefetches), and a kernel whose op prefetches the next layer's weight after its GEMM sets
-    `prefetches`, then runs `prefetch.after(self.prefetch_name)` there."""
+    """Runs one layer. Subclasses set `name`, `own` (cublade's own op, or a fallback named as such)."""
     name: ClassVar[str] = ""
     own: ClassVar[bool] = False
-    streamed: ClassVar[str | None] = None
-    prefetches: bool = False
-    prefetch_name: str = ""
 
     @classmethod
     def can_implement(cls, layer: torch.nn.Module) -> tuple[bool, str]:

@@ -10,7 +10,6 @@ import torch
 from cublade.numerics.fp8 import Fp8Activations
 from cublade.ops.fp8_gemm import fp8_gemm
 from cublade.ops.fp8_quant_per_token import fp8_quant_per_token, fp8_quant_per_token_bf16, fp8_quant_per_token_f16
-from cublade.vllm.kernels import prefetch as l2
 from cublade.vllm.kernels.base import LinearKernel, env_switch, gpu_half, replace_parameter, why_no_kernel
 from cublade.vllm.kernels.vllm_cutlass_scaled_mm import FUSE_ENV, VllmCutlassScaledMM, fuse_under_compile
 
@@ -44,12 +43,11 @@ def values_form() -> str:
 
 @torch.library.custom_op("cublade::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, max_rows: int,
-               values: str = DEFAULT_VALUES, prefetch: str = "") -> torch.Tensor:
+               values: str = DEFAULT_VALUES) -> torch.Tensor:
     """y = x @ W^T for a per-token dynamic `fp8` layer: the activations quantized per token by cublade's op, then up
     to `max_rows` rows cublade's fp8_gemm (on the E4M3 values as `values`, VALUES), else vLLM's CUTLASS scaled-mm;
     both W8A8 on the same E4M3 bytes and scales, fp32 sums. One custom op, so torch.compile sees the row test as part
-    of an opaque op (no guard on the batch). prefetch: the layer's name in cublade.vllm.kernels.prefetch, whose next
-    weight L2 is asked for after the GEMM ("": none)."""
+    of an opaque op (no guard on the batch)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] <= max_rows:
         xv, xs = VALUES[values](x2)
@@ -59,13 +57,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
         xq, xs = fp8_quant_per_token(x2)
         y = ops.cutlass_scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale, out_dtype=x.dtype)
-    if prefetch:
-        l2.after(prefetch)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @fp8_linear.register_fake
-def _fp8_linear_fake(x, weight, weight_scale, max_rows, values=DEFAULT_VALUES, prefetch=""):
+def _fp8_linear_fake(x, weight, weight_scale, max_rows, values=DEFAULT_VALUES):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -79,8 +75,6 @@ class CubladeFp8Gemm(LinearKernel):
     slower on the two small ones)."""
     name = "cublade-fp8-gemm"
     own = True
-    streamed = "weight"
-    prefetches = True
 
     @classmethod
     def can_implement(cls, layer):
@@ -119,6 +113,5 @@ class CubladeFp8Gemm(LinearKernel):
         replace_parameter(layer, "weight_scale", layer.weight_scale.data.float().reshape(-1).expand(N).contiguous())
 
     def apply(self, layer, x, bias):
-        y = torch.ops.cublade.fp8_linear(x, layer.weight, layer.weight_scale, FP8_GEMM_MAX_ROWS, self.values,
-                                         self.prefetch_name)
+        y = torch.ops.cublade.fp8_linear(x, layer.weight, layer.weight_scale, FP8_GEMM_MAX_ROWS, self.values)
         return y if bias is None else y + bias

@@ -20,7 +20,6 @@ class CubladeMxfp8Gemm(LinearKernel):
     as the dequantize path (CubladeMxfp8DequantMatmul) at 1-16 tokens, 0.97-1.07x from 512 (where it runs that path)."""
     name = "cublade-mxfp8-gemm"
     own = True
-    streamed = "weight"
     op = "mxfp8_gemm"  # the CUDA op (cublade._C); `gemm` its Python entry
     gemm = staticmethod(mxfp8_gemm)
 

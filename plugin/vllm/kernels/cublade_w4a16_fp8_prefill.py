@@ -36,7 +36,6 @@ class CubladeW4A16Fp8Prefill(CubladeW4A16Gemm):
     for."""
     name = "cublade-w4a16-fp8-prefill"
     own = True
-    prefetches = False
 
     @classmethod
     def can_implement(cls, layer):

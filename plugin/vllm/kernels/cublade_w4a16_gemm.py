@@ -3,27 +3,9 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
-from cublade.ops.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref, w4a16_repack
-from cublade.vllm.kernels import prefetch as l2
+from cublade.ops.w4a16_gemm import w4a16_gemm_ref, w4a16_repack
 from cublade.vllm.kernels.base import (HALF_DTYPES, LinearKernel, batch_invariant, cublade_op, replace_parameter,
                                        why_no_kernel)
-
-
-@torch.library.custom_op("cublade::w4a16_linear", mutates_args=())
-def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int, symmetric: bool, size_n: int, prefill: bool,
-                 prefetch: str) -> torch.Tensor:
-    """cublade's w4a16_gemm, then L2 asked for the next layer's weight (the layer named `prefetch` in
-    cublade.vllm.kernels.prefetch): the layer's op under CUBLADE_L2_PREFETCH."""
-    y = w4a16_gemm(x, packed, group_size, symmetric, size_n, 0, prefill)
-    l2.after(prefetch)
-    return y
-
-
-@w4a16_linear.register_fake
-def _(x, packed, group_size, symmetric, size_n, prefill, prefetch):
-    return x.new_empty((*x.shape[:-1], size_n))
 
 
 class CubladeW4A16Gemm(LinearKernel):
@@ -44,8 +26,6 @@ class CubladeW4A16Gemm(LinearKernel):
     name = "cublade-w4a16-gemm"
     own = True
     op = "w4a16_gemm"  # the CUDA op the layer runs (its reference where it cannot)
-    streamed = "weight_packed"
-    prefetches = True  # (through w4a16_linear)
 
     @classmethod
     def can_implement(cls, layer):
@@ -62,8 +42,7 @@ class CubladeW4A16Gemm(LinearKernel):
     def __init__(self, layer):
         super().__init__(layer)
         gemm, _ = cublade_op(self.op, layer.weight_packed.device, w4a16_gemm_ref)
-        self.prefill = not batch_invariant()
-        self.gemm = functools.partial(gemm, split_k=0, prefill=self.prefill)
+        self.gemm = functools.partial(gemm, split_k=0, prefill=not batch_invariant())
         zp = getattr(layer, "weight_zero_point", None)
         rp = w4a16_repack(layer.weight_packed.data, layer.weight_scale.data,
                                     None if zp is None else zp.data, self.scheme.group_size)
@@ -74,9 +53,5 @@ class CubladeW4A16Gemm(LinearKernel):
         replace_parameter(layer, "weight_zero_point", None)  # folded into the blob's scale records
 
     def apply(self, layer, x, bias):
-        if self.prefetch_name:
-            y = torch.ops.cublade.w4a16_linear(x, layer.weight_packed, self.group_size, self.symmetric, self.size_n,
-                                               self.prefill, self.prefetch_name)
-            return y if bias is None else y + bias
         y = self.gemm(x, layer.weight_packed, self.group_size, self.symmetric, self.size_n)
         return y if bias is None else y + bias

@@ -14,7 +14,6 @@ class CubladeW4A16GemmSm80(CubladeW4A16Gemm):
     0.2-0.6x from 16 (docs/performance.md, "sm_80 kernels"); on Ampere and Ada it is not measured."""
     name = "cublade-w4a16-gemm-sm80"
     op = "w4a16_gemm_sm80"
-    prefetches = False  # (w4a16_linear runs the Hopper op)
 
     @classmethod
     def can_implement(cls, layer):

@@ -27,7 +27,6 @@ from typing import Callable, ClassVar
 
 import torch
 
-from cublade.vllm.kernels import prefetch as l2
 from cublade.vllm.kernels.base import LinearKernel, batch_invariant, replace_parameter
 
 logger = logging.getLogger("vllm.cublade")
@@ -187,10 +186,7 @@ def _register(layer: torch.nn.Module, impl: "MeasuredLinear") -> str:
 def measured_linear(x: torch.Tensor, size_n: int, layer: str) -> torch.Tensor:
     """y [M, size_n] = x [M, K] @ W^T on the kernel the layer named `layer` measured fastest at M tokens."""
     ref, impl = _layers[layer]
-    y = impl.run(ref(), x)
-    if impl.prefetch_name:
-        l2.after(impl.prefetch_name)
-    return y
+    return impl.run(ref(), x)
 
 
 @measured_linear.register_fake
@@ -227,7 +223,6 @@ class MeasuredLinear:
     # names the setting may give for cublade's other paths on the layer's own tensors (no copy): `own_call` runs them
     own_kernels: ClassVar[tuple[str, ...]] = ()
     weights: ClassVar[str] = ""  # what they are ("int4", "MXFP8"), in the reason
-    prefetches = True  # (in measured_linear, after whichever kernel ran)
 
     @staticmethod
     def kernel_names() -> tuple[str, ...]:

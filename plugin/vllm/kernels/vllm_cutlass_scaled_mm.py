@@ -71,7 +71,6 @@ class VllmCutlassScaledMM(LinearKernel):
     weight scale (per channel or per tensor)."""
     name = "vllm-cutlass-scaled-mm"
     own = False
-    streamed = "weight"
 
     @classmethod
     def can_implement(cls, layer):
@@ -104,10 +103,6 @@ class VllmCutlassScaledMM(LinearKernel):
             from cublade.vllm.kernels import add_to_compile_key
 
             add_to_compile_key(f"{self.name}:{FUSE_ENV}=1")  # another traced graph: another compiled model
-        # with CUBLADE_L2_PREFETCH, per-token layers quantized by cublade run through cublade::fp8_linear (the same
-        # quantization and CUTLASS call, in one op that then prefetches the next layer's weight)
-        self.prefetches = (who == "cublade" and self.scheme.activations is Fp8Activations.DYNAMIC_TOKEN
-                           and self.quant_traced is None)
 
     def quantize(self, x2: torch.Tensor, input_scale: torch.Tensor | None):
         """The activations in E4M3 and their fp32 scale: cublade's op, or under CUBLADE_FP8_FUSE=1 while torch.compile
@@ -119,8 +114,6 @@ class VllmCutlassScaledMM(LinearKernel):
     def apply(self, layer, x, bias):
         from vllm import _custom_ops as ops
 
-        if self.prefetch_name and bias is None:  # (cublade::fp8_linear, of cublade_fp8_gemm, CUTLASS at every M)
-            return torch.ops.cublade.fp8_linear(x, layer.weight, layer.weight_scale, 0, "f16", self.prefetch_name)
         x2 = x.reshape(-1, x.shape[-1])
         xq, xs = self.quantize(x2, getattr(layer, "input_scale", None))
         # CUTLASS takes B column-major: the [N, K] row-major weight transposed is exactly that (no copy).
