@@ -31,6 +31,9 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
                           named vLLM kernels at the token counts where they measured faster at load)
     cublade-w4a16-measured-fp8  the same with CUBLADE_W4A16_PREFILL=fp8,machete,humming (cublade's FP8 tensor-core
                           path timed too, and run where it measured fastest)
+    cublade-fp8-lm-head, cublade-w4a16-lm-head, cublade-w4a16-measured-lm-head
+                          the checkpoints converted with --quantize-lm-head (make's `-lm-head` presets), the last
+                          with CUBLADE_W4A16_PREFILL=machete,humming
     cublade-fp8-kv-vllm   cublade-fp8 with an FP8 KV cache (k_scale = v_scale = KV_SCALE in every layer: the
                           step's time does not depend on them), K rounded to nearest, vLLM's FlashAttention and
                           its own cache write
@@ -119,6 +122,8 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-w4a16-humming": ("cublade-w4a16", None, {"CUBLADE_W4A16_PREFILL": "humming"}, None),
     "cublade-w4a16-measured": ("cublade-w4a16", None, {"CUBLADE_W4A16_PREFILL": "machete,humming"}, None),
     "cublade-w4a16-measured-fp8": ("cublade-w4a16", None, {"CUBLADE_W4A16_PREFILL": "fp8,machete,humming"}, None),
+    "cublade-w4a16-measured-lm-head": ("cublade-w4a16-lm-head", None, {"CUBLADE_W4A16_PREFILL": "machete,humming"},
+                                       None),
     "cublade-fp8-kv-vllm": ("cublade-fp8-kv-nearest", None, {}, None),
     "cublade-fp8-kv": ("cublade-fp8-kv-nearest", None, {}, "CUSTOM"),
     "cublade-fp8-kv-qa": ("cublade-fp8-kv-query-aware", None, {}, "CUSTOM"),
@@ -540,7 +545,9 @@ def report(results: dict, batches: list[int]) -> None:
              ("cublade-fp8-kv-qa", "cublade-fp8-kv-vllm"), ("cublade-fp8-kv-qa", "cublade-fp8-kv"),
              ("cublade-w4a16-lm-head", "cublade-w4a16"), ("cublade-w4a16-lm-head", "vllm-w4a16"),
              ("cublade-fp8-lm-head", "cublade-fp8"), ("cublade-fp8-lm-head", "vllm-fp8"),
-             ("cublade-fp8-gemm-bf16", "cublade-fp8-gemm")] + [
+             ("cublade-fp8-gemm-bf16", "cublade-fp8-gemm"),
+             ("cublade-w4a16-measured-lm-head", "cublade-w4a16-measured"),
+             ("cublade-w4a16-measured-lm-head", "vllm-w4a16-humming")] + [
                  (n, "bf16") for n in results if n != "bf16"]
     for what, key in (("decode step", "step_ms"), ("the prompts' forward and first step", "prefill_ms")):
         print(f"\nspeed-up, {what} (baseline's time / ours):")
