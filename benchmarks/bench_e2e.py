@@ -12,6 +12,8 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
                           ops, for Inductor to fuse with RMSNorm / SiLU-and-mul)
     cublade-fp8-gemm      the same with CUBLADE_FP8_GEMM=1 (cublade's FP8 decode GEMM up to 16 tokens, CUTLASS above)
     cublade-fp8-gemm-bf16  the same on its bf16 decode (CUBLADE_FP8_GEMM_VALUES=bf16; the default decodes to fp16)
+    cublade-fp8-gemm-two-kernels  cublade-fp8-gemm with CUBLADE_FP8_GEMM_QUANT_INSIDE=0: the activations quantized by
+                          their own kernel at every batch (by default the GEMM quantizes them itself up to 8 tokens)
     vllm-mxfp8            the source with vLLM's online `--quantization mxfp8`
     vllm-mxfp8-humming    the same on vLLM's Humming MXFP8 kernel (every earlier MXFP8 kernel disabled; needs the
                           humming-kernels package)
@@ -31,9 +33,9 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
                           named vLLM kernels at the token counts where they measured faster at load)
     cublade-w4a16-measured-fp8  the same with CUBLADE_W4A16_PREFILL=fp8,machete,humming (cublade's FP8 tensor-core
                           path timed too, and run where it measured fastest)
-    cublade-fp8-lm-head, cublade-w4a16-lm-head, cublade-w4a16-measured-lm-head
-                          the checkpoints converted with --quantize-lm-head (make's `-lm-head` presets), the last
-                          with CUBLADE_W4A16_PREFILL=machete,humming
+    cublade-fp8-lm-head, cublade-fp8-gemm-lm-head, cublade-w4a16-lm-head, cublade-w4a16-measured-lm-head
+                          the checkpoints converted with --quantize-lm-head (make's `-lm-head` presets); the second
+                          with CUBLADE_FP8_GEMM=1, the last with CUBLADE_W4A16_PREFILL=machete,humming
     cublade-fp8-kv-vllm   cublade-fp8 with an FP8 KV cache (k_scale = v_scale = KV_SCALE in every layer: the
                           step's time does not depend on them), K rounded to nearest, vLLM's FlashAttention and
                           its own cache write
@@ -104,7 +106,10 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-fp8-gemm": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1"}, None),
     "cublade-fp8-gemm-bf16": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1", "CUBLADE_FP8_GEMM_VALUES": "bf16"},
                               None),
+    "cublade-fp8-gemm-two-kernels": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1",
+                                                                   "CUBLADE_FP8_GEMM_QUANT_INSIDE": "0"}, None),
     "cublade-fp8-lm-head": ("cublade-fp8-dynamic-lm-head", None, {}, None),
+    "cublade-fp8-gemm-lm-head": ("cublade-fp8-dynamic-lm-head", None, {"CUBLADE_FP8_GEMM": "1"}, None),
     "vllm-mxfp8": ("src", "mxfp8", {}, None),
     "vllm-mxfp8-humming": ("src", "mxfp8", {"VLLM_DISABLED_KERNELS": ",".join(
         f"{k}Mxfp8LinearKernel" for k in ("FlashInferCutedsl", "FlashInferCutlass", "Marlin", "Emulation"))}, None),
@@ -545,7 +550,8 @@ def report(results: dict, batches: list[int]) -> None:
              ("cublade-fp8-kv-qa", "cublade-fp8-kv-vllm"), ("cublade-fp8-kv-qa", "cublade-fp8-kv"),
              ("cublade-w4a16-lm-head", "cublade-w4a16"), ("cublade-w4a16-lm-head", "vllm-w4a16"),
              ("cublade-fp8-lm-head", "cublade-fp8"), ("cublade-fp8-lm-head", "vllm-fp8"),
-             ("cublade-fp8-gemm-bf16", "cublade-fp8-gemm"),
+             ("cublade-fp8-gemm-bf16", "cublade-fp8-gemm"), ("cublade-fp8-gemm", "cublade-fp8-gemm-two-kernels"),
+             ("cublade-fp8-gemm-lm-head", "cublade-fp8-lm-head"), ("cublade-fp8-gemm-lm-head", "vllm-fp8"),
              ("cublade-w4a16-measured-lm-head", "cublade-w4a16-measured"),
              ("cublade-w4a16-measured-lm-head", "vllm-w4a16-humming")] + [
                  (n, "bf16") for n in results if n != "bf16"]
