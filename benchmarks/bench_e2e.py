@@ -12,8 +12,6 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
                           ops, for Inductor to fuse with RMSNorm / SiLU-and-mul)
     cublade-fp8-gemm      the same with CUBLADE_FP8_GEMM=1 (cublade's FP8 decode GEMM up to 16 tokens, CUTLASS above)
     cublade-fp8-gemm-bf16  the same on its bf16 decode (CUBLADE_FP8_GEMM_VALUES=bf16; the default decodes to fp16)
-    cublade-fp8-gemm-two-kernels  cublade-fp8-gemm with CUBLADE_FP8_GEMM_QUANT_INSIDE=0: the activations quantized by
-                          their own kernel at every batch (by default the GEMM quantizes them itself up to 8 tokens)
     vllm-mxfp8            the source with vLLM's online `--quantization mxfp8`
     vllm-mxfp8-humming    the same on vLLM's Humming MXFP8 kernel (every earlier MXFP8 kernel disabled; needs the
                           humming-kernels package)
@@ -106,8 +104,6 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-fp8-gemm": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1"}, None),
     "cublade-fp8-gemm-bf16": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1", "CUBLADE_FP8_GEMM_VALUES": "bf16"},
                               None),
-    "cublade-fp8-gemm-two-kernels": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1",
-                                                                   "CUBLADE_FP8_GEMM_QUANT_INSIDE": "0"}, None),
     "cublade-fp8-lm-head": ("cublade-fp8-dynamic-lm-head", None, {}, None),
     "cublade-fp8-gemm-lm-head": ("cublade-fp8-dynamic-lm-head", None, {"CUBLADE_FP8_GEMM": "1"}, None),
     "vllm-mxfp8": ("src", "mxfp8", {}, None),
@@ -550,7 +546,7 @@ def report(results: dict, batches: list[int]) -> None:
              ("cublade-fp8-kv-qa", "cublade-fp8-kv-vllm"), ("cublade-fp8-kv-qa", "cublade-fp8-kv"),
              ("cublade-w4a16-lm-head", "cublade-w4a16"), ("cublade-w4a16-lm-head", "vllm-w4a16"),
              ("cublade-fp8-lm-head", "cublade-fp8"), ("cublade-fp8-lm-head", "vllm-fp8"),
-             ("cublade-fp8-gemm-bf16", "cublade-fp8-gemm"), ("cublade-fp8-gemm", "cublade-fp8-gemm-two-kernels"),
+             ("cublade-fp8-gemm-bf16", "cublade-fp8-gemm"),
              ("cublade-fp8-gemm-lm-head", "cublade-fp8-lm-head"), ("cublade-fp8-gemm-lm-head", "vllm-fp8"),
              ("cublade-w4a16-measured-lm-head", "cublade-w4a16-measured"),
              ("cublade-w4a16-measured-lm-head", "vllm-w4a16-humming")] + [

@@ -5,8 +5,6 @@ in the same run, as the product runs them:
   cublade fp8_gemm        cublade's quantization (bf16 values) + fp8_gemm at every M (where it crosses CUTLASS)
   cublade fp8_gemm f16    the same with fp16 values: fp8_gemm's other decode (one conversion instruction per two
                           codes, fp16 mma's)
-  cublade fp8_gemm_dynamic  the same numbers in one op on the bf16 activations: up to 8 rows the GEMM quantizes them
-                          itself (no quantization kernel), above that the two kernels of the row before
   vllm-cutlass-scaled-mm  cublade's quantization (E4M3) + vLLM's CUTLASS scaled-mm (what the layer ran before)
   vllm-humming-fp8        vLLM's Humming FP8 kernel (HummingFP8ScaledMMLinearKernel, needs humming-kernels) on the
                           same tensors
@@ -102,7 +100,7 @@ def main() -> None:
     from vllm import _custom_ops as vllm_ops
 
     from cublade.numerics.fp8 import fp8_quant_weight
-    from cublade.ops.fp8_gemm import fp8_gemm, fp8_gemm_dynamic
+    from cublade.ops.fp8_gemm import fp8_gemm
     from cublade.ops.fp8_quant_per_token import (fp8_quant_per_token, fp8_quant_per_token_bf16,
                                                  fp8_quant_per_token_f16)
 
@@ -128,7 +126,6 @@ def main() -> None:
             fns["vllm-humming-fp8"] = hfn
         fns["cublade fp8_gemm"] = lambda x: fp8_gemm(*fp8_quant_per_token_bf16(x), w, ws)
         fns["cublade fp8_gemm f16"] = lambda x: fp8_gemm(*fp8_quant_per_token_f16(x), w, ws)
-        fns["cublade fp8_gemm_dynamic"] = lambda x: fp8_gemm_dynamic(x, w, ws)
         fns["bf16"] = lambda x: torch.nn.functional.linear(x, wbf)
         x16 = (torch.randn(16, K, device=dev, generator=g) * 2).to(torch.bfloat16)
         xq16, xs16 = fp8_quant_per_token(x16)

@@ -46,9 +46,6 @@ TORCH_LIBRARY(cublade, m) {
   // values (fp8_quant_per_token_bf16 / _f16), x_scale fp32 (one per row or one), weight_scale fp32 [size_n] -> bf16
   // [..., size_n].
   m.def("fp8_gemm(Tensor x, Tensor x_scale, Tensor weight, Tensor weight_scale, int split_k=0) -> Tensor");
-  // Its dynamic form: x [..., K] the bf16 activations, quantized per token as fp8_quant_per_token_f16 does (inside the
-  // GEMM up to 8 rows where it fits, else by that op first) -> the same bf16 [..., size_n].
-  m.def("fp8_gemm_dynamic(Tensor x, Tensor weight, Tensor weight_scale, int split_k=0) -> Tensor");
   // MoE routing around fp4_gemm: topk_ids [T, k] + x [T, H] -> (xs [T*k, H] sorted by expert, expert_offsets
   // [E+1] int32, pos [T*k] int32); then y [T*k, N] -> out [T, N] = sum_j topk_weights[t, j] * y[pos[t*k + j]].
   m.def("moe_route(Tensor topk_ids, Tensor x, int num_experts) -> (Tensor, Tensor, Tensor)");

@@ -220,32 +220,4 @@ __device__ __forceinline__ float div_rn_fast(float a, float b, float y) {
   return copysignf(q, q0);
 }
 
-// Four E4M3 bytes -> their four values as bf16 or fp16 (exact): fp16 straight from the conversion instruction,
-// bf16 through fp32.
-template <Fp8Values kV>
-__device__ __forceinline__ uint2 e4m3x4_to_values(uint32_t w) {
-  uint32_t lo, hi;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
-      : "=r"(lo), "=r"(hi) : "r"(w));
-  if constexpr (kV == Fp8Values::kF16) return make_uint2(lo, hi);
-  const float2 l = __half22float2(*reinterpret_cast<const __half2*>(&lo));
-  const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-  const __nv_bfloat162 a = __floats2bfloat162_rn(l.x, l.y), b = __floats2bfloat162_rn(h.x, h.y);
-  return make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
-}
-
-// One 16-byte vector of bf16 x quantized with its row's scale s as fp8_quant_per_token's f16 form does it, element
-// for element: x / s (div_rn_fast with y = __frcp_rn(s) when kFast, i.e. div_fast_ok(s); else the IEEE division),
-// rounded to E4M3 (saturating), the 8 values as fp16 (exact). fp8_gemm's in-kernel quantization (w4a16_gemm.cuh).
-template <bool kFast>
-__device__ __forceinline__ uint4 quant_bf16x8_to_f16_values(const uint4& v, float s, float y) {
-  float f[8];
-  vec_to_float<InDtype::kBF16>(v, f);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) f[i] = kFast ? div_rn_fast(f[i], s, y) : __fdiv_rn(f[i], s);
-  const uint2 lo = e4m3x4_to_values<Fp8Values::kF16>(f32x4_to_e4m3x4(f[0], f[1], f[2], f[3]));
-  const uint2 hi = e4m3x4_to_values<Fp8Values::kF16>(f32x4_to_e4m3x4(f[4], f[5], f[6], f[7]));
-  return make_uint4(lo.x, lo.y, hi.x, hi.y);
-}
-
 }  // namespace cublade

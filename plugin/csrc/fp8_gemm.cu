@@ -88,14 +88,6 @@ struct Fp8RowsF16Policy : Fp8RowsPolicy<NT_> {
   }
 };
 
-// The fp16 form on bf16 activations, quantized per token inside the kernel (the dynamic form, fp8_gemm_dynamic): the
-// kernel computes each row's scale and E4M3 values as fp8_quant_per_token_f16 does, then runs Fp8RowsF16Policy's
-// packets on them.
-template <int NT_>
-struct Fp8RowsF16QuantPolicy : Fp8RowsF16Policy<NT_> {
-  static constexpr bool kQuantX = true;
-};
-
 // cuTensorMapEncodeTiled from the driver the runtime loaded (no libcuda link), looked up once.
 PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
@@ -122,17 +114,22 @@ bool weight_map(CUtensorMap* map, const void* w, int64_t N, int64_t K) {
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The launch's parameters but the tensor map (shared by the launch and fp8_gemm_quantizes_inside).
-lowbit::PlainRowsParams plain_params(const Fp8GemmArgs& a) {
+}  // namespace
+
+cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream) {
+  if (a.M == 0 || a.N == 0) return cudaSuccess;
+  if (a.K <= 0 || a.K % 16 != 0 || a.M > INT32_MAX || a.N > INT32_MAX || a.K > INT32_MAX - kLowbitChunkK ||
+      !is_aligned(a.w, 16) || a.x_scale == nullptr || a.w_scale == nullptr)
+    return cudaErrorInvalidValue;
   lowbit::PlainRowsParams prm = {};
+  if (!weight_map(&prm.wmap, a.w, a.N, a.K)) return cudaErrorInvalidValue;
   prm.x = a.x; prm.x_stride = a.x_stride; prm.M = static_cast<int>(a.M); prm.K = static_cast<int>(a.K);
   prm.tiles = static_cast<int>(ceil_div(a.N, kTileN));
   prm.groups = static_cast<int>(ceil_div(a.N, kLowbitGroupRows));
   prm.chunks = static_cast<int>(ceil_div(a.K, kLowbitChunkK));
   prm.row_scale = a.w_scale;
   prm.tok_scale = a.x_scale; prm.tok_scale_stride = a.x_scale_stride;
-  // A programmatic dependent launch of the stream's previous kernel: the quantization, or (quant_x) whatever wrote x
-  // (CUBLADE_FP8_GEMM_PDL=0: a plain launch, for A/B).
+  // A programmatic dependent launch of the quantization before it (CUBLADE_FP8_GEMM_PDL=0: a plain launch, for A/B).
   static const bool pdl = [] {
     const char* v = std::getenv("CUBLADE_FP8_GEMM_PDL");
     return v == nullptr || std::string(v) != "0";
@@ -141,40 +138,9 @@ lowbit::PlainRowsParams plain_params(const Fp8GemmArgs& a) {
   prm.out = a.out; prm.out_stride = a.out_stride; prm.N = static_cast<int>(a.N);
   prm.sms = a.sms;
   prm.sbytes = 0;
-  prm.xrows = std::min(8 * lowbit::token_tiles(prm.M), prm.M);
-  return prm;
-}
-
-int plain_split(const Fp8GemmArgs& a, const lowbit::PlainRowsParams& prm) {
-  return a.split_k > 0 ? a.split_k : lowbit::pick_split(prm.groups, prm.chunks, a.sms);
-}
-
-}  // namespace
-
-bool fp8_gemm_quantizes_inside(const Fp8GemmArgs& a) {
-  static const bool on = [] {
-    const char* v = std::getenv("CUBLADE_FP8_GEMM_QUANT_INSIDE");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  if (!on || a.M < 1 || a.M > lowbit::kQuantMaxRows || a.K <= 0 || a.K % 16 != 0 || a.N <= 0 || a.sms <= 0)
-    return false;
-  const lowbit::PlainRowsParams prm = plain_params(a);
-  return lowbit::byte_weights_8_rows_stages<Fp8RowsF16QuantPolicy<1>>(prm, plain_split(a, prm)) > 0;
-}
-
-cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream) {
-  if (a.M == 0 || a.N == 0) return cudaSuccess;
-  if (a.K <= 0 || a.K % 16 != 0 || a.M > INT32_MAX || a.N > INT32_MAX || a.K > INT32_MAX - kLowbitChunkK ||
-      !is_aligned(a.w, 16) || (a.x_scale == nullptr && !a.quant_x) || a.w_scale == nullptr)
-    return cudaErrorInvalidValue;
-  lowbit::PlainRowsParams prm = plain_params(a);
-  if (!weight_map(&prm.wmap, a.w, a.N, a.K)) return cudaErrorInvalidValue;
-  const int S = plain_split(a, prm);
+  const int S = a.split_k > 0 ? a.split_k : lowbit::pick_split(prm.groups, prm.chunks, a.sms);
   const int nt = lowbit::token_tiles(prm.M);
-  if (a.quant_x) {  // one pass of at most 8 rows (fp8_gemm_quantizes_inside)
-    if (prm.M > lowbit::kQuantMaxRows) return cudaErrorNotSupported;
-    return lowbit::launch_byte_weights_8_rows<Fp8RowsF16QuantPolicy<1>>(prm, S, stream);
-  }
+  prm.xrows = std::min(8 * nt, prm.M);
   if (a.x_f16) {
     if (nt == 1) return lowbit::launch_byte_weights_8_rows<Fp8RowsF16Policy<1>>(prm, S, stream);
     if (nt == 2) return lowbit::launch_tpw<Fp8RowsF16Policy<2>>(prm, 1, S, stream);

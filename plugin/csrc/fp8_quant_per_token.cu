@@ -14,6 +14,20 @@ constexpr int kMaxVecsWarpMode = 32 * 8;  // rows up to 256 vectors (K <= 2048 b
 constexpr int kMaxThreads = 1024;
 constexpr int kMaxVecsFast = kMaxThreads * 8;  // longer rows go to the two-read fallback
 
+// Four E4M3 bytes -> their four values as bf16 or fp16 (exact): fp16 straight from the conversion instruction,
+// bf16 through fp32.
+template <Fp8Values kV>
+__device__ __forceinline__ uint2 e4m3x4_to_values(uint32_t w) {
+  uint32_t lo, hi;
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+  if constexpr (kV == Fp8Values::kF16) return make_uint2(lo, hi);
+  const float2 l = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+  const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  const __nv_bfloat162 a = __floats2bfloat162_rn(l.x, l.y), b = __floats2bfloat162_rn(h.x, h.y);
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+}
+
 // Quantize one 16-byte input vector with the row's scale and store its 8 (or 4) fp8 bytes, or in a values form their
 // values as bf16 / fp16; dst: the vector's first output element.
 // kFast: s passed div_fast_ok (every finite row scale does: s >= 1/(448*512), s <= bf16/fp32 max / 448), and

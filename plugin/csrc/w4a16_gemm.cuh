@@ -102,7 +102,6 @@ static_assert(2 * kMaxStages * 8 <= 128, "the full/empty mbarriers must fit the 
 template <int PB, int ALIGN = 0>
 struct LayoutOf {
   int sbytes, xrows, stages;
-  int xq_bytes = 0;  // the quantized x of policies that quantize it in the kernel (quant_x), after the reduction buffer
   static constexpr int kHeader = ALIGN > 128 ? ALIGN : 128;
   __host__ __device__ int tile_bytes() const { return kChunk * PB + sbytes; }
   __host__ __device__ int w_bytes() const { return kGroupTiles * tile_bytes(); }
@@ -114,11 +113,8 @@ struct LayoutOf {
   __host__ __device__ int red_offset() const { return kHeader + stages * stage_bytes(); }
   __host__ __device__ static int red_slots(int ksl) { return ksl > 1 ? ksl - 1 : 1; }
   __host__ __device__ static int red_slot_floats(int nt) { return kGroupTiles * nt * 4 * 32; }
-  __host__ __device__ int xq_offset(int nt, int ksl) const {
-    return red_offset() + red_slots(ksl) * red_slot_floats(nt) * 4;
-  }
   __host__ __device__ int total(int nt, int ksl) const {  // ksl: K slices per chunk (see stream_gemm_kernel)
-    return xq_offset(nt, ksl) + xq_bytes + ALIGN;
+    return red_offset() + red_slots(ksl) * red_slot_floats(nt) * 4 + ALIGN;
   }
 };
 using Layout = LayoutOf<512>;
@@ -135,34 +131,6 @@ template <class P>
 using LayoutFor = LayoutOf<P::kPacketBytes, plain_rows<P>::value ? 1024 : 0>;
 template <class P>
 using ParamsFor = std::conditional_t<plain_rows<P>::value, PlainRowsParams, GemmParams>;
-
-// Plain-rows policies whose x arrives as bf16 activations, quantized per token inside the kernel (kQuantX = true,
-// fp8_gemm.cu's dynamic form): one pass of at most kQuantMaxRows rows; the consumers take each row's abs-max over
-// all of K, then write the CTA's K range of it as E4M3 values (fp16) into shared memory once (xq: a header of
-// per-warp maxima and the rows' scales, then the rows), which the main loop reads instead of staged x.
-template <class P, class = void>
-struct quant_x : std::false_type {};
-template <class P>
-struct quant_x<P, std::void_t<decltype(P::kQuantX)>> : std::bool_constant<P::kQuantX> {};
-constexpr int kQuantMaxRows = 8;
-constexpr int kQuantMaxWarps = 8;
-constexpr int kXqHeader = (kQuantMaxWarps + 1) * kQuantMaxRows * 4;  // per-warp maxima, then the scales
-// Bytes between the quantized rows: the CTA's K range as fp16, plus the 64 bytes that put consecutive rows in
-// disjoint banks (as kXRowBytes does for staged rows).
-__host__ __device__ constexpr int xq_row_bytes(int chunks_per_cta) { return chunks_per_cta * 512 * 2 + 64; }
-
-// The shared-memory layout of a launch of `stages` stages over S splits: staged x rows, or (quant_x) none and the
-// quantized rows' region.
-template <class P>
-__host__ __device__ LayoutFor<P> layout_for(const ParamsFor<P>& prm, int S, int stages) {
-  if constexpr (quant_x<P>::value) {
-    LayoutFor<P> L{prm.sbytes, 0, stages};
-    L.xq_bytes = kXqHeader + prm.xrows * xq_row_bytes((prm.chunks + S - 1) / S);
-    return L;
-  } else {
-    return LayoutFor<P>{prm.sbytes, prm.xrows, stages};
-  }
-}
 
 // ---- PTX wrappers ------------------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -364,58 +332,6 @@ __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
 }
 
-// quant_x: rows m0 .. m0 + rows - 1 of bf16 x quantized per token into xq by the R consumer warps (tid: 0 .. 32 R - 1),
-// the numbers of fp8_quant_per_token's f16 form: each row's abs-max over all of K, its scale fp8_dynamic_scale(amax),
-// then K k_lo .. k_hi - 1 (the CTA's range) as E4M3 values in fp16, xq_stride bytes a row after the header; the
-// scales stay in the header for the epilogue. x is read through L2 (ld.global.cg: the previous kernel wrote it).
-template <int R>
-__device__ __forceinline__ void quantize_x_rows(const PlainRowsParams& prm, unsigned char* xq, int xq_stride, int m0,
-                                                int rows, int k_lo, int k_hi, int tid) {
-  constexpr int kThreads = R * 32;
-  float* part = reinterpret_cast<float*>(xq);     // [warp][row]: the warp's abs-max of the row
-  float* scale = part + kQuantMaxWarps * kQuantMaxRows;  // [row]
-  const int warp = tid >> 5, lane = tid & 31;
-  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(prm.x);
-  auto ld_cg = [](const __nv_bfloat16* p) {
-    uint4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-  };
-  const int nvec = prm.K / 8;
-  for (int r = 0; r < rows; ++r) {
-    const __nv_bfloat16* xr = x + static_cast<int64_t>(m0 + r) * prm.x_stride;
-    uint32_t acc = 0;
-#pragma unroll 4
-    for (int v = tid; v < nvec; v += kThreads) acc = absmax_vec<InDtype::kBF16>(acc, ld_cg(xr + 8 * v));
-    const float a = warp_max_nan(absmax_finish<InDtype::kBF16>(acc));
-    if (lane == 0) part[warp * kQuantMaxRows + r] = a;
-  }
-  consumer_sync<R>();
-  if (tid < rows) {
-    float a = part[tid];
-    for (int w = 1; w < R; ++w) a = max_nan(a, part[w * kQuantMaxRows + tid]);
-    scale[tid] = fp8_dynamic_scale(a);
-  }
-  consumer_sync<R>();
-  const int kvec = (k_hi - k_lo) / 8;
-  for (int r = 0; r < rows; ++r) {
-    const float s = scale[r];
-    const __nv_bfloat16* xr = x + static_cast<int64_t>(m0 + r) * prm.x_stride + k_lo;
-    unsigned char* dst = xq + kXqHeader + r * xq_stride;
-    if (div_fast_ok(s)) {  // the same test and divisions as the quantization kernel's
-      const float y = __frcp_rn(s);
-#pragma unroll 4
-      for (int v = tid; v < kvec; v += kThreads)
-        *reinterpret_cast<uint4*>(dst + 16 * v) = quant_bf16x8_to_f16_values<true>(ld_cg(xr + 8 * v), s, y);
-    } else {
-      for (int v = tid; v < kvec; v += kThreads)
-        *reinterpret_cast<uint4*>(dst + 16 * v) = quant_bf16x8_to_f16_values<false>(ld_cg(xr + 8 * v), s, 0.0f);
-    }
-  }
-  consumer_sync<R>();
-}
-
 // The kernel. A policy P says how a packet becomes mma's (dequant, scales) and provides:
 //   using T; static constexpr int NT;  struct State;
 //   static constexpr int kPacketBytes   (512: 4-bit weights, one 16-byte vector per lane; 1024: 8-bit, two: V =
@@ -444,8 +360,6 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
   constexpr int V = P::kPacketBytes / 512;     // 16-byte vectors per lane per packet
   constexpr int kSliceK = PPW * kPacketK;      // K per slice
   constexpr bool kPlain = plain_rows<P>::value;
-  constexpr bool kQuant = quant_x<P>::value;
-  static_assert(!kQuant || (kPlain && R <= kQuantMaxWarps), "in-kernel quantization: plain rows, at most 8 warps");
   static_assert(kGroupTiles % TPW == 0 && kChunk % KSL == 0 && KSL % TPW == 0,
                 "tiles per warp must divide the tile group, slices the chunk, and a warp's tiles its slices");
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -465,13 +379,11 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
   const int nchunks = max(ce - cb, 0);
   const int group = blockIdx.x;
   const int nst = prm.stages;
-  const LayoutFor<P> L = layout_for<P>(prm, nsplit, nst);
+  const LayoutFor<P> L{prm.sbytes, prm.xrows, nst};
   const int tile0 = (warp / KSL) * TPW, slice = warp % KSL;  // consumers: first tile, K slice
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxStages;
   float* red = reinterpret_cast<float*>(smem + L.red_offset());
-  unsigned char* xq = smem + L.xq_offset(NT, KSL);  // quant_x: header, then the quantized rows
-  const int xq_stride = xq_row_bytes(prm.chunks_per_cta);
   // partial sums of tile `tile`, slot `slot`: [slot][tile][n][j][lane]
   auto red_at = [&](int slot, int tile, int n, int j) {
     return red + slot * Layout::red_slot_floats(NT) + ((tile * NT + n) * 4 + j) * 32 + lane;
@@ -511,12 +423,12 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
           early = min(nst, nchunks);
           if (lane == 0)
             for (int c = 0; c < early; ++c) {
-              mbar_expect_tx(full + c, L.w_bytes() + (kQuant ? 0 : rows * kbytes_of(c)));
+              mbar_expect_tx(full + c, L.w_bytes() + rows * kbytes_of(c));
               for (int b = 0; b < kChunk * kPacketK / kPlainBoxK; ++b)
                 tma_g2s_2d(smem + L.stage_offset(c) + b * kPlainBoxBytes, &prm.wmap, k0_of(c) + b * kPlainBoxK,
                            group * kGroupTiles * kTileN, full + c, wpol);
             }
-          if constexpr (!kQuant) pdl_wait();  // quant_x: the producer reads nothing the previous kernel wrote
+          pdl_wait();
         }
       }
       for (int c = 0; c < nchunks; ++c, ++it) {
@@ -525,7 +437,7 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
         const int kbytes = kbytes_of(c);
         if (lane == 0 && c >= early) {
           if (it >= nst) mbar_wait(empty + s, ((it / nst) - 1) & 1);
-          mbar_expect_tx(full + s, L.w_bytes() + (kQuant ? 0 : rows * kbytes));
+          mbar_expect_tx(full + s, L.w_bytes() + rows * kbytes);
         }
         __syncwarp();  // the stage is free and its byte count is set before any copy lands
         unsigned char* st = smem + L.stage_offset(s);
@@ -538,16 +450,12 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
         } else if (lane == 0) {
           bulk_g2s(st, prm.w + (block0 + cb + c) * L.w_bytes(), L.w_bytes(), full + s, wpol);
         }
-        if constexpr (!kQuant)
-          for (int row = lane; row < rows; row += 32)
-            bulk_g2s(st + L.w_bytes() + row * kXRowBytes,
-                     xg + ((static_cast<int64_t>(m0 + row) * prm.x_stride) + k0) * 2, kbytes, full + s, xpol);
+        for (int row = lane; row < rows; row += 32)
+          bulk_g2s(st + L.w_bytes() + row * kXRowBytes,
+                   xg + ((static_cast<int64_t>(m0 + row) * prm.x_stride) + k0) * 2, kbytes, full + s, xpol);
       }
     } else {  // ---- consumer ----
       if constexpr (kPlain) pdl_wait();  // the epilogue reads the quantization's token scales
-      if constexpr (kQuant)
-        quantize_x_rows<R>(prm, xq, xq_stride, m0, rows, cb * kChunk * kPacketK,
-                           min(ce * kChunk * kPacketK, prm.K), warp * 32 + lane);
       typename P::State st[TPW];
       for (int c = 0; c < nchunks; ++c, ++it) {
         const int s = it % nst;
@@ -581,10 +489,8 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
                   const int row = 8 * n + g;
-                  const unsigned char* xp =
-                      kQuant ? xq + kXqHeader + row * xq_stride + (c * kChunk * kPacketK + kc) * 2
-                             : stg + L.w_bytes() + row * kXRowBytes + kc * 2;
-                  xv[h][n] = row < rows && in ? lds128(xp) : make_uint4(0u, 0u, 0u, 0u);
+                  xv[h][n] = row < rows && in ? lds128(stg + L.w_bytes() + row * kXRowBytes + kc * 2)
+                                              : make_uint4(0u, 0u, 0u, 0u);
                 }
               }
 #pragma unroll
@@ -666,9 +572,7 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
           const int tok = m0 + 8 * n + 2 * t + (j & 1);
           if (row < prm.N && tok < m_end) {
             float y = v[n][j];
-            if constexpr (kQuant)  // (sum x s_a) x s_w, the reference's order
-              y *= reinterpret_cast<const float*>(xq)[kQuantMaxWarps * kQuantMaxRows + tok - m0];
-            else if constexpr (kPlain)
+            if constexpr (kPlain)  // (sum x s_a) x s_w, the reference's order
               y *= prm.tok_scale[static_cast<int64_t>(tok) * prm.tok_scale_stride];
             out[static_cast<int64_t>(tok) * prm.out_stride + row] = from_float<T>(y * (j < 2 ? f_lo : f_hi));
           }
@@ -800,7 +704,7 @@ cudaError_t launch_stream(ParamsFor<P> prm, int E, int S, cudaStream_t stream) {
   if (const cudaError_t e = allow_max_smem<kernel>(); e != cudaSuccess) return e;
   prm.chunks_per_cta = (prm.chunks + S - 1) / S;
   prm.experts = E;
-  LayoutFor<P> L = layout_for<P>(prm, S, kMaxStages);
+  LayoutFor<P> L{prm.sbytes, prm.xrows, kMaxStages};
   // Grouped launches: one grid slice (blockIdx.z) per expert that can have rows, at most M of the E; the kernel
   // maps slice z to the z-th expert with rows. (A slice per expert left the CTAs of the experts with rows packed
   // onto fewer SMs among the early exits: 14336x4096, 2 of 8 experts, 50.0 us against 36.9 for a blob of the two.)
@@ -855,27 +759,17 @@ cudaError_t launch_tpw(ParamsFor<P> prm, int E, int S, cudaStream_t stream) {
 // 10.60, o 12.18 / 10.18, gate_up 36.58 / 34.87, down 21.85 / 18.71; Llama-70B-like 8192x57344 128.87 / 117.15,
 // 28672x8192 61.57 / 61.09, 8192x8192 21.43 / 21.67; 8192x10240 (320 CTAs, 1.2 waves at 2 per SM) 27.78 / 32.59
 // keeps one slice.
-// quant_x policies (their quantized rows take shared memory of their own) keep the two slices and take 2 stages
-// where 3 do not fit 2 CTAs per SM, and do not launch (cudaErrorNotSupported) where 2 do not either.
-template <class P>
-int byte_weights_8_rows_stages(const ParamsFor<P>& prm, int S) {
-  const int64_t ctas = static_cast<int64_t>(prm.groups) * S;
-  const int per_sm = ctas_per_sm<P, 1, 2>(layout_for<P>(prm, S, 3).total(1, 2));
-  const int64_t slots = static_cast<int64_t>(per_sm) * prm.sms;
-  if (per_sm >= 2 && (ctas <= slots || 2 * ctas > 3 * slots)) return 3;
-  if constexpr (quant_x<P>::value) return ctas_per_sm<P, 1, 2>(layout_for<P>(prm, S, 2).total(1, 2)) >= 2 ? 2 : 0;
-  return 0;  // launch_tpw's default
-}
-
 template <class P>
 cudaError_t launch_byte_weights_8_rows(ParamsFor<P> prm, int S, cudaStream_t stream) {
   static_assert(P::NT == 1 && P::kPacketBytes == 1024, "1-byte weights, one n-tile of tokens");
-  if (const int st = byte_weights_8_rows_stages<P>(prm, S); st > 0) {
-    prm.stages = st;
+  const LayoutFor<P> L{prm.sbytes, prm.xrows, 3};
+  const int per_sm = ctas_per_sm<P, 1, 2>(L.total(1, 2));
+  const int64_t slots = static_cast<int64_t>(per_sm) * prm.sms, ctas = static_cast<int64_t>(prm.groups) * S;
+  if (per_sm >= 2 && (ctas <= slots || 2 * ctas > 3 * slots)) {
+    prm.stages = 3;
     return launch_stream<P, 1, 2>(prm, 1, S, stream);
   }
-  if constexpr (quant_x<P>::value) return cudaErrorNotSupported;
-  else return launch_tpw<P>(prm, 1, S, stream);
+  return launch_tpw<P>(prm, 1, S, stream);
 }
 
 // K splits (cluster size): more CTAs per SM means more consumer warps, which is what this kernel needs, but each

@@ -206,14 +206,9 @@ cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream);
 // 16-byte aligned, K % 16 == 0; w_scale: fp32 [N]; out: bf16 [M, N] (row stride out_stride). split_k: K splits per
 // cluster (0 = pick). Every M runs the streaming kernel (passes of up to 32 rows, each re-reading the weight): the
 // callers keep larger batches on an FP8 tensor-core GEMM.
-// quant_x (the dynamic form): x is the bf16 activations themselves and x_scale unused; the kernel quantizes each row
-// per token as fp8_quant_per_token_f16 does (the same scales and E4M3 values) and multiplies as with that op's
-// output. It runs where fp8_gemm_quantizes_inside(a) says so (up to 8 rows, where its shared memory fits; a launch
-// elsewhere returns cudaErrorNotSupported): callers quantize with the kernel and launch the plain form otherwise.
 struct Fp8GemmArgs {
-  const void* x = nullptr;  // bf16, or fp16 with x_f16, holding E4M3 values; bf16 activations with quant_x
+  const void* x = nullptr;  // bf16, or fp16 with x_f16, holding E4M3 values
   bool x_f16 = false;
-  bool quant_x = false;
   int64_t M = 0, K = 0, x_stride = 0;
   const float* x_scale = nullptr;
   int x_scale_stride = 0;
@@ -225,9 +220,6 @@ struct Fp8GemmArgs {
   int sms = 0;
 };
 cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream);
-// Whether launch_fp8_gemm runs a (M, K, N, split_k, sms) with quant_x: at most 8 rows, the quantized rows' shared
-// memory fits 2 CTAs per SM; CUBLADE_FP8_GEMM_QUANT_INSIDE=0 says no everywhere (the two-kernel form, for A/B).
-bool fp8_gemm_quantizes_inside(const Fp8GemmArgs& a);
 
 // The dense bf16 weight [N, K] (contiguous) from the MXFP8 blob: the prefill path. K % 32 == 0.
 struct Mxfp8DequantPackedArgs {

@@ -15,14 +15,6 @@
   (cublade.vllm.kernels.cublade_fp8_gemm, opt-in with CUBLADE_FP8_GEMM=1) runs it for small batches and vLLM's CUTLASS
   FP8 GEMM (the same weight tensor) above. `split_k` (1..8 fixes
   the K splits; 0 = automatic) is for tuning and tests.
-
-`fp8_gemm_dynamic(x [..., K] bf16, weight, weight_scale, split_k=0) -> bf16 [..., N]`: the same product on the bf16
-  activations themselves, quantized per token exactly as `fp8_quant_per_token_f16` does (the scales and E4M3 values of
-  the `fp8` scheme's dynamic activations): `fp8_gemm(*fp8_quant_per_token_f16(x), weight, weight_scale)` in one call.
-  Up to 8 rows the kernel quantizes inside the GEMM (each CTA takes the rows' abs-maxima over K and writes its K range
-  of E4M3 values into shared memory while the first weight stages land: no quantization kernel, no activation
-  round trip), where that shared memory fits 2 CTAs per SM; elsewhere it runs the quantization kernel and then
-  fp8_gemm. CUBLADE_FP8_GEMM_QUANT_INSIDE=0 takes the two-kernel form everywhere (for A/B runs).
 """
 from __future__ import annotations
 
@@ -45,27 +37,6 @@ def fp8_gemm(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     if use_kernel(x, "fp8_gemm"):
         return torch.ops.cublade.fp8_gemm(x, x_scale, weight, weight_scale, split_k)
     return fp8_gemm_ref(x, x_scale, weight, weight_scale, split_k)
-
-
-def fp8_gemm_dynamic_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         split_k: int = 0) -> torch.Tensor:
-    """The reference: the per-token quantization's reference, then fp8_gemm's."""
-    from cublade.ops.fp8_quant_per_token import fp8_quant_per_token_f16_ref
-
-    return fp8_gemm_ref(*fp8_quant_per_token_f16_ref(x), weight, weight_scale, split_k)
-
-
-def fp8_gemm_dynamic(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     split_k: int = 0) -> torch.Tensor:
-    if use_kernel(x, "fp8_gemm_dynamic"):
-        return torch.ops.cublade.fp8_gemm_dynamic(x, weight, weight_scale, split_k)
-    return fp8_gemm_dynamic_ref(x, weight, weight_scale, split_k)
-
-
-@register_fake("cublade::fp8_gemm_dynamic")
-def _fp8_gemm_dynamic_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                           split_k: int = 0) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.bfloat16)
 
 
 @register_fake("cublade::fp8_gemm")

@@ -9,12 +9,7 @@ either value form. GPU: the quant kernels bit-exact against their references; th
 against the fp32 reference held to one bf16 rounding (its products are exact, its fp32 sums run in another order),
 over token counts across the passes of 8 / 16 / 32 rows, N and K off the 64-row / 512-K tiles (TMA zero-fills past N
 and K), K splits, a per-tensor activation scale, and row independence (a row's output does not depend on the other
-rows of its pass); the two forms within a bf16 step of each other. fp8_gemm_dynamic (bf16 activations, quantized per
-token inside the GEMM up to 8 rows): on selection weights (one 1.0 per row, so each output is one quantized value
-times its row's scale, whatever the summation order) bit for bit the quantization kernel + fp8_gemm and the
-reference, across K splits and with zero, tiny and outlier rows; on random weights within one bf16 rounding of the
-reference; above 8 rows exactly the two-kernel form it runs there; the quantized rows' shared-memory loads free of
-bank conflicts (CPU model)."""
+rows of its pass); the two forms within a bf16 step of each other."""
 from __future__ import annotations
 
 import pytest
@@ -23,7 +18,7 @@ import torch
 from accuracy import assert_one_rounding
 from cublade.numerics.linear import fp8_linear_ref
 from cublade.numerics.fp8 import fp8_quant_weight
-from cublade.ops.fp8_gemm import fp8_gemm, fp8_gemm_dynamic, fp8_gemm_dynamic_ref, fp8_gemm_ref
+from cublade.ops.fp8_gemm import fp8_gemm, fp8_gemm_ref
 from cublade.ops.fp8_quant_per_token import (fp8_quant_per_token_bf16, fp8_quant_per_token_bf16_ref,
                                              fp8_quant_per_token_f16, fp8_quant_per_token_f16_ref,
                                              fp8_quant_per_token_ref)
@@ -150,28 +145,6 @@ def test_plain_rows_shared_loads_have_no_bank_conflict():
                     assert len(set().union(*got)) == 32, (pk, h, quarter)
 
 
-@pytest.mark.parametrize("chunks_per_cta", [1, 8, 14, 28])
-def test_quantized_rows_shared_loads_have_no_bank_conflict(chunks_per_cta):
-    """fp8_gemm_dynamic's in-kernel quantized rows (xq, one row a token, lowbit::xq_row_bytes apart: the CTA's K range
-    as fp16 plus 64 bytes) are read with the staged rows' lane map: a quarter-warp's 16-byte loads cover 32 banks in
-    every chunk of the range."""
-    stride = chunks_per_cta * 512 * 2 + 64
-    for c in range(chunks_per_cta):
-        for pk in range(8):
-            for h in range(2):
-                for quarter in range(4):
-                    got = [banks(g * stride + 2 * (512 * c + lane_k(pk, h, t)), 16)
-                           for g in (2 * quarter, 2 * quarter + 1) for t in range(4)]
-                    assert len(set().union(*got)) == 32, (c, pk, h, quarter)
-
-
-def test_dynamic_form_on_cpu_is_the_reference():
-    w, ws = weights(64, 256)
-    x = activations(6, 256)
-    assert torch.equal(fp8_gemm_dynamic(x, w, ws), fp8_linear_ref(x, w, ws))
-    assert torch.equal(fp8_gemm_dynamic_ref(x, w, ws), fp8_gemm_ref(*fp8_quant_per_token_f16_ref(x), w, ws))
-
-
 # ---- GPU ----------------------------------------------------------------------------------------------------
 
 @gpu
@@ -288,109 +261,3 @@ def test_gemm_forms_agree(M, N, K):
     yh = fp8_gemm(xb.to(torch.float16), xs, w, ws).float()  # the same E4M3 values (exact in both)
     step = yb.abs() * 2.0**-7 + 1e-30
     assert bool(((yh - yb).abs() <= step).all()), (yh - yb).abs().max().item()
-
-
-def selection(N: int, K: int, seed: int = 0):
-    """E4M3 weights with one 1.0 per row at K positions spread over the whole range (each output is then one
-    quantized activation times its scales: exact whatever the order of the sums), per-channel scales of powers of
-    two (exact products)."""
-    g = torch.Generator().manual_seed(seed)
-    cols = torch.randperm(K, generator=g)[:N] if N <= K else torch.randint(0, K, (N,), generator=g)
-    w = torch.zeros(N, K)
-    w[torch.arange(N), cols] = 1.0
-    ws = 2.0 ** torch.randint(-3, 4, (N,), generator=g).float()
-    return w.to(torch.float8_e4m3fn), ws
-
-
-def awkward_rows(M: int, K: int, seed: int = 1) -> torch.Tensor:
-    """Activations whose rows include all zeros (the scale's floor), tiny values (E4M3 subnormals after scaling), an
-    outlier, and negative zeros."""
-    x = activations(M, K, seed).float()
-    if M > 1:
-        x[1] = 0.0
-    if M > 2:
-        x[2] *= 1e-6
-    if M > 3:
-        x[3, K // 2] = -2000.0
-    if M > 4:
-        x[4, ::7] = -0.0
-    return x.to(torch.bfloat16)
-
-
-@gpu
-@pytest.mark.parametrize("N,K,split_k", [(4096, 4096, 0), (6144, 4096, 0), (128, 14336, 0), (128, 14336, 1),
-                                         (128, 14336, 4), (512, 8192, 8), (100, 1056, 0), (64, 96, 0)])
-@pytest.mark.parametrize("M", [1, 2, 5, 8])
-def test_dynamic_form_is_bit_exact_on_selection_weights(M, N, K, split_k):
-    w, ws = selection(N, K, seed=N + K)
-    x = awkward_rows(M, K, seed=M + K)
-    w, ws, xg = w.cuda(), ws.cuda(), x.cuda()
-    y = fp8_gemm_dynamic(xg, w, ws, split_k)
-    two_kernels = fp8_gemm(*fp8_quant_per_token_f16(xg), w, ws, split_k)
-    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
-    assert torch.equal(y, two_kernels)
-    assert torch.equal(y.cpu(), fp8_gemm_dynamic_ref(x, w.cpu(), ws.cpu()))
-
-
-@gpu
-@pytest.mark.parametrize("N,K", [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (130, 1056), (1000, 2064)])
-@pytest.mark.parametrize("M", [1, 3, 8, 9, 16])
-def test_dynamic_form_matches_the_reference(M, N, K):
-    w, ws = weights(N, K, seed=N)
-    x = activations(M, K, seed=K)
-    xv, xs = fp8_quant_per_token_f16_ref(x)
-    ref = ((xv.float() @ w.float().t()) * xs * ws.reshape(1, -1)).cuda()
-    y = fp8_gemm_dynamic(x.cuda(), w.cuda(), ws.cuda())
-    assert_one_rounding(y, ref)
-
-
-@gpu
-@pytest.mark.parametrize("M", [9, 16, 40])
-def test_dynamic_form_above_eight_rows_is_the_two_kernel_form(M):
-    w, ws = weights(1024, 4096)
-    x = activations(M, 4096).cuda()
-    w, ws = w.cuda(), ws.cuda()
-    assert torch.equal(fp8_gemm_dynamic(x, w, ws), fp8_gemm(*fp8_quant_per_token_f16(x), w, ws))
-
-
-@gpu
-def test_dynamic_form_strided_and_batched_x():
-    """x as a view with a row stride (a slice of a wider tensor) and with leading dims: the same outputs as a
-    contiguous 2-D x."""
-    w, ws = weights(512, 1024)
-    w, ws = w.cuda(), ws.cuda()
-    wide = activations(4, 2048).cuda()
-    x = wide[:, :1024]
-    y = fp8_gemm_dynamic(x.contiguous(), w, ws)
-    assert torch.equal(fp8_gemm_dynamic(x, w, ws), y)
-    assert torch.equal(fp8_gemm_dynamic(x.contiguous().reshape(2, 2, 1024), w, ws).reshape(4, 512), y)
-
-
-@gpu
-@pytest.mark.parametrize("M", [1, 8])
-def test_dynamic_form_back_to_back(M):
-    """Launches in a row on one stream, each a programmatic dependent launch of the one before (which wrote nothing
-    it reads), with x rewritten between them: every output is its own x's."""
-    w, ws = weights(4096, 4096)
-    w, ws = w.cuda(), ws.cuda()
-    xs = [activations(M, 4096, seed=i).cuda() for i in range(4)]
-    refs = [fp8_gemm(*fp8_quant_per_token_f16(x), w, ws) for x in xs]
-    buf = torch.empty_like(xs[0])
-    outs = []
-    for x in xs:
-        buf.copy_(x)
-        outs.append(fp8_gemm_dynamic(buf, w, ws))
-    torch.cuda.synchronize()
-    for y, ref in zip(outs, refs):
-        assert_one_rounding(y, ref.float())
-
-
-@gpu
-def test_dynamic_form_errors_name_the_op():
-    w, ws = weights(64, 512)
-    w, ws = w.cuda(), ws.cuda()
-    x = activations(2, 512).cuda()
-    with pytest.raises(NotImplementedError, match=r"cublade\.fp8_gemm_dynamic: x must be bfloat16"):
-        fp8_gemm_dynamic(x.half(), w, ws)
-    with pytest.raises(ValueError, match=r"cublade\.fp8_gemm_dynamic: weight has K=512, x has K=256"):
-        fp8_gemm_dynamic(x[:, :256].contiguous(), w, ws)

@@ -8,7 +8,7 @@ import os
 import torch
 
 from cublade.numerics.fp8 import Fp8Activations
-from cublade.ops.fp8_gemm import fp8_gemm, fp8_gemm_dynamic
+from cublade.ops.fp8_gemm import fp8_gemm
 from cublade.ops.fp8_quant_per_token import fp8_quant_per_token, fp8_quant_per_token_bf16, fp8_quant_per_token_f16
 from cublade.vllm.kernels.base import LinearKernel, env_switch, gpu_half, replace_parameter, why_no_kernel
 from cublade.vllm.kernels.vllm_cutlass_scaled_mm import FUSE_ENV, VllmCutlassScaledMM, fuse_under_compile
@@ -22,8 +22,7 @@ FP8_GEMM_ENV = "CUBLADE_FP8_GEMM"
 # per two codes, fp16 mma's) or bf16 (the codes decoded by bit placement, bf16 mma's: four times the decode's
 # instructions). Both give the reference's products. f16 is the default: on the H200 fp8_gemm alone took 0.83-0.97x
 # the bf16 form's time at every measured point (Llama-3-8B's four shapes x 1-16 tokens; one layer at one token 91.8
-# against 99.7 us), docs/performance.md#fp8-gemm. On f16 the layer calls fp8_gemm_dynamic, which quantizes inside the
-# GEMM where it can (up to 8 rows) and through fp8_quant_per_token_f16 elsewhere: the same numbers.
+# against 99.7 us), docs/performance.md#fp8-gemm.
 VALUES_ENV = "CUBLADE_FP8_GEMM_VALUES"
 VALUES = {"f16": fp8_quant_per_token_f16, "bf16": fp8_quant_per_token_bf16}  # each entry is named after its op
 DEFAULT_VALUES = "f16"
@@ -50,9 +49,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     both W8A8 on the same E4M3 bytes and scales, fp32 sums. One custom op, so torch.compile sees the row test as part
     of an opaque op (no guard on the batch)."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] <= max_rows and values == "f16":
-        y = fp8_gemm_dynamic(x2, weight, weight_scale)
-    elif x2.shape[0] <= max_rows:
+    if x2.shape[0] <= max_rows:
         xv, xs = VALUES[values](x2)
         y = fp8_gemm(xv, xs, weight, weight_scale)
     else:
@@ -93,8 +90,7 @@ class CubladeFp8Gemm(LinearKernel):
                            "(vLLM's CUTLASS runs the layer)")
         if fuse_under_compile():
             return False, f"{FUSE_ENV}=1 traces the quantization for Inductor onto vLLM's CUTLASS"
-        ops = ("fp8_gemm_dynamic",) if values_form() == "f16" else ()
-        for op in ("fp8_gemm", *ops, VALUES[values_form()].__name__, "fp8_quant_per_token"):
+        for op in ("fp8_gemm", VALUES[values_form()].__name__, "fp8_quant_per_token"):
             why = why_no_kernel(op, layer.weight.device)
             if why is not None:
                 return False, f"{op}: {why}"
