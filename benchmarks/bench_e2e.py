@@ -34,6 +34,11 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
     cublade-fp8-lm-head, cublade-fp8-gemm-lm-head, cublade-w4a16-lm-head, cublade-w4a16-measured-lm-head
                           the checkpoints converted with --quantize-lm-head (make's `-lm-head` presets); the second
                           with CUBLADE_FP8_GEMM=1, the last with CUBLADE_W4A16_PREFILL=machete,humming
+    vllm-fp8-static       make's `fp8-static`: the source converted to FP8 (per-channel weights) in compressed-tensors'
+                          format, its activations relabelled static per tensor with an input_scale of INPUT_SCALE in
+                          every layer (no calibration: a step's time does not depend on the scales' values), served
+                          by vLLM's own compressed-tensors method (its static FP8 quantization, fusions, CUTLASS)
+    cublade-fp8-static    the same checkpoint with --quantization cublade (cublade's static fp8 layers)
     cublade-fp8-kv-vllm   cublade-fp8 with an FP8 KV cache (k_scale = v_scale = KV_SCALE in every layer: the
                           step's time does not depend on them), K rounded to nearest, vLLM's FlashAttention and
                           its own cache write
@@ -105,6 +110,8 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-fp8-gemm-bf16": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1", "CUBLADE_FP8_GEMM_VALUES": "bf16"},
                               None),
     "cublade-fp8-lm-head": ("cublade-fp8-dynamic-lm-head", None, {}, None),
+    "vllm-fp8-static": ("ct-fp8-static", None, {}, None),
+    "cublade-fp8-static": ("ct-fp8-static", "cublade", {}, None),
     "cublade-fp8-gemm-lm-head": ("cublade-fp8-dynamic-lm-head", None, {"CUBLADE_FP8_GEMM": "1"}, None),
     "vllm-mxfp8": ("src", "mxfp8", {}, None),
     "vllm-mxfp8-humming": ("src", "mxfp8", {"VLLM_DISABLED_KERNELS": ",".join(
@@ -140,9 +147,11 @@ MIXTRAL_8X7B = dict(LLAMA3_8B, architectures=["MixtralForCausalLM"], model_type=
 SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B, "mixtral": MIXTRAL_8X7B}
 DENSE_PRESETS, MOE_PRESETS = ("fp8-dynamic", "mxfp8", "w4a16"), ("fp4-experts-fp8-dense",)
 LM_HEAD = "-lm-head"  # a preset name with this suffix: the preset, with `--quantize-lm-head`
-PRESETS = DENSE_PRESETS + MOE_PRESETS + ("w4a16" + LM_HEAD, "fp8-dynamic" + LM_HEAD)
+STATIC = "fp8-static"  # not a conversion of its own: make_ct_fp8_static
+PRESETS = DENSE_PRESETS + MOE_PRESETS + ("w4a16" + LM_HEAD, "fp8-dynamic" + LM_HEAD, STATIC)
 DEFAULT_PRESETS = {"8b": DENSE_PRESETS, "70b": DENSE_PRESETS, "mixtral": MOE_PRESETS}  # per --shape
 KV_SCALE = 0.02  # K and V of these random weights are about N(0, 1.3): abs-max about 9 = 448 * 0.02
+INPUT_SCALE = 0.05  # the static FP8 activations' scale in every layer: |x| up to 22.4 = 448 * 0.05
 
 
 # ---- make: the synthetic source checkpoint and its conversions ------------------------------------------------
@@ -254,6 +263,36 @@ def make_fp8_kv(fp8_dir: Path, out: Path, rounding: str) -> None:
     tmp.rename(out)
 
 
+def make_ct_fp8_static(ct_dir: Path, out: Path) -> None:
+    """A compressed-tensors FP8 checkpoint (per-channel weights, dynamic per-token activations) relabelled static per
+    tensor: the same shards (hard links), input_activations {strategy: tensor, dynamic: false}, and one input_scale
+    of INPUT_SCALE for every quantized layer (those with a weight_scale)."""
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
+    tmp.mkdir(parents=True)
+    index = json.loads((ct_dir / "model.safetensors.index.json").read_text())
+    for fname in sorted(set(index["weight_map"].values())):
+        os.link(ct_dir / fname, tmp / fname)
+    scales = {name.removesuffix("weight_scale") + "input_scale": torch.tensor([INPUT_SCALE], dtype=torch.float32)
+              for name in index["weight_map"] if name.endswith(".weight_scale")}
+    save_file(scales, str(tmp / "input-scales.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(scales, "input-scales.safetensors"))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    cfg = json.loads((ct_dir / "config.json").read_text())
+    q = cfg["quantization_config"]
+    if q.get("quant_method") != "compressed-tensors":
+        raise SystemExit(f"{ct_dir}: expected a compressed-tensors checkpoint, got {q.get('quant_method')!r}")
+    for group in q["config_groups"].values():
+        a = group.get("input_activations") or {}
+        if a.get("type") != "float" or a.get("num_bits") != 8:
+            raise SystemExit(f"{ct_dir}: expected FP8 activations, got {a}")
+        a.update(strategy="tensor", dynamic=False)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    tmp.rename(out)
+
+
 def cmd_make(args) -> None:
     work = Path(args.workdir)
     src = work / "src"
@@ -265,15 +304,22 @@ def cmd_make(args) -> None:
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         raise SystemExit(f"--presets: unknown {unknown}; known: {', '.join(PRESETS)}")
+    device = ["--quant-device", "cuda"] if torch.cuda.is_available() else []
     for preset in presets:
-        out = work / f"cublade-{preset}"
+        out = work / ("ct-fp8-static" if preset == STATIC else f"cublade-{preset}")
         if out.exists():
             continue
         t0 = time.perf_counter()
-        scheme = preset.removesuffix(LM_HEAD)
-        subprocess.run([sys.executable, "-m", "cublade.cli", "convert", str(src), str(out), "--scheme", scheme,
-                        *(["--quantize-lm-head"] if preset != scheme else []),
-                        *(["--quant-device", "cuda"] if torch.cuda.is_available() else [])], check=True)
+        if preset == STATIC:
+            ct = work / "ct-fp8-dynamic"
+            if not ct.exists():
+                subprocess.run([sys.executable, "-m", "cublade.cli", "convert", str(src), str(ct), "--scheme",
+                                "fp8-dynamic", "--format", "compressed-tensors", *device], check=True)
+            make_ct_fp8_static(ct, out)
+        else:
+            scheme = preset.removesuffix(LM_HEAD)
+            subprocess.run([sys.executable, "-m", "cublade.cli", "convert", str(src), str(out), "--scheme", scheme,
+                            *(["--quantize-lm-head"] if preset != scheme else []), *device], check=True)
         print(f"{preset}: {out} in {time.perf_counter() - t0:.0f} s", flush=True)
     if "w4a16" in presets and not (work / "ct-w4a16").exists():
         make_ct_w4a16(work / "cublade-w4a16", work / "ct-w4a16")
@@ -546,7 +592,7 @@ def report(results: dict, batches: list[int]) -> None:
              ("cublade-fp8-kv-qa", "cublade-fp8-kv-vllm"), ("cublade-fp8-kv-qa", "cublade-fp8-kv"),
              ("cublade-w4a16-lm-head", "cublade-w4a16"), ("cublade-w4a16-lm-head", "vllm-w4a16"),
              ("cublade-fp8-lm-head", "cublade-fp8"), ("cublade-fp8-lm-head", "vllm-fp8"),
-             ("cublade-fp8-gemm-bf16", "cublade-fp8-gemm"),
+             ("cublade-fp8-gemm-bf16", "cublade-fp8-gemm"), ("cublade-fp8-static", "vllm-fp8-static"),
              ("cublade-fp8-gemm-lm-head", "cublade-fp8-lm-head"), ("cublade-fp8-gemm-lm-head", "vllm-fp8"),
              ("cublade-w4a16-measured-lm-head", "cublade-w4a16-measured"),
              ("cublade-w4a16-measured-lm-head", "vllm-w4a16-humming")] + [

@@ -302,3 +302,46 @@ def test_report_joins_the_lines_of_several_runs(bench_e2e, tmp_path, capsys, mon
     second.write_text(line("bf16", 4.0, batches=(1, 64)))
     with pytest.raises(SystemExit, match=r"b.jsonl:1: measured with .*'batches': \[1, 64\].* a report compares"):
         bench_e2e.main()
+
+
+def test_make_fp8_static_writes_a_static_compressed_tensors_checkpoint(bench_e2e, tmp_path, monkeypatch):
+    """make --presets fp8-static (shrunk to hidden 128, vocab 512): the source in compressed-tensors FP8, relabelled
+    static per tensor with one input_scale a layer (hard links to the dynamic conversion's shards), which cublade reads
+    as its static-tensor fp8 scheme with every tensor in its shape and vLLM's compressed-tensors config as static
+    per-tensor FP8 activations; both fp8-static configurations serve it."""
+    import argparse
+
+    from cublade.config import Fp8Scheme
+    from cublade.config.compressed_tensors import policy_from_compressed_tensors, tensor_specs
+    from cublade.numerics.fp8 import Fp8Activations
+
+    small = dict(bench_e2e.LLAMA3_8B, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=512)
+    monkeypatch.setitem(bench_e2e.SHAPES, "8b", small)
+    bench_e2e.cmd_make(argparse.Namespace(workdir=str(tmp_path), layers=2, shape="8b", presets=["fp8-static"]))
+    dyn, out = tmp_path / "ct-fp8-dynamic", tmp_path / "ct-fp8-static"
+    assert {bench_e2e.CONFIGS[c][0] for c in ("vllm-fp8-static", "cublade-fp8-static")} == {out.name}
+    assert bench_e2e.CONFIGS["cublade-fp8-static"][1] == "cublade" and bench_e2e.CONFIGS["vllm-fp8-static"][1] is None
+    src_index, src_t = tensors(dyn)
+    dst_index, dst_t = tensors(out)
+    for name, f in src_index.items():
+        assert dst_index[name] == f and os.path.samefile(dyn / f, out / f)
+    scaled = {n.removesuffix("weight_scale") for n in src_t if n.endswith(".weight_scale")}
+    assert len(scaled) == 2 * 7  # q, k, v, o, gate, up, down in each layer
+    assert set(dst_t) - set(src_t) == {p + "input_scale" for p in scaled}
+    assert all(dst_t[p + "input_scale"].tolist() == [pytest.approx(bench_e2e.INPUT_SCALE)] for p in scaled)
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    policy = policy_from_compressed_tensors(q)
+    (name, scheme), = policy.schemes
+    assert isinstance(scheme, Fp8Scheme) and scheme.activations is Fp8Activations.STATIC_TENSOR
+    for p in scaled:  # every tensor the static scheme reads, in its shape
+        N, K = dst_t[p + "weight"].shape
+        for suffix, (shape, _) in tensor_specs(scheme, N, K).items():
+            assert tuple(dst_t[p + suffix].shape) == tuple(shape), (p, suffix)
+
+    pytest.importorskip("vllm.model_executor")
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig)
+
+    a = CompressedTensorsConfig.from_config(q).target_scheme_map["Linear"]["input_activations"]
+    assert (a.num_bits, a.strategy, a.dynamic) == (8, "tensor", False)
