@@ -62,7 +62,9 @@ included) over a generate of 1 + S tokens and one of 1 token, and prints where a
 difference of the two, per kernel and per kind of kernel (cublade's GEMMs, vLLM's and cuBLAS's GEMMs, activation
 quantization, attention, Inductor's fused elementwise kernels, ...), each divided by S, next to the step time
 measured by the same pairs without the profiler (--reps of them, in the same in-process engine); what the kernels do
-not cover is time the GPU waits (launch gaps, host work). `profile --prefill` profiles the 1-token generate
+not cover is time the GPU waits (launch gaps, host work). On the dense models it also splits the step's GEMM time by
+projection (qkv_proj, o_proj, gate_up_proj, down_proj summed over the layers, and lm_head), from the GEMMs' launch
+order, which CUDA graphs keep: a kernel that leads on some shapes and trails on others shows where. `profile --prefill` profiles the 1-token generate
 instead: the B prompts' forward (B x P tokens, not CUDA-graphed, as a server's prompt chunks run), its wall time
 the median of --reps. With --tensor-parallel-size N > 1 the ranks are worker processes: vLLM's own worker profiler
 (LLM(profiler_config=...), start_profile / stop_profile) writes each rank's trace, and the kernel times are the
@@ -402,6 +404,37 @@ KERNEL_KINDS = (
 )
 
 
+GEMM_KINDS = ("cublade GEMM", "vLLM CUTLASS GEMM", "cuBLAS GEMM (bf16)")
+# A dense Llama forward's linear GEMMs, in launch order: these four in each layer, then the lm_head.
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def kernel_kind(name: str) -> str:
+    return next(k for k, rx in KERNEL_KINDS if re.search(rx, name, re.IGNORECASE))
+
+
+def gemms_by_projection(prefill: list[tuple[str, float]], generate: list[tuple[str, float]],
+                        steps: int) -> dict | None:
+    """GPU time per decode step of each projection's GEMMs ({projection: [us, kernel names]}), from the GEMM launches
+    of a 1-token generate (one forward: `prefill`) and of a (1 + steps)-token one (`generate`: that forward and
+    `steps` decode forwards), each [(kernel, us)] in launch order: the generate's launches past the prompts' forward
+    are the decode forwards', and launch j of each is the same layer's same projection (CUDA graphs replay one
+    order). None where a decode forward's launches are not 4 a layer and one lm_head (another model, or a GEMM
+    outside the forwards)."""
+    decode = generate[len(prefill):]
+    p = len(decode) // steps if steps else 0
+    if p < 5 or p % 4 != 1 or len(decode) != steps * p:
+        return None
+    out: dict[str, list] = {}
+    for f in range(steps):
+        for j, (name, us) in enumerate(decode[f * p:(f + 1) * p]):
+            proj = "lm_head" if j == p - 1 else PROJECTIONS[j % 4]
+            t = out.setdefault(proj, [0.0, set()])
+            t[0] += us / steps
+            t[1].add(name[:80])
+    return {proj: [us, sorted(names)] for proj, (us, names) in out.items()}
+
+
 def trace_kernels(path: Path) -> dict[str, list[float]]:
     """Kernel name -> [us, launches] of one Chrome trace written by torch.profiler (empty: no GPU kernels in it)."""
     with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
@@ -450,15 +483,21 @@ def kernel_profile(timed, steps: int, reps: int, prefill: bool = False, kernels=
     this process; worker_kernels for tensor-parallel ranks)."""
     from torch.profiler import ProfilerActivity, profile
 
+    gemms: dict[int, list[tuple[str, float]]] = {}  # generate length -> its GEMM launches in order (in process)
+
     def in_process(n: int) -> tuple[float, dict[str, list[float]]]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             dt = timed(n)[0]
         per: dict[str, list[float]] = {}
+        launched = []
         for ev in prof.events():
             if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
                 t = per.setdefault(ev.name, [0.0, 0.0])
                 t[0] += ev.device_time_total  # us
                 t[1] += 1
+                if kernel_kind(ev.name) in GEMM_KINDS:
+                    launched.append((ev.time_range.start, ev.name, ev.device_time_total))
+        gemms[n] = [(name, us) for _, name, us in sorted(launched, key=lambda e: e[0])]
         return dt, per
 
     kernels = kernels or in_process
@@ -476,11 +515,14 @@ def kernel_profile(timed, steps: int, reps: int, prefill: bool = False, kernels=
             per_step[name] = ((us - s_us) / steps, (calls - s_calls) / steps)
     kinds: dict[str, float] = {}
     for name, (us, _) in per_step.items():
-        kind = next(k for k, rx in KERNEL_KINDS if re.search(rx, name, re.IGNORECASE))
+        kind = kernel_kind(name)
         kinds[kind] = kinds.get(kind, 0.0) + us
     top = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:30]
-    return {"step_ms": step_s * 1e3, "kernels_ms": sum(v[0] for v in per_step.values()) / 1e3,
-            "kinds_us": kinds, "top": [(n[:160], us, calls) for n, (us, calls) in top]}
+    out = {"step_ms": step_s * 1e3, "kernels_ms": sum(v[0] for v in per_step.values()) / 1e3,
+           "kinds_us": kinds, "top": [(n[:160], us, calls) for n, (us, calls) in top]}
+    if not prefill and 1 in gemms and steps + 1 in gemms:
+        out["gemms_us"] = gemms_by_projection(gemms[1], gemms[steps + 1], steps)
+    return out
 
 
 def print_profile(name: str, rows: list[dict], prefill: bool = False) -> None:
@@ -498,6 +540,13 @@ def print_profile(name: str, rows: list[dict], prefill: bool = False) -> None:
         print(f"| kernel | {unit} | launches{'' if prefill else ' per step'} |\n|---|---:|---:|")
         for kname, us, calls in r["top"]:
             print(f"| `{kname}` | {us:.1f} | {calls:.0f} |")
+        if "gemms_us" in r:
+            if r["gemms_us"] is None:
+                print("(no GEMMs by projection: the forwards' GEMM launches are not 4 a layer and one lm_head)")
+                continue
+            print(f"| projection | GEMM {unit} | kernels |\n|---|---:|---|")
+            for proj, (us, names) in r["gemms_us"].items():
+                print(f"| {proj} | {us:.1f} | {', '.join(f'`{n}`' for n in names)} |")
 
 
 def cmd_measure(args) -> None:

@@ -194,10 +194,37 @@ def test_make_with_the_lm_head_quantized(bench_e2e, tmp_path, monkeypatch):
 
 
 class _Event:
+    clock = 0.0  # launch order: each event starts after the one made before it
+
     def __init__(self, name, us):
+        import types
+
         import torch
 
         self.name, self.device_time_total, self.device_type = name, us, torch.autograd.DeviceType.CUDA
+        _Event.clock += us + 1.0
+        self.time_range = types.SimpleNamespace(start=_Event.clock)
+
+
+def test_gemms_by_projection_of_a_decode_step(bench_e2e):
+    """The decode forwards' GEMMs by launch position: 4 a layer (qkv, o, gate_up, down) then the lm_head, each
+    projection's time summed over the layers per step, the 1-token generate's forward (the prompts) left out; None
+    where the launches do not split into such forwards."""
+    layers, steps = 3, 2
+    forward = [("cutlass_fp8", 10.0), ("cutlass_fp8", 5.0), ("fp8_gemm_cublade", 30.0), ("cutlass_fp8", 20.0)]
+
+    def generate(n, prompt_us=1000.0):
+        prompts = [(k, prompt_us) for k, _ in forward * layers] + [("nvjet", prompt_us)]
+        return prompts + (forward * layers + [("nvjet", 240.0)]) * (n - 1)
+
+    got = bench_e2e.gemms_by_projection(generate(1), generate(steps + 1), steps)
+    assert got == {"qkv_proj": [30.0, ["cutlass_fp8"]], "o_proj": [15.0, ["cutlass_fp8"]],
+                   "gate_up_proj": [90.0, ["fp8_gemm_cublade"]], "down_proj": [60.0, ["cutlass_fp8"]],
+                   "lm_head": [240.0, ["nvjet"]]}
+    assert bench_e2e.gemms_by_projection(generate(1), generate(steps + 1)[:-1], steps) is None
+    # prompts whose layers launch two GEMM kernels each (a dequantize then cuBLAS): the decode forwards still split
+    two = [(k, 1.0) for k, _ in forward * 2 * layers] + [("nvjet", 1.0)]
+    assert bench_e2e.gemms_by_projection(two, two + generate(steps + 1)[len(generate(1)):], steps) == got
 
 
 def test_kernel_profile_of_a_decode_step_and_of_the_prompts(bench_e2e, monkeypatch):
@@ -225,6 +252,7 @@ def test_kernel_profile_of_a_decode_step_and_of_the_prompts(bench_e2e, monkeypat
     monkeypatch.setattr(torch.profiler, "profile", fake_profile)
     decode = bench_e2e.kernel_profile(timed, steps=4, reps=1)
     assert decode["top"] == [("nvjet_decode", 10.0, 1.0)] and decode["kernels_ms"] == pytest.approx(0.010)
+    assert decode["gemms_us"] is None  # one GEMM a forward: not a dense Llama's
     assert decode["step_ms"] == pytest.approx(1.0)
     prefill = bench_e2e.kernel_profile(timed, steps=4, reps=1, prefill=True)
     assert prefill["top"] == [("nvjet_prefill", 900.0, 1.0)] and prefill["step_ms"] == pytest.approx(1.0)
