@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CASES = {"bf16": False, "fp8-dynamic": True, "fp8-static": True, "w4a16": True, "mxfp8": False,
          "fp4-experts-fp8-dense": True}  # preset -> runs under VLLM_BATCH_INVARIANT=1
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent(r'''
     import json, re, sys
     from vllm import LLM, SamplingParams
     model, text = sys.argv[1], sys.argv[2]
