@@ -207,27 +207,40 @@ def make_source(out: Path, layers: int, seed: int = 0, shape: str = "8b") -> Non
     tmp.rename(out)
 
 
-def make_ct_w4a16(cublade_dir: Path, out: Path) -> None:
-    """cublade's w4a16 checkpoint relabelled for vLLM's compressed-tensors WNA16 method: the same shards
-    (hard links), the config's quantization_config replaced, plus the `weight_shape` tensors that format has."""
-    from safetensors import safe_open
+def relabelled(src_dir: Path, out: Path, shard: str, tensors: dict[str, torch.Tensor], cfg: dict) -> None:
+    """`out`: the checkpoint `src_dir`'s shards (hard links) plus one shard named `shard` holding `tensors`, in an index
+    that names them, under config `cfg`; written in a temporary directory and renamed at the end."""
     from safetensors.torch import save_file
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
     tmp.mkdir(parents=True)
-    index = json.loads((cublade_dir / "model.safetensors.index.json").read_text())
-    shapes = {}
+    index = json.loads((src_dir / "model.safetensors.index.json").read_text())
     for fname in sorted(set(index["weight_map"].values())):
-        os.link(cublade_dir / fname, tmp / fname)
+        os.link(src_dir / fname, tmp / fname)
+    save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(tensors, shard))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    tmp.rename(out)
+
+
+def weight_map(d: Path) -> dict[str, str]:
+    return json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def make_ct_w4a16(cublade_dir: Path, out: Path) -> None:
+    """cublade's w4a16 checkpoint relabelled for vLLM's compressed-tensors WNA16 method: the same shards
+    (hard links), the config's quantization_config replaced, plus the `weight_shape` tensors that format has."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for fname in sorted(set(weight_map(cublade_dir).values())):
         with safe_open(str(cublade_dir / fname), "pt") as f:
             for name in f.keys():
                 if name.endswith(".weight_packed"):
                     n, k8 = f.get_slice(name).get_shape()
                     shapes[name[: -len("packed")] + "shape"] = torch.tensor([n, k8 * 8], dtype=torch.int64)
-    save_file(shapes, str(tmp / "weight-shapes.safetensors"), metadata={"format": "pt"})
-    index["weight_map"].update(dict.fromkeys(shapes, "weight-shapes.safetensors"))
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     cfg = json.loads((cublade_dir / "config.json").read_text())
     q = cfg["quantization_config"]
     scheme = q["schemes"][q["rules"][0]["scheme"]]
@@ -239,49 +252,23 @@ def make_ct_w4a16(cublade_dir: Path, out: Path) -> None:
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
             "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True,
             "dynamic": False, "actorder": None}}}}
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    tmp.rename(out)
+    relabelled(cublade_dir, out, "weight-shapes.safetensors", shapes, cfg)
 
 
 def make_fp8_kv(fp8_dir: Path, out: Path, rounding: str) -> None:
     """cublade's fp8-dynamic checkpoint with an FP8 KV cache: the same shards (hard links), a shard of per-layer
     k_scale / v_scale (KV_SCALE), and kv_cache {dtype: fp8, rounding} in the config."""
-    from safetensors.torch import save_file
-
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
-    tmp.mkdir(parents=True)
-    index = json.loads((fp8_dir / "model.safetensors.index.json").read_text())
-    for fname in sorted(set(index["weight_map"].values())):
-        os.link(fp8_dir / fname, tmp / fname)
     cfg = json.loads((fp8_dir / "config.json").read_text())
     scales = {f"model.layers.{i}.self_attn.{n}": torch.tensor(KV_SCALE, dtype=torch.float32)
               for i in range(cfg["num_hidden_layers"]) for n in ("k_scale", "v_scale")}
-    save_file(scales, str(tmp / "kv-scales.safetensors"), metadata={"format": "pt"})
-    index["weight_map"].update(dict.fromkeys(scales, "kv-scales.safetensors"))
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     cfg["quantization_config"]["kv_cache"] = {"dtype": "fp8", "rounding": rounding}
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    tmp.rename(out)
+    relabelled(fp8_dir, out, "kv-scales.safetensors", scales, cfg)
 
 
 def make_ct_fp8_static(ct_dir: Path, out: Path) -> None:
     """A compressed-tensors FP8 checkpoint (per-channel weights, dynamic per-token activations) relabelled static per
     tensor: the same shards (hard links), input_activations {strategy: tensor, dynamic: false}, and one input_scale
     of INPUT_SCALE for every quantized layer (those with a weight_scale)."""
-    from safetensors.torch import save_file
-
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
-    tmp.mkdir(parents=True)
-    index = json.loads((ct_dir / "model.safetensors.index.json").read_text())
-    for fname in sorted(set(index["weight_map"].values())):
-        os.link(ct_dir / fname, tmp / fname)
-    scales = {name.removesuffix("weight_scale") + "input_scale": torch.tensor([INPUT_SCALE], dtype=torch.float32)
-              for name in index["weight_map"] if name.endswith(".weight_scale")}
-    save_file(scales, str(tmp / "input-scales.safetensors"), metadata={"format": "pt"})
-    index["weight_map"].update(dict.fromkeys(scales, "input-scales.safetensors"))
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     cfg = json.loads((ct_dir / "config.json").read_text())
     q = cfg["quantization_config"]
     if q.get("quant_method") != "compressed-tensors":
@@ -291,8 +278,9 @@ def make_ct_fp8_static(ct_dir: Path, out: Path) -> None:
         if a.get("type") != "float" or a.get("num_bits") != 8:
             raise SystemExit(f"{ct_dir}: expected FP8 activations, got {a}")
         a.update(strategy="tensor", dynamic=False)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    tmp.rename(out)
+    scales = {name.removesuffix("weight_scale") + "input_scale": torch.tensor([INPUT_SCALE], dtype=torch.float32)
+              for name in weight_map(ct_dir) if name.endswith(".weight_scale")}
+    relabelled(ct_dir, out, "input-scales.safetensors", scales, cfg)
 
 
 def cmd_make(args) -> None:
