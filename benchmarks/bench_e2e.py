@@ -64,9 +64,9 @@ quantization, attention, Inductor's fused elementwise kernels, ...), each divide
 measured by the same pairs without the profiler (--reps of them, in the same in-process engine); what the kernels do
 not cover is time the GPU waits (launch gaps, host work). On the dense models it also splits the step's GEMM time by
 projection (qkv_proj, o_proj, gate_up_proj, down_proj summed over the layers, and lm_head), from the GEMMs' launch
-order, which CUDA graphs keep: a kernel that leads on some shapes and trails on others shows where. `profile --prefill` profiles the 1-token generate
-instead: the B prompts' forward (B x P tokens, not CUDA-graphed, as a server's prompt chunks run), its wall time
-the median of --reps. With --tensor-parallel-size N > 1 the ranks are worker processes: vLLM's own worker profiler
+order, which CUDA graphs keep: a kernel that leads on some shapes and trails on others shows where.
+`profile --prefill` profiles the 1-token generate instead: the B prompts' forward (B x P tokens, not CUDA-graphed, as
+a server's prompt chunks run), its wall time the median of --reps. With --tensor-parallel-size N > 1 the ranks are worker processes: vLLM's own worker profiler
 (LLM(profiler_config=...), start_profile / stop_profile) writes each rank's trace, and the kernel times are the
 mean over the ranks, next to the engine's step time (a step the kernels cover only partly is host or all-reduce
 bound: a kernel's share of it then ranks the kernels where the step time cannot).
