@@ -57,19 +57,19 @@ kernels of different rounding part ways within a few tokens even on the same qua
     python benchmarks/bench_e2e.py profile WORKDIR [CONFIG ...] [--batches 1] [--steps 32] [--prefill]
     python benchmarks/bench_e2e.py report FILE [FILE ...]   # one table from the --json lines of several runs (CPU ok)
 
-`profile` runs each configuration's engine in-process under torch.profiler (CUDA kernels only, CUDA graphs
-included) over a generate of 1 + S tokens and one of 1 token, and prints where a decode step's GPU time goes: the
-difference of the two, per kernel and per kind of kernel (cublade's GEMMs, vLLM's and cuBLAS's GEMMs, activation
-quantization, attention, Inductor's fused elementwise kernels, ...), each divided by S, next to the step time
-measured by the same pairs without the profiler (--reps of them, in the same in-process engine); what the kernels do
-not cover is time the GPU waits (launch gaps, host work). On the dense models it also splits the step's GEMM time by
-projection (qkv_proj, o_proj, gate_up_proj, down_proj summed over the layers, and lm_head), from the GEMMs' launch
-order, which CUDA graphs keep: a kernel that leads on some shapes and trails on others shows where.
-`profile --prefill` profiles the 1-token generate instead: the B prompts' forward (B x P tokens, not CUDA-graphed, as
-a server's prompt chunks run), its wall time the median of --reps. With --tensor-parallel-size N > 1 the ranks are worker processes: vLLM's own worker profiler
-(LLM(profiler_config=...), start_profile / stop_profile) writes each rank's trace, and the kernel times are the
-mean over the ranks, next to the engine's step time (a step the kernels cover only partly is host or all-reduce
-bound: a kernel's share of it then ranks the kernels where the step time cannot).
+`profile` runs each configuration's engine in-process under torch.profiler (CUDA kernels only, CUDA graphs included)
+over a generate of 1 + S tokens and one of 1 token, and prints where a decode step's GPU time goes: the difference of
+the two, per kernel and per kind of kernel (cublade's GEMMs, vLLM's and cuBLAS's GEMMs, activation quantization,
+attention, Inductor's fused elementwise kernels, ...), each divided by S, next to the step time measured by the same
+pairs without the profiler (--reps of them, in the same in-process engine); what the kernels do not cover is time the
+GPU waits (launch gaps, host work). On the dense models it also splits the step's GEMM time by projection (qkv_proj,
+o_proj, gate_up_proj, down_proj summed over the layers, and lm_head), from the GEMMs' launch order, which CUDA graphs
+keep: a kernel that leads on some shapes and trails on others shows where. `profile --prefill` profiles the 1-token
+generate instead: the B prompts' forward (B x P tokens, not CUDA-graphed, as a server's prompt chunks run), its wall
+time the median of --reps. With --tensor-parallel-size N > 1 the ranks are worker processes: vLLM's own worker profiler
+(LLM(profiler_config=...), start_profile / stop_profile) writes each rank's trace, and the kernel times are the mean
+over the ranks, next to the engine's step time (a step the kernels cover only partly is host or all-reduce bound: a
+kernel's share of it then ranks the kernels where the step time cannot).
 
 --shape 70b makes a Llama-3-70B-shaped model instead (hidden 8192, MLP 28672, 64 heads / 8 KV heads, vocab 128256;
 80 layers in the real one: --layers picks how many, e.g. 8 where memory or time asks). --presets limits the
