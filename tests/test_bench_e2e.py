@@ -27,6 +27,14 @@ def tensors(d):
     return index, out
 
 
+def shrunk(bench_e2e, monkeypatch, shape: str) -> dict:
+    """`shape` made small (hidden 128, MLP 256, 4 / 2 heads of 32, vocab 512) for the test: its config."""
+    small = dict(bench_e2e.SHAPES[shape], hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=512)
+    monkeypatch.setitem(bench_e2e.SHAPES, shape, small)
+    return small
+
+
 def test_ct_w4a16_is_cublade_checkpoint_relabelled(bench_e2e, converted, tmp_path):
     src = converted("w4a16")  # the converter always writes an index
     dst = tmp_path / "ct-w4a16"
@@ -100,9 +108,7 @@ def test_make_mixtral_shape_writes_the_moe_source_and_its_fp4_conversion(bench_e
 
     from safetensors import safe_open
 
-    small = dict(bench_e2e.MIXTRAL_8X7B, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, vocab_size=512)
-    monkeypatch.setitem(bench_e2e.SHAPES, "mixtral", small)
+    small = shrunk(bench_e2e, monkeypatch, "mixtral")
     shapes = bench_e2e.layer_shapes(small, 0)
     moe = "model.layers.0.block_sparse_moe."
     assert shapes[moe + "gate.weight"] == (8, 128)
@@ -177,9 +183,7 @@ def test_make_with_the_lm_head_quantized(bench_e2e, tmp_path, monkeypatch):
     `--quantize-lm-head`, served as configurations cublade-w4a16-lm-head and cublade-fp8-lm-head."""
     import argparse
 
-    small = dict(bench_e2e.LLAMA3_8B, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, vocab_size=512)
-    monkeypatch.setitem(bench_e2e.SHAPES, "8b", small)
+    shrunk(bench_e2e, monkeypatch, "8b")
     bench_e2e.cmd_make(argparse.Namespace(workdir=str(tmp_path), layers=1, shape="8b",
                                           presets=["w4a16-lm-head", "fp8-dynamic-lm-head"]))
     out = tmp_path / "cublade-w4a16-lm-head"
@@ -343,9 +347,7 @@ def test_make_fp8_static_writes_a_static_compressed_tensors_checkpoint(bench_e2e
     from cublade.config.compressed_tensors import policy_from_compressed_tensors, tensor_specs
     from cublade.numerics.fp8 import Fp8Activations
 
-    small = dict(bench_e2e.LLAMA3_8B, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, vocab_size=512)
-    monkeypatch.setitem(bench_e2e.SHAPES, "8b", small)
+    shrunk(bench_e2e, monkeypatch, "8b")
     bench_e2e.cmd_make(argparse.Namespace(workdir=str(tmp_path), layers=2, shape="8b", presets=["fp8-static"]))
     dyn, out = tmp_path / "ct-fp8-dynamic", tmp_path / "ct-fp8-static"
     assert {bench_e2e.CONFIGS[c][0] for c in ("vllm-fp8-static", "cublade-fp8-static")} == {out.name}
