@@ -138,15 +138,17 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream) {
   prm.out = a.out; prm.out_stride = a.out_stride; prm.N = static_cast<int>(a.N);
   prm.sms = a.sms;
   prm.sbytes = 0;
-  const int S = a.split_k > 0 ? a.split_k : lowbit::pick_split(prm.groups, prm.chunks, a.sms);
   const int nt = lowbit::token_tiles(prm.M);
   prm.xrows = std::min(8 * nt, prm.M);
+  if (nt == 1) {
+    return a.x_f16 ? lowbit::launch_byte_weights_8_rows<Fp8RowsF16Policy<1>>(prm, a.split_k, stream)
+                   : lowbit::launch_byte_weights_8_rows<Fp8RowsPolicy<1>>(prm, a.split_k, stream);
+  }
+  const int S = a.split_k > 0 ? a.split_k : lowbit::pick_split(prm.groups, prm.chunks, a.sms);
   if (a.x_f16) {
-    if (nt == 1) return lowbit::launch_byte_weights_8_rows<Fp8RowsF16Policy<1>>(prm, S, stream);
     if (nt == 2) return lowbit::launch_tpw<Fp8RowsF16Policy<2>>(prm, 1, S, stream);
     return lowbit::launch_tpw<Fp8RowsF16Policy<4>>(prm, 1, S, stream);
   }
-  if (nt == 1) return lowbit::launch_byte_weights_8_rows<Fp8RowsPolicy<1>>(prm, S, stream);
   if (nt == 2) return lowbit::launch_tpw<Fp8RowsPolicy<2>>(prm, 1, S, stream);
   return lowbit::launch_tpw<Fp8RowsPolicy<4>>(prm, 1, S, stream);
 }

@@ -751,25 +751,42 @@ cudaError_t launch_tpw(ParamsFor<P> prm, int E, int S, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
-// Up to 8 rows of 1-byte weights (MXFP8, FP8 rows; P::NT == 1, prm.xrows and prm.sms set): two K slices per chunk
-// (8 consumer warps) and a ring of 3 stages where that still fits 2 CTAs per SM (up to 2 rows) and leaves no short
-// second wave (more CTAs than the GPU holds at once, at most 1.5 times as many); else launch_tpw's default. As a
-// decode step runs them (benchmarks/tuning/w4a16_layers.cu built with -DCUBLADE_LAYERS_MXFP8: weights of 32 layers
-// replayed from one CUDA graph; MXFP8, us per GEMM at M = 1, 1 slice (pick_stages) / this): Llama-3-8B qkv 12.80 /
-// 10.60, o 12.18 / 10.18, gate_up 36.58 / 34.87, down 21.85 / 18.71; Llama-70B-like 8192x57344 128.87 / 117.15,
-// 28672x8192 61.57 / 61.09, 8192x8192 21.43 / 21.67; 8192x10240 (320 CTAs, 1.2 waves at 2 per SM) 27.78 / 32.59
-// keeps one slice.
+// Up to 8 rows of 1-byte weights (MXFP8, FP8 rows; P::NT == 1, prm.xrows and prm.sms set; split_k 0: the rule's):
+// - two K slices per chunk (8 consumer warps) at every row count;
+// - K splits that spread the tile groups evenly over the SMs: doubled while that evens the per-SM share by 1.25x or
+//   more (the share: the most CTAs one SM gets over the average, ceil(n / sms) * sms / n for n CTAs), each split
+//   keeps 4 chunks, and the doubled grid fits in one wave of the 2-stage ring;
+// - a ring of 3 stages where the grid needs one CTA per SM at most, or holds 2 a SM at 3 stages without a short
+//   second wave (at most 1.5 times the CTAs the GPU holds at once); else 2, for more CTAs a SM.
+// As a decode step runs them (benchmarks/tuning/w4a16_layers.cu built with -DCUBLADE_LAYERS_MXFP8, `sweep`: weights
+// of 32 layers replayed from one CUDA graph, every (slices, splits, stages); MXFP8, H200), this is within 3.4% of the
+// fastest configuration at all 32 points of 1 / 2 / 4 / 8 rows on Llama-3-8B's and Llama-70B-like shapes, and takes
+// 0.94x the time of the rule before it over them (which kept one slice from 3 rows, split on chunks alone): at 4 rows
+// qkv 12.94 -> 10.96 us, o 12.42 -> 8.29 (2 splits), gate_up 35.87 -> 34.21, down 21.66 -> 18.42, 8192x57344 125.5 ->
+// 114.3 (2 stages, 2 a SM); at one row o 10.41 -> 8.55, 8192x8192 21.51 -> 19.30 (1 split: 128 groups already cover
+// the SMs), 28672x8192 60.10 -> 57.19. Raw: benchmarks/runs/2026-12-02-mxfp8-layers-sweep-1-16-h200.txt.
 template <class P>
-cudaError_t launch_byte_weights_8_rows(ParamsFor<P> prm, int S, cudaStream_t stream) {
+cudaError_t launch_byte_weights_8_rows(ParamsFor<P> prm, int split_k, cudaStream_t stream) {
   static_assert(P::NT == 1 && P::kPacketBytes == 1024, "1-byte weights, one n-tile of tokens");
-  const LayoutFor<P> L{prm.sbytes, prm.xrows, 3};
-  const int per_sm = ctas_per_sm<P, 1, 2>(L.total(1, 2));
-  const int64_t slots = static_cast<int64_t>(per_sm) * prm.sms, ctas = static_cast<int64_t>(prm.groups) * S;
-  if (per_sm >= 2 && (ctas <= slots || 2 * ctas > 3 * slots)) {
-    prm.stages = 3;
-    return launch_stream<P, 1, 2>(prm, 1, S, stream);
+  const int64_t sms = prm.sms;
+  auto per_sm = [&](int stages) {
+    const LayoutFor<P> L{prm.sbytes, prm.xrows, stages};
+    return ctas_per_sm<P, 1, 2>(L.total(1, 2));
+  };
+  auto share = [&](int64_t n) { return static_cast<double>((n + sms - 1) / sms * sms) / static_cast<double>(n); };
+  const int64_t groups = prm.groups;
+  int S = split_k;
+  if (S <= 0) {
+    S = 1;
+    const int64_t one_wave = per_sm(2) * sms;
+    while (S < kMaxSplit && prm.chunks >= 2 * S * 4 && share(groups * 2 * S) * 1.25 <= share(groups * S) &&
+           groups * 2 * S <= one_wave)
+      S *= 2;
   }
-  return launch_tpw<P>(prm, 1, S, stream);
+  const int64_t ctas = groups * S, slots3 = static_cast<int64_t>(per_sm(3)) * sms;
+  const bool deep = slots3 > 0 && (ctas <= sms || (slots3 >= 2 * sms && (ctas <= slots3 || 2 * ctas > 3 * slots3)));
+  prm.stages = deep ? 3 : 2;
+  return launch_stream<P, 1, 2>(prm, 1, S, stream);
 }
 
 // K splits (cluster size): more CTAs per SM means more consumer warps, which is what this kernel needs, but each

@@ -186,17 +186,18 @@ def test_wide_kernel_large_n_and_splits(N, K):
 
 
 @GPU
-@pytest.mark.parametrize("groups_per_sm,M,slices", [(0.5, 1, 2), (2.4, 1, 1), (3.5, 2, 2), (0.5, 4, 1),
-                                                      (0.5, 16, 2)])
-def test_streaming_kernel_takes_two_k_slices_unless_a_short_second_wave(groups_per_sm, M, slices):
-    """The streaming kernel runs two K slices per chunk (stream_gemm_kernel<..., TPW 1, KSL 2>) where its 3-stage
-    ring still fits 2 CTAs per SM (1-2 rows), unless that leaves a short second wave: 2.4 tile groups per SM (1.2
-    waves) keep one slice, 0.5 and 3.5 (1.75 waves) take two; 4 rows (1 CTA per SM) keep one; 16 rows keep their 2
-    tiles per warp (KSL 2 = TPW 2). Outputs within the bars."""
+@pytest.mark.parametrize("groups_per_sm,K,M,slices", [(0.5, 4096, 1, 2), (0.5, 4096, 4, 2), (0.73, 4096, 8, 2),
+                                                        (1.2, 8192, 1, 2), (1.2, 8192, 4, 2), (3.4, 4096, 3, 2),
+                                                        (0.5, 4096, 16, 2)])
+def test_streaming_kernel_takes_two_k_slices_up_to_8_rows(groups_per_sm, K, M, slices):
+    """Up to 8 rows the streaming kernel runs two K slices per chunk (stream_gemm_kernel<..., TPW 1, KSL 2>) on every
+    grid: grids that take 2 K splits (0.5 and 1.2 tile groups per SM) and those that keep one (0.73, 3.4), rings of 3
+    stages (1 CTA per SM) and of 2 (1.2 groups per SM at 4 rows, 3.4); 16 rows keep their 2 tiles per warp (KSL 2 =
+    TPW 2). Outputs within the bars."""
     from profiling import kernels_run, stream_k_slices
     N = 64 * round(groups_per_sm * torch.cuda.get_device_properties(0).multi_processor_count)
-    packed, w = gpu_case(N, 4096)
-    x = torch.randn(M, 4096, device="cuda").to(torch.bfloat16)
+    packed, w = gpu_case(N, K)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     names = kernels_run(lambda: check(x, packed, w))
     assert stream_k_slices(names) == [slices], names
 
