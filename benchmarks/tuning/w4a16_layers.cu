@@ -4,9 +4,10 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc -I benchmarks/tuning \
 //        benchmarks/tuning/w4a16_layers.cu -o /tmp/w4a16_layers        (add -DCUBLADE_LAYERS_MXFP8 for MXFP8)
-//   /tmp/w4a16_layers [REPS [SHAPES [ROWS [LAYERS [sweep]]]]]
+//   /tmp/w4a16_layers [REPS [SHAPES [ROWS [LAYERS [sweep | phases]]]]]
 //   (SHAPES: K x N pairs, by default Llama-3-8B's qkv, o, gate_up, down; ROWS up to 16, by default 1; LAYERS 32;
-//   sweep: also every K split x ring depth x K slices of the streaming kernel, with the CTAs per SM each gives)
+//   sweep: also every K split x ring depth x K slices of the streaming kernel, with the CTAs per SM each gives;
+//   phases, in a build with -DCUBLADE_STREAM_STAMPS: where one op launch's time goes, from its CTAs' stamps)
 //
 // Why: at one token an 8B model's int4 decode step in vLLM takes far longer than its weight bytes need, and the
 // kernel-level rows (one launch between CUDA events after an L2 flush) do not show how a step runs its GEMMs. This
@@ -81,10 +82,68 @@ using bf16 = __nv_bfloat16;
 
 // The stand-in for the kernels between two GEMMs: rewrites x, as a norm or an activation does at decode (a
 // different x per layer).
+#ifdef CUBLADE_STREAM_STAMPS
+__device__ unsigned long long g_x_end = 0;  // the latest end of a write_x block (globaltimer ns)
+#endif
 __global__ void write_x(bf16* x, int n, int layer) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
     x[i] = __float2bfloat16(float((i * 7 + layer * 3) % 17 - 8) * 0.0625f);
+#ifdef CUBLADE_STREAM_STAMPS
+  __syncthreads();
+  if (threadIdx.x == 0) atomicMax(&g_x_end, cublade::lowbit::globaltimer_ns());
+#endif
 }
+
+#ifdef CUBLADE_STREAM_STAMPS
+// The smallest step of %globaltimer seen by one thread reading it back to back (its update period on this GPU).
+__global__ void globaltimer_step(unsigned long long* out) {
+  unsigned long long prev = cublade::lowbit::globaltimer_ns(), step = ~0ull;
+  for (int i = 0; i < 20000; ++i) {
+    const unsigned long long t = cublade::lowbit::globaltimer_ns();
+    if (t != prev) step = t - prev < step ? t - prev : step;
+    prev = t;
+  }
+  *out = step;
+}
+
+// One op launch's phases from its CTAs' stamps (w4a16_gemm.cuh, kStampSlots per CTA; CTAs that exited early wrote
+// none): the GEMM's first CTA start after its x kernel's end, and per CTA (SM clock cycles at clock_khz) the wait for
+// its first stage, the stream to its last stage, the math after the last stage, the epilogue (K-slice and split sums,
+// stores); medians and maxima over the CTAs; the span from the x kernel's end to the last CTA's end.
+void print_phases(const char* shape, int M, const std::vector<unsigned long long>& st, unsigned long long x_end,
+                  double clock_khz, double gemm_us) {
+  const int S = cublade::lowbit::kStampSlots;
+  std::vector<float> first, stream, math, epi, total;
+  unsigned long long start_min = ~0ull, start_max = 0, end_max = 0;
+  for (size_t c = 0; c + S <= st.size(); c += S) {
+    const unsigned long long* v = &st[c];
+    if (v[0] == 0 || v[2] == 0 || v[3] == 0 || v[4] == 0 || v[5] == 0) continue;
+    auto us = [&](unsigned long long a, unsigned long long b) { return float(double(b - a) / clock_khz * 1e3); };
+    first.push_back(us(v[1], v[2]));
+    stream.push_back(us(v[2], v[3]));
+    math.push_back(us(v[3], v[4]));
+    epi.push_back(us(v[4], v[5]));
+    total.push_back(us(v[1], v[5]));
+    start_min = std::min(start_min, v[0]);
+    start_max = std::max(start_max, v[0]);
+    end_max = std::max(end_max, v[6]);
+  }
+  if (total.empty()) {
+    std::printf("%-11s %3d phases: no stamps\n", shape, M);
+    return;
+  }
+  auto mx = [](const std::vector<float>& v) { return *std::max_element(v.begin(), v.end()); };
+  auto gt_us = [](unsigned long long a, unsigned long long b) {  // globaltimer b - a, ns -> us (signed)
+    return b >= a ? double(b - a) * 1e-3 : -double(a - b) * 1e-3;
+  };
+  std::printf("%-11s %3d phases (%zu CTAs, gemm %.2f us): start after x %.2f..%.2f us, span x end -> last end %.2f "
+              "us; per CTA median / max us: first stage %.2f / %.2f, stream %.2f / %.2f, math after it %.2f / %.2f, "
+              "epilogue %.2f / %.2f, CTA %.2f / %.2f\n",
+              shape, M, total.size(), gemm_us, gt_us(x_end, start_min), gt_us(x_end, start_max), gt_us(x_end, end_max),
+              harness::median(first), mx(first), harness::median(stream), mx(stream), harness::median(math), mx(math),
+              harness::median(epi), mx(epi), harness::median(total), mx(total));
+}
+#endif
 
 // One weight shape: a blob per layer (timing only: every byte 0x11, so codes 1 and small positive scales).
 struct Matrix {
@@ -171,6 +230,13 @@ int main(int argc, char** argv) {
   const std::vector<int> ms = harness::sizes_arg(argc, argv, 3, {1});
   const int layers = argc > 4 ? std::max(1, std::atoi(argv[4])) : 32;
   const bool sweep = argc > 5 && std::strcmp(argv[5], "sweep") == 0;
+  const bool phases = argc > 5 && std::strcmp(argv[5], "phases") == 0;
+#ifndef CUBLADE_STREAM_STAMPS
+  if (phases) {
+    std::fprintf(stderr, "phases: build with -DCUBLADE_STREAM_STAMPS\n");
+    return 1;
+  }
+#endif
   const int max_m = *std::max_element(ms.begin(), ms.end());
   int max_k = 0;
   for (size_t i = 0; i < kn.size(); i += 2) max_k = std::max(max_k, kn[i]);
@@ -185,6 +251,21 @@ int main(int argc, char** argv) {
   std::printf("%s; device: %s, %d SMs; %d layers, a graph of (x kernel, GEMM) pairs per row, median of %d replays; "
               "gemm_us: the row's pair minus the x kernel alone\n", fmt::kName, device.prop.name, sms, layers, reps);
   std::printf("%-11s %3s %-30s %9s %9s %7s %s\n", "KxN", "M", "variant", "pair_us", "gemm_us", "TB/s", "check");
+#ifdef CUBLADE_STREAM_STAMPS
+  int clock_khz_i = 0;
+  CK(cudaDeviceGetAttribute(&clock_khz_i, cudaDevAttrClockRate, 0));
+  const double clock_khz = clock_khz_i;
+  if (phases) {
+    unsigned long long* d_step;
+    unsigned long long step = 0;
+    CK(cudaMalloc(&d_step, sizeof(step)));
+    globaltimer_step<<<1, 1, 0, st>>>(d_step);
+    CK(cudaMemcpy(&step, d_step, sizeof(step), cudaMemcpyDeviceToHost));
+    CK(cudaFree(d_step));
+    std::printf("phases: SM clock %.0f MHz (the attribute; cycles -> us at it), %%globaltimer step %llu ns\n",
+                clock_khz * 1e-3, step);
+  }
+#endif
 
   // A variant launches one GEMM (or its stand-in) of matrix m, layer l, M rows on st.
   using Launch = std::function<cudaError_t(const Matrix&, int, int)>;
@@ -260,6 +341,7 @@ int main(int argc, char** argv) {
               rows.push_back({name, stream(w.tpw, w.ksl, 0, S, stages)});
             }
       double x_only = 0;
+      [[maybe_unused]] double op_us = 0;  // the op's GEMM time, for the phases line
       for (const Variant& v : rows) {
         CK(cudaStreamSynchronize(st));
         if (v.f(m, 0, M) != cudaSuccess) {  // what the variant cannot launch here (probed outside the graph)
@@ -286,10 +368,36 @@ int main(int argc, char** argv) {
         }
         if (v.name == "x kernel only") x_only = us;
         const double g = us - x_only;
+        if (v.name == "op") op_us = g;
         std::printf("%5dx%-5d %3d %-30s %9.2f %9.2f %7.2f %s\n", m.K, m.N, M, v.name.c_str(), us, g,
                     g > 0 ? double(m.bytes) / g * 1e-6 : 0.0, check.c_str());
       }
       x_only_layer += x_only;
+#ifdef CUBLADE_STREAM_STAMPS
+      if (phases) {  // the op's graph once more with the stamps on: the last layer's launch is what they hold
+        const size_t n = size_t(m.groups) * cublade::lowbit::kMaxSplit * cublade::lowbit::kStampSlots;
+        unsigned long long *d_st = nullptr, *none = nullptr;
+        CK(cudaMalloc(&d_st, n * sizeof(unsigned long long)));
+        CK(cudaMemset(d_st, 0, n * sizeof(unsigned long long)));
+        CK(cudaMemcpyToSymbol(cublade::lowbit::g_stream_stamps, &d_st, sizeof(d_st)));
+        graph_us(st, 3, [&] {
+          for (int l = 0; l < layers; ++l) {
+            write_x<<<64, 256, 0, st>>>(x, M * m.K, l);
+            CK(cudaGetLastError());
+            CK(op(m, l, M));
+          }
+        });
+        std::vector<unsigned long long> h(n);
+        unsigned long long x_end = 0;
+        CK(cudaMemcpy(h.data(), d_st, n * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpyFromSymbol(&x_end, g_x_end, sizeof(x_end)));
+        CK(cudaMemcpyToSymbol(cublade::lowbit::g_stream_stamps, &none, sizeof(none)));
+        CK(cudaFree(d_st));
+        char shape[24];
+        std::snprintf(shape, sizeof shape, "%dx%d", m.K, m.N);
+        print_phases(shape, M, h, x_end, clock_khz, op_us);
+      }
+#endif
     }
     // A whole layer: the four matrices in a row, each after its x kernel.
     const double us = graph_us(st, reps, [&] {

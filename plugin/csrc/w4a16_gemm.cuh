@@ -58,6 +58,31 @@ constexpr int kMaxSmemKB = 227;                          // dynamic shared memor
 template <typename T>
 __host__ __device__ constexpr bool is_bf16() { return std::is_same<T, __nv_bfloat16>::value; }
 
+// Phase stamps of the streaming kernel, for the `phases` mode of benchmarks/tuning/w4a16_layers.cu only: built with
+// -DCUBLADE_STREAM_STAMPS, each CTA of a launch writes kStampSlots values to g_stream_stamps (when set) at its entry,
+// at its first and last stage's arrival, when its math is done and at its end; production builds compile them out.
+#ifdef CUBLADE_STREAM_STAMPS
+constexpr int kStampSlots = 8;  // 0 entry (globaltimer ns), 1 entry (clock64), 2 first stage landed, 3 last stage
+                                // landed, 4 math done, 5 end (clock64), 6 end (globaltimer ns), 7 SM id
+__device__ unsigned long long* g_stream_stamps = nullptr;
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+#define CUBLADE_STREAM_STAMP(slot, value)                                                                     \
+  do {                                                                                                        \
+    if (::cublade::lowbit::g_stream_stamps)                                                                   \
+      ::cublade::lowbit::g_stream_stamps[((static_cast<size_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + \
+                                          blockIdx.x) * ::cublade::lowbit::kStampSlots + (slot)] = (value);       \
+  } while (0)
+#endif
+
 // Everything a launch passes (both ops; fields an op does not use are null / 0).
 struct GemmParams {
   const void* x;
@@ -370,6 +395,13 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
   // Grouped: blockIdx.z is the z-th expert that has rows (at most M have), so no CTA is spent on the others.
   const int e = prm.offsets ? nth_expert_with_rows(prm.offsets, prm.experts, blockIdx.z) : 0;
   if (e < 0) return;  // fewer experts have rows than the grid has slots: the whole cluster (same z) leaves
+#ifdef CUBLADE_STREAM_STAMPS
+  if (threadIdx.x == 0) {
+    CUBLADE_STREAM_STAMP(0, globaltimer_ns());
+    CUBLADE_STREAM_STAMP(1, clock64());
+    CUBLADE_STREAM_STAMP(7, sm_id());
+  }
+#endif
   const int m_begin = prm.offsets ? prm.offsets[e] : 0;
   const int m_end = prm.offsets ? prm.offsets[e + 1] : prm.M;
 
@@ -460,6 +492,12 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
       for (int c = 0; c < nchunks; ++c, ++it) {
         const int s = it % nst;
         mbar_wait(full + s, (it / nst) & 1);
+#ifdef CUBLADE_STREAM_STAMPS
+        if (threadIdx.x == 0 && m0 == m_begin) {
+          if (c == 0) CUBLADE_STREAM_STAMP(2, clock64());
+          if (c == nchunks - 1) CUBLADE_STREAM_STAMP(3, clock64());
+        }
+#endif
         const int kb = (cb + c) * kChunk * kPacketK + slice * kSliceK;  // this warp's first K
         const unsigned char* stg = smem + L.stage_offset(s);
         const unsigned char* tb = stg + tile0 * L.tile_bytes() + slice * PPW * P::kPacketBytes + lane * 16;
@@ -526,6 +564,9 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + s);
       }
+#ifdef CUBLADE_STREAM_STAMPS
+      if (threadIdx.x == 0 && m0 == m_begin) CUBLADE_STREAM_STAMP(4, clock64());
+#endif
     }
 
     // ---- the K slices of each tile (warps of one CTA), then the splits of the cluster, then the outputs ----
@@ -606,6 +647,12 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
       cluster_sync();  // the other CTAs keep their shared memory until rank 0 has read it
     }
   }
+#ifdef CUBLADE_STREAM_STAMPS
+  if (threadIdx.x == 0) {
+    CUBLADE_STREAM_STAMP(5, clock64());
+    CUBLADE_STREAM_STAMP(6, globaltimer_ns());
+  }
+#endif
 }
 
 // Lets `Kernel` take up to kMaxSmemKB of dynamic shared memory (once per kernel); the occupancy query and the
