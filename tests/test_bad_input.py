@@ -402,7 +402,9 @@ def test_a_second_conversion_to_the_same_out_fails_at_once(capsys, src, tmp_path
 
 
 def test_two_processes_one_wins(capsys, tmp_path):
-    src = synthetic_llama(tmp_path / "src", n_shards=4, layers_per_shard=3, hidden=512)
+    # A source of 8 x 12 layers keeps the first conversion running while the second starts (of 4 x 3 layers it
+    # sometimes finished first in a full run on the 2-core machine, and the second then converted: rc 0).
+    src = synthetic_llama(tmp_path / "src", n_shards=8, layers_per_shard=12, hidden=512)
     out = tmp_path / "out"
     first = _popen_convert(src, out)
     _wait_for(tmp_path, ".out.cublade-tmp-*", first)
