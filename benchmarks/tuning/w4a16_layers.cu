@@ -7,7 +7,9 @@
 //   /tmp/w4a16_layers [REPS [SHAPES [ROWS [LAYERS [sweep | phases]]]]]
 //   (SHAPES: K x N pairs, by default Llama-3-8B's qkv, o, gate_up, down; ROWS up to 16, by default 1; LAYERS 32;
 //   sweep: also every K split x ring depth x K slices of the streaming kernel, with the CTAs per SM each gives;
-//   phases, in a build with -DCUBLADE_STREAM_STAMPS: where one op launch's time goes, from its CTAs' stamps)
+//   phases, in a build with -DCUBLADE_STREAM_STAMPS: where one op launch's time goes, from its CTAs' stamps;
+//   built with -DCUBLADE_STREAM_K, rows for the streaming kernel as stream-K, every CTA the GPU holds sharing the
+//   (tile group, chunk) units, at K slices 1 / 2 and 2-4 stages)
 //
 // Why: at one token an 8B model's int4 decode step in vLLM takes far longer than its weight bytes need, and the
 // kernel-level rows (one launch between CUDA events after an L2 flush) do not show how a step runs its GEMMs. This
@@ -307,6 +309,21 @@ int main(int argc, char** argv) {
       {"4 K slices", stream(0, 4, 1)},
       {"2x splits", stream(0, 0, 2)},
   };
+#ifdef CUBLADE_STREAM_K
+  // Stream-K (w4a16_gemm.cuh, StreamK): as many CTAs as the GPU holds at once share the (tile group, chunk) units.
+  for (const int ksl : {1, 2})
+    for (const int stages : {2, 3, 4})
+      variants.push_back({"stream-K ksl " + std::to_string(ksl) + " stages " + std::to_string(stages),
+                          [=, &params](const Matrix& m, int l, int M) -> cudaError_t {
+                            if (cublade::lowbit::token_tiles(M) != 1) return cudaErrorInvalidValue;
+                            cublade::lowbit::GemmParams p = params(m, l, M);
+                            p.stages = stages;
+                            p.xrows = M;
+                            p.sbytes = fmt::kRecordBytes;
+                            return ksl == 1 ? cublade::lowbit::launch_stream_k<fmt::Policy<1>, 1, 1>(p, 0, st)
+                                            : cublade::lowbit::launch_stream_k<fmt::Policy<1>, 1, 2>(p, 0, st);
+                          }});
+#endif
 #ifndef CUBLADE_LAYERS_MXFP8
   variants.insert(variants.begin() + 2, {"copy pipeline only", [&](const Matrix& m, int l, int M) {
                     if (M > 8) return cudaErrorInvalidValue;

@@ -357,6 +357,51 @@ __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
 }
 
+// Stream-K (the wide kernel's kStreamK; the streaming kernel's in tuning builds): the helpers both the producer and
+// the consumers walk a CTA's units with.
+// First unit of CTA i when `ctas` CTAs share `units` units evenly.
+__host__ __device__ __forceinline__ int sk_first_unit(int i, int units, int ctas) {
+  return static_cast<int>(static_cast<int64_t>(i) * units / ctas);
+}
+// The CTA's units [u0, u1) as segments of one tile each, f(tile, c0, c1) with stages [c0, c1) of the tile, the last
+// tile first: the segment that ends the range (a tile's first stages, whose partial sums another CTA adds) is done
+// first, and the one that starts it (a tile's last stages: this CTA adds the others' partial sums) last.
+template <class F>
+__device__ __forceinline__ void sk_segments(int u0, int u1, int chunks, F&& f) {
+  if (u1 <= u0) return;
+  for (int tile = (u1 - 1) / chunks; tile >= u0 / chunks; --tile)
+    f(tile, max(u0 - tile * chunks, 0), min(u1 - tile * chunks, chunks));
+}
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+#ifdef CUBLADE_STREAM_K
+// Stream-K for the streaming kernel, in tuning builds only (-DCUBLADE_STREAM_K: benchmarks/tuning/w4a16_layers.cu's
+// "stream-K" rows): policy P's kernel with the CTAs sharing the (tile group, chunk) units evenly, as the wide kernel's
+// kStreamK does its (tile, stage) units; one pass of one expert, blob layouts, one n-tile of tokens. A CTA's sums of
+// the group its range ends in go to its slot of g_sk_slots and its flag; the flags start at zero (static memory) and
+// the group's owner clears them once it has read the slots, for the next launch.
+template <class P>
+struct StreamK : P {};
+#pragma nv_diag_suppress 128  // the kernel's split-K passes after its stream-K block: unreachable in StreamK's
+constexpr int kSkMaxCtas = 2048;
+constexpr int kSkSlotFloats = kGroupTiles * 4 * 32;  // one CTA's owner sums: [tile][j][lane]
+__device__ int g_sk_flags[kSkMaxCtas];
+__device__ float g_sk_slots[kSkMaxCtas * kSkSlotFloats];
+#endif
+template <class P>
+struct is_stream_k : std::false_type {};
+#ifdef CUBLADE_STREAM_K
+template <class P>
+struct is_stream_k<StreamK<P>> : std::true_type {};
+#endif
+
 // The kernel. A policy P says how a packet becomes mma's (dequant, scales) and provides:
 //   using T; static constexpr int NT;  struct State;
 //   static constexpr int kPacketBytes   (512: 4-bit weights, one 16-byte vector per lane; 1024: 8-bit, two: V =
@@ -429,7 +474,223 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
   }
   __syncthreads();
 
+  // The pieces both schedules share. consume_chunk: a consumer warp's packets of absolute chunk `chunk` in stage s.
+  auto consume_chunk = [&](int chunk, int s, typename P::State (&st)[TPW], float (&acc)[TPW][NT][4], int rows) {
+    const int kb = chunk * kChunk * kPacketK + slice * kSliceK;  // this warp's first K
+    const unsigned char* stg = smem + L.stage_offset(s);
+    const unsigned char* tb = stg + tile0 * L.tile_bytes() + slice * PPW * P::kPacketBytes + lane * 16;
+    const unsigned char* srec[TPW];
+#pragma unroll
+    for (int u = 0; u < TPW; ++u)
+      srec[u] = P::template slice_records<kSliceK>(stg + (tile0 + u) * L.tile_bytes() + kChunk * P::kPacketBytes,
+                                                   slice);
+    const unsigned char* xsm = stg + L.w_bytes() + t * 16 + slice * kSliceK * 2;
+    auto run = [&](auto checked_c) {
+      constexpr bool kChecked = decltype(checked_c)::value;
+      static_for<PPW>([&](auto j_c) {
+        constexpr int j = decltype(j_c)::value;
+        uint4 xv[2][NT];
+        if constexpr (kPlain) {
+          // Plain rows (a box: 64 rows x 8 chunks of 16 K, chunk c of row r stored at chunk c ^ (r % 8)). Half h
+          // of packet pk (two k-steps) takes chunk a = 2 (pk % 2) + h for lanes t = 0, 1 and chunk a ^ 5 for t = 2,
+          // 3, 8 K per lane (bytes 0-3 one k-step, 4-7 the next): the 4 rows g % 4 of a half-warp's 64-bit loads
+          // then cover all 8 chunks (no bank conflict), and x's 16-byte loads for those K hit distinct banks.
+          const int pk = slice * PPW + j, box = pk >> 1;  // packet of the chunk, its box
+          const unsigned char* wbox = stg + box * kPlainBoxBytes;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int a = 2 * (pk & 1) + h, ch = t >> 1 ? a ^ 5 : a;
+            const int kc = box * kPlainBoxK + ch * 16 + (t & 1) * 8;  // this lane's first K in the chunk
+            const bool in = !kChecked || chunk * kChunk * kPacketK + kc < prm.K;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+              const int row = 8 * n + g;
+              xv[h][n] = row < rows && in ? lds128(stg + L.w_bytes() + row * kXRowBytes + kc * 2)
+                                          : make_uint4(0u, 0u, 0u, 0u);
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < TPW; ++u) {
+            const unsigned char* r_lo = wbox + ((tile0 + u) * kTileN + g) * kPlainBoxK;
+            uint4 q[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int a = 2 * (pk & 1) + h, ch = t >> 1 ? a ^ 5 : a;
+              const int off = ((ch ^ g) << 4) + (t & 1) * 8;
+              const uint2 lo = lds64(r_lo + off), hi = lds64(r_lo + 8 * kPlainBoxK + off);
+              q[h] = make_uint4(lo.x, hi.x, lo.y, hi.y);
+            }
+            P::template packet<j, kSliceK>(st[u], q, nullptr, xv, acc[u], lane);
+          }
+        } else {
+          load_x_packet(xv, xsm + j * kPacketK * 2, rows, g,
+                        [&](int h) { return !kChecked || kb + j * kPacketK + 32 * h + 8 * t < prm.K; });
+#pragma unroll
+          for (int u = 0; u < TPW; ++u) {
+            uint4 q[V];
+#pragma unroll
+            for (int v = 0; v < V; ++v) q[v] = lds128(tb + u * L.tile_bytes() + j * P::kPacketBytes + v * 512);
+            P::template packet<j, kSliceK>(st[u], q, srec[u], xv, acc[u], lane);
+          }
+        }
+      });
+    };
+    // Past K the staged x holds stale bytes: the slice that reaches past K checks (the padded weights are
+    // zero anyway).
+    if (kb + kSliceK > prm.K) run(std::true_type{});
+    else run(std::false_type{});
+  };
+  // The K slices of each tile (warps of one CTA) added into slice 0's warps (consumers only).
+  auto reduce_slices = [&](float (&acc)[TPW][NT][4]) {
+    if constexpr (KSL > 1) {
+      if (warp < R) {
+        consumer_sync<R>();  // the previous pass's readers of red are done
+        if (slice > 0)
+#pragma unroll
+          for (int u = 0; u < TPW; ++u)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) *red_at(slice - 1, tile0 + u, n, j) = acc[u][n][j];
+        consumer_sync<R>();
+        if (slice == 0)
+          for (int q = 1; q < KSL; ++q)  // in slice order: the sum does not depend on timing
+#pragma unroll
+            for (int u = 0; u < TPW; ++u)
+#pragma unroll
+              for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[u][n][j] += *red_at(q - 1, tile0 + u, n, j);
+      }
+    }
+  };
+  // Slice 0's sums of tile `tile` of tile group grp, tokens from m0, to the output (scaled).
+  auto store = [&](float (&v)[NT][4], int tile, int grp, int m0) {
+    const float* rs = P::row_scale(prm, e);
+    const int row0 = (grp * kGroupTiles + tile) * kTileN;
+    const int r_lo = row0 + g, r_hi = row0 + g + 8;
+    float f_lo = 1.0f, f_hi = 1.0f;
+    if constexpr (kPlain) {  // row_scale [N]
+      f_lo = r_lo < prm.N ? rs[r_lo] : 0.0f;
+      f_hi = r_hi < prm.N ? rs[r_hi] : 0.0f;
+    } else if (rs) {  // row_scale is padded to groups
+      f_lo = rs[r_lo];
+      f_hi = rs[r_hi];
+    }
+    T* out = static_cast<T*>(prm.out);
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int row = j < 2 ? r_lo : r_hi;
+        const int tok = m0 + 8 * n + 2 * t + (j & 1);
+        if (row < prm.N && tok < m_end) {
+          float y = v[n][j];
+          if constexpr (kPlain)  // (sum x s_a) x s_w, the reference's order
+            y *= prm.tok_scale[static_cast<int64_t>(tok) * prm.tok_scale_stride];
+          out[static_cast<int64_t>(tok) * prm.out_stride + row] = from_float<T>(y * (j < 2 ? f_lo : f_hi));
+        }
+      }
+  };
+
   int it = 0;  // chunks streamed so far (stage = it % nst, use = it / nst), the same count in every thread
+#ifdef CUBLADE_STREAM_K
+  if constexpr (is_stream_k<P>::value) {
+    static_assert(!kPlain && NT == 1, "stream-K: blob layouts, one n-tile of tokens");
+    const int rows = min(prm.xrows, m_end - m_begin);  // one pass (launch_stream_k checks M <= xrows)
+    const int units = prm.groups * prm.chunks;
+    const int u0 = sk_first_unit(blockIdx.x, units, gridDim.x), u1 = sk_first_unit(blockIdx.x + 1, units, gridDim.x);
+    if (warp == R) {  // ---- producer: the CTA's units in sk_segments' order, the ring running across groups ----
+      const unsigned char* xg = static_cast<const unsigned char*>(prm.x);
+      const uint64_t wpol = CUBLADE_WEIGHT_POLICY(), xpol = policy_evict_last();
+      sk_segments(u0, u1, prm.chunks, [&](int grp, int c0, int c1) {
+        for (int c = c0; c < c1; ++c, ++it) {
+          const int s = it % nst, k0 = c * kChunk * kPacketK;
+          const int kbytes = (min(k0 + kChunk * kPacketK, prm.K) - k0) * 2;
+          if (lane == 0) {
+            if (it >= nst) mbar_wait(empty + s, ((it / nst) - 1) & 1);
+            mbar_expect_tx(full + s, L.w_bytes() + rows * kbytes);
+          }
+          __syncwarp();
+          unsigned char* st = smem + L.stage_offset(s);
+          if (lane == 0)
+            bulk_g2s(st, prm.w + (static_cast<int64_t>(grp) * prm.chunks + c) * L.w_bytes(), L.w_bytes(), full + s,
+                     wpol);
+          for (int row = lane; row < rows; row += 32)
+            bulk_g2s(st + L.w_bytes() + row * kXRowBytes,
+                     xg + ((static_cast<int64_t>(m_begin + row) * prm.x_stride) + k0) * 2, kbytes, full + s, xpol);
+        }
+      });
+      return;  // the consumers wait on the copies' barriers, not on this warp
+    }
+    // ---- consumers: each segment's chunks, its K slices, then its cut: to the slot, or the owner's sum ----
+    const bool owner = slice == 0;
+    auto slot_at = [&](int cta, int tile, int j) {
+      return g_sk_slots + static_cast<int64_t>(cta) * kSkSlotFloats + (tile * 4 + j) * 32 + lane;
+    };
+    sk_segments(u0, u1, prm.chunks, [&](int grp, int c0, int c1) {
+      float acc[TPW][NT][4];
+#pragma unroll
+      for (int u = 0; u < TPW; ++u)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[u][0][j] = 0.0f;
+      typename P::State st[TPW];
+      for (int c = c0; c < c1; ++c, ++it) {
+        const int s = it % nst;
+        mbar_wait(full + s, (it / nst) & 1);
+#ifdef CUBLADE_STREAM_STAMPS
+        if (threadIdx.x == 0 && it == 0) CUBLADE_STREAM_STAMP(2, clock64());
+        if (threadIdx.x == 0 && it == u1 - u0 - 1) CUBLADE_STREAM_STAMP(3, clock64());
+#endif
+        consume_chunk(c, s, st, acc, rows);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + s);
+      }
+      reduce_slices(acc);
+      if (c1 < prm.chunks) {  // the group's first chunks: the sums go to this CTA's slot, for the group's owner
+        if (owner)
+#pragma unroll
+          for (int u = 0; u < TPW; ++u)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) __stcg(slot_at(blockIdx.x, tile0 + u, j), acc[u][0][j]);
+        consumer_sync<R>();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          st_release(g_sk_flags + blockIdx.x, 1);
+        }
+        return;
+      }
+      if (c0 > 0) {  // the lower CTAs whose ranges end inside this group did its first chunks: add their sums
+        const int group_u = grp * prm.chunks;
+        auto contributor = [&](int i) { return i >= 0 && sk_first_unit(i + 1, units, gridDim.x) > group_u; };
+        if (threadIdx.x == 0)
+          for (int i = blockIdx.x - 1; contributor(i); --i)
+            while (ld_acquire(g_sk_flags + i) == 0) __nanosleep(64);
+        consumer_sync<R>();
+        if (owner)
+          for (int i = blockIdx.x - 1; contributor(i); --i)  // in CTA order: the sum does not depend on timing
+#pragma unroll
+            for (int u = 0; u < TPW; ++u)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) acc[u][0][j] += __ldcg(slot_at(i, tile0 + u, j));
+        consumer_sync<R>();
+        if (threadIdx.x == 0)
+          for (int i = blockIdx.x - 1; contributor(i); --i) g_sk_flags[i] = 0;  // read: cleared for the next launch
+      }
+      if (owner)
+#pragma unroll
+        for (int u = 0; u < TPW; ++u) store(acc[u], tile0 + u, grp, m_begin);
+    });
+#ifdef CUBLADE_STREAM_STAMPS
+    if (threadIdx.x == 0) {
+      CUBLADE_STREAM_STAMP(4, clock64());
+      CUBLADE_STREAM_STAMP(5, clock64());
+      CUBLADE_STREAM_STAMP(6, globaltimer_ns());
+    }
+#endif
+    return;
+  }
+#endif
   // Token passes of prm.xrows (<= 8 NT) rows: more rows than the launch planned for only cost more passes.
   for (int m0 = m_begin; m0 < m_end; m0 += prm.xrows) {
     const int rows = min(prm.xrows, m_end - m0);
@@ -498,69 +759,7 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
           if (c == nchunks - 1) CUBLADE_STREAM_STAMP(3, clock64());
         }
 #endif
-        const int kb = (cb + c) * kChunk * kPacketK + slice * kSliceK;  // this warp's first K
-        const unsigned char* stg = smem + L.stage_offset(s);
-        const unsigned char* tb = stg + tile0 * L.tile_bytes() + slice * PPW * P::kPacketBytes + lane * 16;
-        const unsigned char* srec[TPW];
-#pragma unroll
-        for (int u = 0; u < TPW; ++u)
-          srec[u] = P::template slice_records<kSliceK>(stg + (tile0 + u) * L.tile_bytes() + kChunk * P::kPacketBytes,
-                                                       slice);
-        const unsigned char* xsm = stg + L.w_bytes() + t * 16 + slice * kSliceK * 2;
-        auto run = [&](auto checked_c) {
-          constexpr bool kChecked = decltype(checked_c)::value;
-          static_for<PPW>([&](auto j_c) {
-            constexpr int j = decltype(j_c)::value;
-            uint4 xv[2][NT];
-            if constexpr (kPlain) {
-              // Plain rows (a box: 64 rows x 8 chunks of 16 K, chunk c of row r stored at chunk c ^ (r % 8)). Half h
-              // of packet pk (two k-steps) takes chunk a = 2 (pk % 2) + h for lanes t = 0, 1 and chunk a ^ 5 for t = 2,
-              // 3, 8 K per lane (bytes 0-3 one k-step, 4-7 the next): the 4 rows g % 4 of a half-warp's 64-bit loads
-              // then cover all 8 chunks (no bank conflict), and x's 16-byte loads for those K hit distinct banks.
-              const int pk = slice * PPW + j, box = pk >> 1;  // packet of the chunk, its box
-              const unsigned char* wbox = stg + box * kPlainBoxBytes;
-#pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                const int a = 2 * (pk & 1) + h, ch = t >> 1 ? a ^ 5 : a;
-                const int kc = box * kPlainBoxK + ch * 16 + (t & 1) * 8;  // this lane's first K in the chunk
-                const bool in = !kChecked || (cb + c) * kChunk * kPacketK + kc < prm.K;
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                  const int row = 8 * n + g;
-                  xv[h][n] = row < rows && in ? lds128(stg + L.w_bytes() + row * kXRowBytes + kc * 2)
-                                              : make_uint4(0u, 0u, 0u, 0u);
-                }
-              }
-#pragma unroll
-              for (int u = 0; u < TPW; ++u) {
-                const unsigned char* r_lo = wbox + ((tile0 + u) * kTileN + g) * kPlainBoxK;
-                uint4 q[2];
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                  const int a = 2 * (pk & 1) + h, ch = t >> 1 ? a ^ 5 : a;
-                  const int off = ((ch ^ g) << 4) + (t & 1) * 8;
-                  const uint2 lo = lds64(r_lo + off), hi = lds64(r_lo + 8 * kPlainBoxK + off);
-                  q[h] = make_uint4(lo.x, hi.x, lo.y, hi.y);
-                }
-                P::template packet<j, kSliceK>(st[u], q, nullptr, xv, acc[u], lane);
-              }
-            } else {
-              load_x_packet(xv, xsm + j * kPacketK * 2, rows, g,
-                            [&](int h) { return !kChecked || kb + j * kPacketK + 32 * h + 8 * t < prm.K; });
-#pragma unroll
-              for (int u = 0; u < TPW; ++u) {
-                uint4 q[V];
-#pragma unroll
-                for (int v = 0; v < V; ++v) q[v] = lds128(tb + u * L.tile_bytes() + j * P::kPacketBytes + v * 512);
-                P::template packet<j, kSliceK>(st[u], q, srec[u], xv, acc[u], lane);
-              }
-            }
-          });
-        };
-        // Past K the staged x holds stale bytes: the slice that reaches past K checks (the padded weights are
-        // zero anyway).
-        if (kb + kSliceK > prm.K) run(std::true_type{});
-        else run(std::false_type{});
+        consume_chunk(cb + c, s, st, acc, rows);
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + s);
       }
@@ -570,59 +769,12 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
     }
 
     // ---- the K slices of each tile (warps of one CTA), then the splits of the cluster, then the outputs ----
-    if constexpr (KSL > 1) {
-      if (warp < R) {
-        consumer_sync<R>();  // the previous pass's readers of red are done
-        if (slice > 0)
-#pragma unroll
-          for (int u = 0; u < TPW; ++u)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-              for (int j = 0; j < 4; ++j) *red_at(slice - 1, tile0 + u, n, j) = acc[u][n][j];
-        consumer_sync<R>();
-        if (slice == 0)
-          for (int q = 1; q < KSL; ++q)  // in slice order: the sum does not depend on timing
-#pragma unroll
-            for (int u = 0; u < TPW; ++u)
-#pragma unroll
-              for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) acc[u][n][j] += *red_at(q - 1, tile0 + u, n, j);
-      }
-    }
+    reduce_slices(acc);
     const bool owner = warp < R && slice == 0;  // holds its tiles' sums over the CTA's K
-    const float* rs = P::row_scale(prm, e);
-    auto store = [&](float (&v)[NT][4], int tile) {
-      const int row0 = (group * kGroupTiles + tile) * kTileN;
-      const int r_lo = row0 + g, r_hi = row0 + g + 8;
-      float f_lo = 1.0f, f_hi = 1.0f;
-      if constexpr (kPlain) {  // row_scale [N]
-        f_lo = r_lo < prm.N ? rs[r_lo] : 0.0f;
-        f_hi = r_hi < prm.N ? rs[r_hi] : 0.0f;
-      } else if (rs) {  // row_scale is padded to groups
-        f_lo = rs[r_lo];
-        f_hi = rs[r_hi];
-      }
-      T* out = static_cast<T*>(prm.out);
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int row = j < 2 ? r_lo : r_hi;
-          const int tok = m0 + 8 * n + 2 * t + (j & 1);
-          if (row < prm.N && tok < m_end) {
-            float y = v[n][j];
-            if constexpr (kPlain)  // (sum x s_a) x s_w, the reference's order
-              y *= prm.tok_scale[static_cast<int64_t>(tok) * prm.tok_scale_stride];
-            out[static_cast<int64_t>(tok) * prm.out_stride + row] = from_float<T>(y * (j < 2 ? f_lo : f_hi));
-          }
-        }
-    };
     if (nsplit == 1) {
       if (owner)
 #pragma unroll
-        for (int u = 0; u < TPW; ++u) store(acc[u], tile0 + u);
+        for (int u = 0; u < TPW; ++u) store(acc[u], tile0 + u, group, m0);
     } else {
       // slot 0 of the owner's own tiles: it read them (KSL > 1) before it overwrites them
       if (owner)
@@ -641,7 +793,7 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
             for (int n = 0; n < NT; ++n)
 #pragma unroll
               for (int j = 0; j < 4; ++j) acc[u][n][j] += ld_dsmem(red_at(0, tile0 + u, n, j), q);
-          store(acc[u], tile0 + u);
+          store(acc[u], tile0 + u, group, m0);
         }
       }
       cluster_sync();  // the other CTAs keep their shared memory until rank 0 has read it
@@ -764,6 +916,33 @@ cudaError_t launch_stream(ParamsFor<P> prm, int E, int S, cudaStream_t stream) {
   return launch_split_k(kernel, dim3(static_cast<unsigned>(prm.groups), S, slices),
                         (consumer_warps<TPW, KSL>() + 1) * 32, smem, S, stream, prm, launch_pdl(prm));
 }
+
+#ifdef CUBLADE_STREAM_K
+// Stream-K launch of P's streaming kernel (tuning builds): `ctas` CTAs (0: as many as the GPU holds at once, at most
+// one per unit; never more, since an owner waits on the lower CTAs' flags) share the tile groups x chunks units at
+// prm.stages stages. One pass of one expert: M <= prm.xrows, no offsets.
+template <class P, int TPW, int KSL>
+cudaError_t launch_stream_k(ParamsFor<P> prm, int ctas, cudaStream_t stream) {
+  constexpr auto kernel = stream_gemm_kernel<StreamK<P>, TPW, KSL>;
+  constexpr int kThreads = (consumer_warps<TPW, KSL>() + 1) * 32;
+  if (prm.offsets != nullptr || prm.M > prm.xrows || prm.stages < 2 || prm.stages > kMaxStages)
+    return cudaErrorInvalidValue;
+  if (const cudaError_t e = allow_max_smem<kernel>(); e != cudaSuccess) return e;
+  const LayoutFor<P> L{prm.sbytes, prm.xrows, prm.stages};
+  const int smem = L.total(P::NT, KSL);
+  int per_sm = 0;
+  if (smem > kMaxSmemKB * 1024 ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess || per_sm < 1)
+    return cudaErrorInvalidValue;
+  const int64_t most = std::min<int64_t>({static_cast<int64_t>(per_sm) * prm.sms,
+                                          static_cast<int64_t>(prm.groups) * prm.chunks, kSkMaxCtas});
+  if (ctas <= 0) ctas = static_cast<int>(most);
+  if (ctas > most) return cudaErrorInvalidValue;
+  prm.chunks_per_cta = prm.chunks;
+  prm.experts = 1;
+  return launch_split_k(kernel, dim3(static_cast<unsigned>(ctas)), kThreads, smem, 1, stream, prm, false);
+}
+#endif
 
 // n-tiles of 8 tokens per pass (the policy's NT) for a launch whose experts have at most `rows` rows: 1, 2 or 4;
 // more rows than 32 take more passes, each re-reading the weights.

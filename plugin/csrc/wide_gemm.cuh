@@ -127,28 +127,12 @@ struct Params {
   int* flags;
 };
 
-// Stream-K: the helpers both the producer and the consumers walk a CTA's units with.
-// First unit of CTA i when `ctas` CTAs share `units` units evenly.
-__host__ __device__ __forceinline__ int sk_first_unit(int i, int units, int ctas) {
-  return static_cast<int>(static_cast<int64_t>(i) * units / ctas);
-}
-// The CTA's units [u0, u1) as segments of one tile each, f(tile, c0, c1) with stages [c0, c1) of the tile, the last
-// tile first: the segment that ends the range (a tile's first stages, whose partial sums another CTA adds) is done
-// first, and the one that starts it (a tile's last stages: this CTA adds the others' partial sums) last.
-template <class F>
-__device__ __forceinline__ void sk_segments(int u0, int u1, int chunks, F&& f) {
-  if (u1 <= u0) return;
-  for (int tile = (u1 - 1) / chunks; tile >= u0 / chunks; --tile)
-    f(tile, max(u0 - tile * chunks, 0), min(u1 - tile * chunks, chunks));
-}
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release(int* p, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
+// Stream-K's walk of a CTA's units and its flags: lowbit::sk_first_unit, sk_segments, ld_acquire, st_release
+// (w4a16_gemm.cuh).
+using lowbit::ld_acquire;
+using lowbit::sk_first_unit;
+using lowbit::sk_segments;
+using lowbit::st_release;
 
 // Shared memory: 128-byte barrier header, then stages x [WG tile groups' KS-K blocks (4 tiles: KS/64 packets, then
 // their scale records) | x: NTOK tokens x KS K]. KS = 512 stages a whole chunk of the blob (one copy per tile
