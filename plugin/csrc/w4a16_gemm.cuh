@@ -594,6 +594,32 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
   };
 
   int it = 0;  // chunks streamed so far (stage = it % nst, use = it / nst), the same count in every thread
+  // The producer's copies of absolute chunk `chunk` of tile group grp into stage s (the it-th chunk streamed): lane 0
+  // the weights (issue_w false: they went out early, plain rows' first stages), lane r the x row r of the pass from m0.
+  auto produce_chunk = [&](int grp, int chunk, int s, int m0, int rows, bool issue_w, uint64_t wpol, uint64_t xpol) {
+    const unsigned char* xg = static_cast<const unsigned char*>(prm.x);
+    const int k0 = chunk * kChunk * kPacketK;
+    const int kbytes = (min(k0 + kChunk * kPacketK, prm.K) - k0) * 2;
+    if (lane == 0 && issue_w) {
+      if (it >= nst) mbar_wait(empty + s, ((it / nst) - 1) & 1);
+      mbar_expect_tx(full + s, L.w_bytes() + rows * kbytes);
+    }
+    __syncwarp();  // the stage is free and its byte count is set before any copy lands
+    unsigned char* st = smem + L.stage_offset(s);
+    if constexpr (kPlain) {  // the chunk's 64 rows x 512 K as 4 swizzled boxes of 128 K (the padding: zeros)
+      if (lane == 0 && issue_w)
+#pragma unroll
+        for (int b = 0; b < kChunk * kPacketK / kPlainBoxK; ++b)
+          tma_g2s_2d(st + b * kPlainBoxBytes, &prm.wmap, k0 + b * kPlainBoxK, grp * kGroupTiles * kTileN, full + s,
+                     wpol);
+    } else if (lane == 0) {
+      const int64_t block = (static_cast<int64_t>(e) * prm.groups + grp) * prm.chunks + chunk;
+      bulk_g2s(st, prm.w + block * L.w_bytes(), L.w_bytes(), full + s, wpol);
+    }
+    for (int row = lane; row < rows; row += 32)
+      bulk_g2s(st + L.w_bytes() + row * kXRowBytes, xg + ((static_cast<int64_t>(m0 + row) * prm.x_stride) + k0) * 2,
+               kbytes, full + s, xpol);
+  };
 #ifdef CUBLADE_STREAM_K
   if constexpr (is_stream_k<P>::value) {
     static_assert(!kPlain && NT == 1, "stream-K: blob layouts, one n-tile of tokens");
@@ -601,25 +627,9 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
     const int units = prm.groups * prm.chunks;
     const int u0 = sk_first_unit(blockIdx.x, units, gridDim.x), u1 = sk_first_unit(blockIdx.x + 1, units, gridDim.x);
     if (warp == R) {  // ---- producer: the CTA's units in sk_segments' order, the ring running across groups ----
-      const unsigned char* xg = static_cast<const unsigned char*>(prm.x);
       const uint64_t wpol = CUBLADE_WEIGHT_POLICY(), xpol = policy_evict_last();
       sk_segments(u0, u1, prm.chunks, [&](int grp, int c0, int c1) {
-        for (int c = c0; c < c1; ++c, ++it) {
-          const int s = it % nst, k0 = c * kChunk * kPacketK;
-          const int kbytes = (min(k0 + kChunk * kPacketK, prm.K) - k0) * 2;
-          if (lane == 0) {
-            if (it >= nst) mbar_wait(empty + s, ((it / nst) - 1) & 1);
-            mbar_expect_tx(full + s, L.w_bytes() + rows * kbytes);
-          }
-          __syncwarp();
-          unsigned char* st = smem + L.stage_offset(s);
-          if (lane == 0)
-            bulk_g2s(st, prm.w + (static_cast<int64_t>(grp) * prm.chunks + c) * L.w_bytes(), L.w_bytes(), full + s,
-                     wpol);
-          for (int row = lane; row < rows; row += 32)
-            bulk_g2s(st + L.w_bytes() + row * kXRowBytes,
-                     xg + ((static_cast<int64_t>(m_begin + row) * prm.x_stride) + k0) * 2, kbytes, full + s, xpol);
-        }
+        for (int c = c0; c < c1; ++c, ++it) produce_chunk(grp, c, it % nst, m_begin, rows, true, wpol, xpol);
       });
       return;  // the consumers wait on the copies' barriers, not on this warp
     }
@@ -703,9 +713,7 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
         for (int j = 0; j < 4; ++j) acc[u][n][j] = 0.0f;
 
     if (warp == R) {  // ---- producer: lane 0 the weights, lane r the x row r ----
-      const unsigned char* xg = static_cast<const unsigned char*>(prm.x);
       const uint64_t wpol = CUBLADE_WEIGHT_POLICY(), xpol = policy_evict_last();
-      const int64_t block0 = (static_cast<int64_t>(e) * prm.groups + group) * prm.chunks;
       auto k0_of = [&](int c) { return (cb + c) * kChunk * kPacketK; };
       auto kbytes_of = [&](int c) { return (min(k0_of(c) + kChunk * kPacketK, prm.K) - k0_of(c)) * 2; };
       // Plain rows: the kernel is a programmatic dependent launch of the activations' quantization; the first pass's
@@ -724,29 +732,7 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
           pdl_wait();
         }
       }
-      for (int c = 0; c < nchunks; ++c, ++it) {
-        const int s = it % nst;
-        const int k0 = k0_of(c);
-        const int kbytes = kbytes_of(c);
-        if (lane == 0 && c >= early) {
-          if (it >= nst) mbar_wait(empty + s, ((it / nst) - 1) & 1);
-          mbar_expect_tx(full + s, L.w_bytes() + rows * kbytes);
-        }
-        __syncwarp();  // the stage is free and its byte count is set before any copy lands
-        unsigned char* st = smem + L.stage_offset(s);
-        if constexpr (kPlain) {  // the chunk's 64 rows x 512 K as 4 swizzled boxes of 128 K (the padding: zeros)
-          if (lane == 0 && c >= early)
-#pragma unroll
-            for (int b = 0; b < kChunk * kPacketK / kPlainBoxK; ++b)
-              tma_g2s_2d(st + b * kPlainBoxBytes, &prm.wmap, k0 + b * kPlainBoxK, group * kGroupTiles * kTileN,
-                         full + s, wpol);
-        } else if (lane == 0) {
-          bulk_g2s(st, prm.w + (block0 + cb + c) * L.w_bytes(), L.w_bytes(), full + s, wpol);
-        }
-        for (int row = lane; row < rows; row += 32)
-          bulk_g2s(st + L.w_bytes() + row * kXRowBytes,
-                   xg + ((static_cast<int64_t>(m0 + row) * prm.x_stride) + k0) * 2, kbytes, full + s, xpol);
-      }
+      for (int c = 0; c < nchunks; ++c, ++it) produce_chunk(group, cb + c, it % nst, m0, rows, c >= early, wpol, xpol);
     } else {  // ---- consumer ----
       if constexpr (kPlain) pdl_wait();  // the epilogue reads the quantization's token scales
       typename P::State st[TPW];
