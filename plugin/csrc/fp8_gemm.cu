@@ -141,8 +141,8 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& a, cudaStream_t stream) {
   const int nt = lowbit::token_tiles(prm.M);
   prm.xrows = std::min(8 * nt, prm.M);
   if (nt == 1) {
-    return a.x_f16 ? lowbit::launch_byte_weights_8_rows<Fp8RowsF16Policy<1>>(prm, a.split_k, stream)
-                   : lowbit::launch_byte_weights_8_rows<Fp8RowsPolicy<1>>(prm, a.split_k, stream);
+    return a.x_f16 ? lowbit::launch_byte_weights_few_rows<Fp8RowsF16Policy<1>>(prm, a.split_k, stream)
+                   : lowbit::launch_byte_weights_few_rows<Fp8RowsPolicy<1>>(prm, a.split_k, stream);
   }
   const int S = a.split_k > 0 ? a.split_k : lowbit::pick_split(prm.groups, prm.chunks, a.sms);
   if (a.x_f16) {

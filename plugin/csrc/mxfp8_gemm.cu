@@ -148,9 +148,9 @@ cudaError_t launch_mxfp8_gemm(const Mxfp8GemmArgs& a, cudaStream_t stream) {
   prm.sbytes = kMxfp8RecordBytes;
   const int nt = lowbit::token_tiles(prm.M);
   prm.xrows = std::min(8 * nt, prm.M);
-  if (nt == 1) return lowbit::launch_byte_weights_8_rows<Mxfp8Policy<1>>(prm, split_k, stream);
+  if (nt == 1) return lowbit::launch_byte_weights_few_rows<Mxfp8Policy<1>>(prm, split_k, stream);
+  if (nt == 2) return lowbit::launch_byte_weights_few_rows<Mxfp8Policy<2>>(prm, split_k, stream);
   const int S = split_k > 0 ? split_k : lowbit::pick_split(prm.groups, prm.chunks, sms);
-  if (nt == 2) return lowbit::launch_tpw<Mxfp8Policy<2>>(prm, 1, S, stream);
   return lowbit::launch_tpw<Mxfp8Policy<4>>(prm, 1, S, stream);
 }
 

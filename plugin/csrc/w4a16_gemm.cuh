@@ -963,11 +963,14 @@ cudaError_t launch_tpw(ParamsFor<P> prm, int E, int S, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
-// Up to 8 rows of 1-byte weights (MXFP8, FP8 rows; P::NT == 1, prm.xrows and prm.sms set; split_k 0: the rule's):
-// - two K slices per chunk (8 consumer warps) at every row count;
+// Up to 16 rows of 1-byte weights (MXFP8 at P::NT 1 or 2, FP8 rows at 1; prm.xrows and prm.sms set; split_k 0: the
+// rule's):
+// - two K slices per chunk at every row count (8 consumer warps of one tile each up to 8 rows, 4 of two tiles above);
 // - K splits that spread the tile groups evenly over the SMs: doubled while that evens the per-SM share by 1.25x or
 //   more (the share: the most CTAs one SM gets over the average, ceil(n / sms) * sms / n for n CTAs), each split
 //   keeps 4 chunks, and the doubled grid fits in one wave of the 2-stage ring;
+// - at 9-16 rows, a grid of one CTA per SM at most doubles its splits once more where each split keeps 8 chunks and
+//   the doubled grid still fits one 2-stage wave (2 CTAs a SM on 128 tile groups: 8192x8192, 28672x8192);
 // - a ring of 3 stages where the grid needs one CTA per SM at most, or holds 2 a SM at 3 stages without a short
 //   second wave (at most 1.5 times the CTAs the GPU holds at once); else 2, for more CTAs a SM.
 // As a decode step runs them (benchmarks/tuning/w4a16_layers.cu built with -DCUBLADE_LAYERS_MXFP8, `sweep`: weights
@@ -976,14 +979,18 @@ cudaError_t launch_tpw(ParamsFor<P> prm, int E, int S, cudaStream_t stream) {
 // 0.94x the time of the rule before it over them (which kept one slice from 3 rows, split on chunks alone): at 4 rows
 // qkv 12.94 -> 10.96 us, o 12.42 -> 8.29 (2 splits), gate_up 35.87 -> 34.21, down 21.66 -> 18.42, 8192x57344 125.5 ->
 // 114.3 (2 stages, 2 a SM); at one row o 10.41 -> 8.55, 8192x8192 21.51 -> 19.30 (1 split: 128 groups already cover
-// the SMs), 28672x8192 60.10 -> 57.19. Raw: benchmarks/runs/2026-12-02-mxfp8-layers-sweep-1-16-h200.txt.
+// the SMs), 28672x8192 60.10 -> 57.19. At 9-16 rows, against pick_split / pick_stages in one call (us, M = 16): o
+// 12.75 -> 9.25 (2 splits), down 22.90 -> 21.02, 8192x10240 37.64 -> 32.88, an 8B layer's four 87.02 -> 80.87; the
+// slowest point of 24 at 0.987x. Raw: benchmarks/runs/2026-12-02-mxfp8-layers-sweep-1-16-h200.txt,
+// benchmarks/runs/2026-12-02-mxfp8-9-16-row-rule-h200.txt.
 template <class P>
-cudaError_t launch_byte_weights_8_rows(ParamsFor<P> prm, int split_k, cudaStream_t stream) {
-  static_assert(P::NT == 1 && P::kPacketBytes == 1024, "1-byte weights, one n-tile of tokens");
+cudaError_t launch_byte_weights_few_rows(ParamsFor<P> prm, int split_k, cudaStream_t stream) {
+  static_assert((P::NT == 1 || P::NT == 2) && P::kPacketBytes == 1024, "1-byte weights, one or two n-tiles of tokens");
+  constexpr int kTpw = P::NT, kKsl = 2;
   const int64_t sms = prm.sms;
   auto per_sm = [&](int stages) {
     const LayoutFor<P> L{prm.sbytes, prm.xrows, stages};
-    return ctas_per_sm<P, 1, 2>(L.total(1, 2));
+    return ctas_per_sm<P, kTpw, kKsl>(L.total(P::NT, kKsl));
   };
   auto share = [&](int64_t n) { return static_cast<double>((n + sms - 1) / sms * sms) / static_cast<double>(n); };
   const int64_t groups = prm.groups;
@@ -994,11 +1001,13 @@ cudaError_t launch_byte_weights_8_rows(ParamsFor<P> prm, int split_k, cudaStream
     while (S < kMaxSplit && prm.chunks >= 2 * S * 4 && share(groups * 2 * S) * 1.25 <= share(groups * S) &&
            groups * 2 * S <= one_wave)
       S *= 2;
+    if (P::NT == 2 && S < kMaxSplit && groups * S <= sms && prm.chunks >= 2 * S * 8 && groups * 2 * S <= one_wave)
+      S *= 2;
   }
   const int64_t ctas = groups * S, slots3 = static_cast<int64_t>(per_sm(3)) * sms;
   const bool deep = slots3 > 0 && (ctas <= sms || (slots3 >= 2 * sms && (ctas <= slots3 || 2 * ctas > 3 * slots3)));
   prm.stages = deep ? 3 : 2;
-  return launch_stream<P, 1, 2>(prm, 1, S, stream);
+  return launch_stream<P, kTpw, kKsl>(prm, 1, S, stream);
 }
 
 // K splits (cluster size): more CTAs per SM means more consumer warps, which is what this kernel needs, but each

@@ -203,6 +203,24 @@ def test_streaming_kernel_takes_two_k_slices_up_to_8_rows(groups_per_sm, K, M, s
 
 
 @GPU
+@pytest.mark.parametrize("N,K,M,splits", [(4096, 4096, 16, 2), (4096, 4096, 12, 2), (8192, 8192, 16, 2),
+                                          (8192, 8192, 9, 2), (8192, 28672, 16, 2), (6144, 4096, 16, 1),
+                                          (28672, 4096, 16, 1), (8192, 8192, 8, 1)])
+def test_streaming_kernel_splits_at_9_to_16_rows(N, K, M, splits):
+    """At 9-16 rows a grid of at most one CTA per SM takes a second K split where each keeps 8 chunks and the doubled
+    grid fits one wave (8192 x 8192: 128 tile groups, 16 chunks -> 2 splits; 8 rows keep 1); 4096 x 4096 splits to
+    even the SMs' shares; 96 and 448 tile groups keep 1. The split count is the launch's grid.y (132-SM H200 / H100
+    SXM; other SM counts skip). Outputs within the bars."""
+    from profiling import kernel_grids
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the split counts are for 132 SMs")
+    packed, w = gpu_case(N, K, seed=M)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    grids = [g for n, g in kernel_grids(lambda: check(x, packed, w)) if "stream_gemm_kernel" in n]
+    assert grids == [(N // 64, splits, 1)], grids
+
+
+@GPU
 def test_wide_kernel_stream_k_when_the_last_wave_is_short():
     """As for W4A16 (test_w4a16_gemm.py): N = 128 x SMs fills one wave of CTAs (split-K), 128 rows more leave a last
     wave of one CTA, so the wide kernel runs stream-K; both within the bars, stream-K the same bits on every call."""
