@@ -330,10 +330,27 @@ def test_disk_full_names_the_output_and_removes_it(capsys, src, tmp_path, monkey
     _nothing_written(tmp_path / "out")
 
 
-def _popen_convert(src, out, *opts):
+# `cublade convert` in a child process that holds once its first output shard is written, until `release` exists:
+# whatever the machine's load, the test's signal or second process then finds it mid-conversion.
+_HOLDING_CONVERT = """
+import os, runpy, sys, time
+import cublade.convert
+release, add = sys.argv.pop(1), cublade.convert.ShardWriter.add
+def holding_add(self, name, t):
+    add(self, name, t)
+    if self.left[0] == 0 and not getattr(self, "held", False):
+        self.held = True
+        while not os.path.exists(release):
+            time.sleep(0.02)
+cublade.convert.ShardWriter.add = holding_add
+runpy.run_module("cublade.cli", run_name="__main__")
+"""
+
+
+def _popen_convert(src, out, release: Path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.Popen([sys.executable, "-m", "cublade.cli", "convert", str(src), str(out), "--scheme",
-                             "fp8-dynamic", "--max-shard-size", "1MB", *opts], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-c", _HOLDING_CONVERT, str(release), "convert", str(src), str(out),
+                             "--scheme", "fp8-dynamic", "--max-shard-size", "1MB"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -345,11 +362,10 @@ def _wait_for(pattern_dir: Path, pattern: str, p) -> None:
 
 
 def test_ctrl_c_is_one_line_and_removes_the_temporary_directory(tmp_path):
-    # Interrupted once its first output shard exists, with most of a source of 8 x 12 layers still to convert (of 8 x 3
-    # layers the rest was sometimes converted before the signal landed: rc 0 in a full run on the 2-core machine).
-    src = synthetic_llama(tmp_path / "src", n_shards=8, layers_per_shard=12, hidden=512)
+    # Interrupted while it holds after its first output shard, the rest of the source still to convert.
+    src = synthetic_llama(tmp_path / "src", n_shards=4, layers_per_shard=3, hidden=512)
     out = tmp_path / "out"
-    p = _popen_convert(src, out)
+    p = _popen_convert(src, out, tmp_path / "never")
     _wait_for(tmp_path, ".out.cublade-tmp-*/part-00001.safetensors", p)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
@@ -402,14 +418,14 @@ def test_a_second_conversion_to_the_same_out_fails_at_once(capsys, src, tmp_path
 
 
 def test_two_processes_one_wins(capsys, tmp_path):
-    # A source of 8 x 12 layers keeps the first conversion running while the second starts (of 4 x 3 layers it
-    # sometimes finished first in a full run on the 2-core machine, and the second then converted: rc 0).
-    src = synthetic_llama(tmp_path / "src", n_shards=8, layers_per_shard=12, hidden=512)
-    out = tmp_path / "out"
-    first = _popen_convert(src, out)
-    _wait_for(tmp_path, ".out.cublade-tmp-*", first)
+    # The first conversion holds after its first shard while the second starts, then finishes.
+    src = synthetic_llama(tmp_path / "src", n_shards=4, layers_per_shard=3, hidden=512)
+    out, release = tmp_path / "out", tmp_path / "release"
+    first = _popen_convert(src, out, release)
+    _wait_for(tmp_path, ".out.cublade-tmp-*/part-00001.safetensors", first)
     line = _one_line(capsys, "convert", src, out, "--scheme", "fp8-dynamic", "--overwrite")
     assert f"another cublade convert (pid {first.pid}) is writing {out}" in line
+    release.touch()
     assert first.wait(timeout=300) == 0, first.communicate()
     assert (out / INDEX_NAME).is_file()
 
