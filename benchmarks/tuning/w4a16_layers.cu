@@ -112,10 +112,15 @@ __global__ void globaltimer_step(unsigned long long* out) {
 // none): the GEMM's first CTA start after its x kernel's end, and per CTA (SM clock cycles at clock_khz) the wait for
 // its first stage, the stream to its last stage, the math after the last stage, the epilogue (K-slice and split sums,
 // stores); medians and maxima over the CTAs; the span from the x kernel's end to the last CTA's end.
-void print_phases(const char* shape, int M, const std::vector<unsigned long long>& st, unsigned long long x_end,
-                  double clock_khz, double gemm_us) {
+void print_phases(const char* shape, int M, const std::vector<unsigned long long>& st, int groups,
+                  unsigned long long x_end, double clock_khz, double gemm_us) {
   const int S = cublade::lowbit::kStampSlots;
   std::vector<float> first, stream, math, epi, total;
+  // With K splits, the epilogue of rank 0 (the split that sums and stores) and of the others, in three parts: the
+  // K-slice sum and the split's sums written (4 -> 8), the first cluster barrier (8 -> 9: its latency and the wait
+  // for the cluster's slowest split), then to the end (rank 0's reads of the others' sums and its stores, and the
+  // second barrier).
+  std::vector<float> own[2], bar1[2], rest[2];
   unsigned long long start_min = ~0ull, start_max = 0, end_max = 0;
   for (size_t c = 0; c + S <= st.size(); c += S) {
     const unsigned long long* v = &st[c];
@@ -125,6 +130,12 @@ void print_phases(const char* shape, int M, const std::vector<unsigned long long
     stream.push_back(us(v[2], v[3]));
     math.push_back(us(v[3], v[4]));
     epi.push_back(us(v[4], v[5]));
+    if (v[8] != 0 && v[9] != 0) {
+      const int r = (c / S) / groups > 0;  // blockIdx.y: the split
+      own[r].push_back(us(v[4], v[8]));
+      bar1[r].push_back(us(v[8], v[9]));
+      rest[r].push_back(us(v[9], v[5]));
+    }
     total.push_back(us(v[1], v[5]));
     start_min = std::min(start_min, v[0]);
     start_max = std::max(start_max, v[0]);
@@ -144,6 +155,12 @@ void print_phases(const char* shape, int M, const std::vector<unsigned long long
               shape, M, total.size(), gemm_us, gt_us(x_end, start_min), gt_us(x_end, start_max), gt_us(x_end, end_max),
               harness::median(first), mx(first), harness::median(stream), mx(stream), harness::median(math), mx(math),
               harness::median(epi), mx(epi), harness::median(total), mx(total));
+  for (int r = 0; r < 2; ++r)
+    if (!own[r].empty())
+      std::printf("%-11s %3d   epilogue of %s (%zu CTAs), median / max us: K-slice sum + sums written %.2f / "
+                  "%.2f, first cluster barrier %.2f / %.2f, then to the end %.2f / %.2f\n",
+                  shape, M, r ? "the other splits" : "rank 0", own[r].size(), harness::median(own[r]), mx(own[r]),
+                  harness::median(bar1[r]), mx(bar1[r]), harness::median(rest[r]), mx(rest[r]));
 }
 #endif
 
@@ -412,7 +429,7 @@ int main(int argc, char** argv) {
         CK(cudaFree(d_st));
         char shape[24];
         std::snprintf(shape, sizeof shape, "%dx%d", m.K, m.N);
-        print_phases(shape, M, h, x_end, clock_khz, op_us);
+        print_phases(shape, M, h, m.groups, x_end, clock_khz, op_us);
       }
 #endif
     }

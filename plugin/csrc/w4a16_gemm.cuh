@@ -62,8 +62,9 @@ __host__ __device__ constexpr bool is_bf16() { return std::is_same<T, __nv_bfloa
 // -DCUBLADE_STREAM_STAMPS, each CTA of a launch writes kStampSlots values to g_stream_stamps (when set) at its entry,
 // at its first and last stage's arrival, when its math is done and at its end; production builds compile them out.
 #ifdef CUBLADE_STREAM_STAMPS
-constexpr int kStampSlots = 8;  // 0 entry (globaltimer ns), 1 entry (clock64), 2 first stage landed, 3 last stage
-                                // landed, 4 math done, 5 end (clock64), 6 end (globaltimer ns), 7 SM id
+constexpr int kStampSlots = 10;  // 0 entry (globaltimer ns), 1 entry (clock64), 2 first stage landed, 3 last stage
+                                 // landed, 4 math done, 5 end (clock64), 6 end (globaltimer ns), 7 SM id; with K
+                                 // splits (clock64): 8 the split's sums written, 9 past the first cluster barrier
 __device__ unsigned long long* g_stream_stamps = nullptr;
 __device__ __forceinline__ unsigned long long globaltimer_ns() {
   unsigned long long t;
@@ -770,7 +771,13 @@ stream_gemm_kernel(const __grid_constant__ ParamsFor<P> prm) {
           for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int j = 0; j < 4; ++j) *red_at(0, tile0 + u, n, j) = acc[u][n][j];
+#ifdef CUBLADE_STREAM_STAMPS
+      if (threadIdx.x == 0 && m0 == m_begin) CUBLADE_STREAM_STAMP(8, clock64());
+#endif
       cluster_sync();
+#ifdef CUBLADE_STREAM_STAMPS
+      if (threadIdx.x == 0 && m0 == m_begin) CUBLADE_STREAM_STAMP(9, clock64());
+#endif
       if (split == 0 && owner) {
 #pragma unroll
         for (int u = 0; u < TPW; ++u) {
