@@ -25,7 +25,7 @@ class CubladeMxfp8Gemm(LinearKernel):
 
     @classmethod
     def reason(cls, cap: int) -> str:
-        return "cublade's CUDA op mxfp8_gemm (decode kernels; from 384-512 tokens dequantize + cuBLAS)"
+        return "cublade's CUDA op mxfp8_gemm (decode kernels; from 257-1024 tokens by weight size, dequantize + cuBLAS)"
 
     @classmethod
     def can_implement(cls, layer):
