@@ -333,42 +333,59 @@ def test_disk_full_names_the_output_and_removes_it(capsys, src, tmp_path, monkey
 # `cublade convert` in a child process that holds once its first output shard is written, until `release` exists:
 # whatever the machine's load, the test's signal or second process then finds it mid-conversion.
 _HOLDING_CONVERT = """
-import os, runpy, sys, time
+import os, runpy, signal, sys, time
 import cublade.convert
-release, add = sys.argv.pop(1), cublade.convert.ShardWriter.add
+# A terminal's Ctrl-C, whatever the test runner's own SIGINT disposition and mask (a child inherits both).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+held, release, add = sys.argv.pop(1), sys.argv.pop(1), cublade.convert.ShardWriter.add
 def holding_add(self, name, t):
     add(self, name, t)
     if self.left[0] == 0 and not getattr(self, "held", False):
         self.held = True
-        while not os.path.exists(release):
+        open(held, "w").close()
+        deadline = time.time() + 120
+        while not os.path.exists(release) and time.time() < deadline:
             time.sleep(0.02)
 cublade.convert.ShardWriter.add = holding_add
 runpy.run_module("cublade.cli", run_name="__main__")
 """
 
 
-def _popen_convert(src, out, release: Path):
+def _popen_convert(src, out, held: Path, release: Path):
+    """`cublade convert src out` in a child that, once its first output shard is complete, creates `held` and
+    waits (at most 120 s) for `release` to exist before converting the rest."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.Popen([sys.executable, "-c", _HOLDING_CONVERT, str(release), "convert", str(src), str(out),
-                             "--scheme", "fp8-dynamic", "--max-shard-size", "1MB"], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-c", _HOLDING_CONVERT, str(held), str(release), "convert", str(src),
+                             str(out), "--scheme", "fp8-dynamic", "--max-shard-size", "1MB"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for(pattern_dir: Path, pattern: str, p) -> None:
+def _wait_for(path: Path, p) -> None:
     deadline = time.time() + 120
-    while time.time() < deadline and not list(pattern_dir.glob(pattern)):
+    while time.time() < deadline and not path.exists():
         assert p.poll() is None, p.communicate()
         time.sleep(0.02)
+    assert path.exists(), "the conversion did not reach its first shard's end in 120 s"
+
+
+def _communicate(p, timeout: float = 60) -> str:
+    try:
+        return p.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError(f"the conversion was still running {timeout:.0f} s later; stderr: {p.communicate()[1]}")
 
 
 def test_ctrl_c_is_one_line_and_removes_the_temporary_directory(tmp_path):
     # Interrupted while it holds after its first output shard, the rest of the source still to convert.
     src = synthetic_llama(tmp_path / "src", n_shards=4, layers_per_shard=3, hidden=512)
     out = tmp_path / "out"
-    p = _popen_convert(src, out, tmp_path / "never")
-    _wait_for(tmp_path, ".out.cublade-tmp-*/part-00001.safetensors", p)
+    held = tmp_path / "held"
+    p = _popen_convert(src, out, held, tmp_path / "never")
+    _wait_for(held, p)
     p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=60)
+    err = _communicate(p)
     assert p.returncode == 130, err
     assert err.strip().splitlines() == ["cublade convert: interrupted; the temporary output was removed and OUT is "
                                         "unchanged"]
@@ -420,13 +437,14 @@ def test_a_second_conversion_to_the_same_out_fails_at_once(capsys, src, tmp_path
 def test_two_processes_one_wins(capsys, tmp_path):
     # The first conversion holds after its first shard while the second starts, then finishes.
     src = synthetic_llama(tmp_path / "src", n_shards=4, layers_per_shard=3, hidden=512)
-    out, release = tmp_path / "out", tmp_path / "release"
-    first = _popen_convert(src, out, release)
-    _wait_for(tmp_path, ".out.cublade-tmp-*/part-00001.safetensors", first)
+    out, held, release = tmp_path / "out", tmp_path / "held", tmp_path / "release"
+    first = _popen_convert(src, out, held, release)
+    _wait_for(held, first)
     line = _one_line(capsys, "convert", src, out, "--scheme", "fp8-dynamic", "--overwrite")
     assert f"another cublade convert (pid {first.pid}) is writing {out}" in line
     release.touch()
-    assert first.wait(timeout=300) == 0, first.communicate()
+    err = _communicate(first, timeout=300)
+    assert first.returncode == 0, err
     assert (out / INDEX_NAME).is_file()
 
 
