@@ -7,6 +7,8 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
     bf16                  the source checkpoint, unquantized
     vllm-fp8              the source with vLLM's online `--quantization fp8_per_channel` (per-channel weights,
                           dynamic per-token activations: the scheme of cublade's fp8-dynamic)
+    vllm-fp8-quant-op     the same with vLLM's quantization as its CUDA op (`-cc.custom_ops+=+quant_fp8`), which turns
+                          on vLLM's RMSNorm + quant fusion pass (its fused CUDA kernel instead of Inductor's)
     cublade-fp8           `cublade convert SRC OUT --scheme fp8-dynamic`
     cublade-fp8-fuse      the same with CUBLADE_FP8_FUSE=1 (under torch.compile the activation quantization in torch
                           ops, for Inductor to fuse with RMSNorm / SiLU-and-mul)
@@ -106,12 +108,17 @@ LLAMA3_8B = {
 CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization, extra environment, attention backend)
     "bf16": ("src", None, {}, None),
     "vllm-fp8": ("src", "fp8_per_channel", {}, None),
+    "vllm-fp8-quant-op": ("src", "fp8_per_channel", {"BENCH_E2E_CUSTOM_OPS": "+quant_fp8"}, None),
     "cublade-fp8": ("cublade-fp8-dynamic", None, {}, None),
+    "cublade-fp8-quant-op": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_QUANT_VLLM": "1",
+                                                           "BENCH_E2E_CUSTOM_OPS": "+quant_fp8"}, None),
     "cublade-fp8-fuse": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_FUSE": "1"}, None),
     "cublade-fp8-gemm": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1"}, None),
     "cublade-fp8-gemm-bf16": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1", "CUBLADE_FP8_GEMM_VALUES": "bf16"},
                               None),
     "cublade-fp8-lm-head": ("cublade-fp8-dynamic-lm-head", None, {}, None),
+    "cublade-fp8-lm-head-quant-op": ("cublade-fp8-dynamic-lm-head", None, {"CUBLADE_FP8_QUANT_VLLM": "1",
+                                                                           "BENCH_E2E_CUSTOM_OPS": "+quant_fp8"}, None),
     "vllm-fp8-static": ("ct-fp8-static", None, {}, None),
     "cublade-fp8-static": ("ct-fp8-static", "cublade", {}, None),
     "cublade-fp8-gemm-lm-head": ("cublade-fp8-dynamic-lm-head", None, {"CUBLADE_FP8_GEMM": "1"}, None),
@@ -327,6 +334,9 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
     and each batch size's kernel times per step (kernel_profile; prefill: of the prompts' forward) instead of timed
     pairs."""
     extra = {"attention_backend": attention_backend} if attention_backend else {}
+    compilation = {"cudagraph_capture_sizes": sorted(set(batches))}
+    if os.environ.get("BENCH_E2E_CUSTOM_OPS"):  # a configuration's vLLM custom ops, e.g. +quant_fp8
+        compilation["custom_ops"] = os.environ["BENCH_E2E_CUSTOM_OPS"].split(",")
     trace_dir = None
     if profile and tensor_parallel_size > 1:  # the ranks are worker processes: vLLM's worker profiler traces each
         trace_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-traces-"))
@@ -342,7 +352,7 @@ def measure(model: str, quantization: str | None, batches: list[int], prompt: in
     llm = LLM(model=model, quantization=quantization, skip_tokenizer_init=True, max_model_len=prompt + steps + 8,
               max_num_seqs=max(batches), gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False,
               seed=0, tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=expert_parallel,
-              compilation_config={"cudagraph_capture_sizes": sorted(set(batches))}, **extra)
+              compilation_config=compilation, **extra)
     startup = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -615,7 +625,9 @@ def report(results: dict, batches: list[int]) -> None:
     if noisy:
         print(f"\nreps spread over {NOISY:.0%} of their median (more --reps to settle): " + ", ".join(noisy))
     pairs = [("cublade-fp4-moe", "vllm-marlin-moe"), ("cublade-fp8", "vllm-fp8"), ("cublade-fp8-fuse", "vllm-fp8"),
-             ("cublade-fp8-fuse", "cublade-fp8"),
+             ("cublade-fp8-fuse", "cublade-fp8"), ("vllm-fp8-quant-op", "vllm-fp8"),
+             ("cublade-fp8-quant-op", "vllm-fp8"), ("cublade-fp8-quant-op", "cublade-fp8"),
+             ("cublade-fp8-lm-head-quant-op", "cublade-fp8-lm-head"),
              ("cublade-fp8-gemm", "cublade-fp8"), ("cublade-fp8-gemm", "vllm-fp8"),
              ("cublade-w4a16-fp8", "cublade-w4a16"), ("cublade-w4a16", "vllm-w4a16-humming"),
              ("cublade-w4a16-machete", "vllm-w4a16"), ("cublade-w4a16-machete", "cublade-w4a16"),
