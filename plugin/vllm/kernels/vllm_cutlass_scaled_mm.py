@@ -93,7 +93,7 @@ class VllmCutlassScaledMM(LinearKernel):
     def __init__(self, layer):
         super().__init__(layer)
         who, _ = input_quant_choice(self.scheme, layer.weight.device)
-        if who == "vllm" or (who == "cublade" and env_switch("CUBLADE_FP8_QUANT_VLLM")):
+        if who == "vllm":
             self.quant_input = _vllm_input_quant(self.scheme)
         else:  # cublade's op where it runs, else (CPU) its reference
             self.quant_input = _fp8_input_quant(
