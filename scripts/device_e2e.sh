@@ -6,7 +6,8 @@
 #   serve2   compiled vs eager, FP8 KV with cublade's cache write, compressed-tensors interop
 #   ppl      cublade ppl --backend vllm vs the reference backend; the MoE fixture served and scored
 #   tuning   the stand-alone sweeps of benchmarks/tuning (no vLLM needed): quant kernels, W4A16 small-M GEMV,
-#            W4A16 occupancy (tiles per warp x splits x ring stages), W4A16 pipeline (copies alone vs a plain read)
+#            W4A16 occupancy (tiles per warp x splits x ring stages), W4A16 pipeline (copies alone vs a plain read),
+#            RMSNorm + FP8 quantization as two kernels or one (norm_quant)
 #   tp SEL ...  tests/gpu/test_tensor_parallel_8b_shaped.py -k SEL on the machine's GPUs (2 or 4), at most TP_TIMEOUT
 #            seconds (default 570; 30-40 s an engine: e.g. "tp2 and (bf16 or w4a16-g128)", "x2"); with several
 #            selections, side by side on an equal share of the GPUs each (on four: `tp "tp2 and A" "tp2 and B"` runs
@@ -45,7 +46,7 @@ case "${1:?phase: kernels | serve | serve2 | ppl | tuning | tp | model | serve-b
   serve2)  pytest_run serve2 560 tests/gpu/test_serve.py -k "compiled or kv_cache or compressed" ;;
   ppl)     pytest_run ppl 330 tests/gpu/test_serve.py -k "ppl"
            pytest_run moe 230 tests/moe/test_moe_gpu.py ;;
-  tuning)  for h in quant_sweep w4a16_gemv_sweep w4a16_occupancy w4a16_pipeline; do
+  tuning)  for h in quant_sweep w4a16_gemv_sweep w4a16_occupancy w4a16_pipeline norm_quant; do
              nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc "benchmarks/tuning/$h.cu" \
                -o "/tmp/$h" > "$OUT/$h.build.log" 2>&1 || { echo "$h: build FAILED"; continue; }
              timeout 240 "/tmp/$h" > "$OUT/$h.txt" 2>&1

@@ -66,6 +66,31 @@ inline double time_us(const std::function<cudaError_t()>& f, const std::function
   return median(ms) * 1e3;
 }
 
+// Median microseconds of one replay of the graph that body() captures on stream s (3 replays first).
+inline double graph_us(cudaStream_t s, int reps, const std::function<void()>& body) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  body();
+  CK(cudaStreamEndCapture(s, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  std::vector<cudaEvent_t> e(reps + 1);
+  for (auto& ev : e) CK(cudaEventCreate(&ev));
+  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, s));
+  CK(cudaEventRecord(e[0], s));
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaGraphLaunch(ge, s));
+    CK(cudaEventRecord(e[i + 1], s));
+  }
+  CK(cudaStreamSynchronize(s));
+  std::vector<float> ms(reps);
+  for (int i = 0; i < reps; ++i) CK(cudaEventElapsedTime(&ms[i], e[i], e[i + 1]));
+  for (auto& ev : e) CK(cudaEventDestroy(ev));
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  return median(ms) * 1e3;
+}
+
 // A sweep's launches per configuration: argv[1] if given (at least 20), else 50.
 inline int reps_arg(int argc, char** argv) { return argc > 1 ? std::max(20, std::atoi(argv[1])) : 50; }
 

@@ -190,31 +190,6 @@ struct Matrix {
   const unsigned char* blob(int layer) const { return blobs + bytes * layer; }
 };
 
-// Median microseconds of one replay of the graph that body() captures on stream s (3 replays first).
-double graph_us(cudaStream_t s, int reps, const std::function<void()>& body) {
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  body();
-  CK(cudaStreamEndCapture(s, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  std::vector<cudaEvent_t> e(reps + 1);
-  for (auto& ev : e) CK(cudaEventCreate(&ev));
-  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, s));
-  CK(cudaEventRecord(e[0], s));
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(e[i + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  std::vector<float> ms(reps);
-  for (int i = 0; i < reps; ++i) CK(cudaEventElapsedTime(&ms[i], e[i], e[i + 1]));
-  for (auto& ev : e) CK(cudaEventDestroy(ev));
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
-  return harness::median(ms) * 1e3;
-}
-
 // CTAs of the streaming kernel (NT token tiles, TPW tiles per warp, KSL K slices) that one SM holds.
 template <int NT, int TPW, int KSL>
 int ctas_per_sm(int xrows, int stages) {
@@ -382,7 +357,7 @@ int main(int argc, char** argv) {
           (void)cudaGetLastError();
           continue;
         }
-        const double us = graph_us(st, reps, [&] {
+        const double us = harness::graph_us(st, reps, [&] {
           for (int l = 0; l < layers; ++l) {
             write_x<<<64, 256, 0, st>>>(x, M * m.K, l);
             CK(cudaGetLastError());
@@ -414,7 +389,7 @@ int main(int argc, char** argv) {
         CK(cudaMalloc(&d_st, n * sizeof(unsigned long long)));
         CK(cudaMemset(d_st, 0, n * sizeof(unsigned long long)));
         CK(cudaMemcpyToSymbol(cublade::lowbit::g_stream_stamps, &d_st, sizeof(d_st)));
-        graph_us(st, 3, [&] {
+        harness::graph_us(st, 3, [&] {
           for (int l = 0; l < layers; ++l) {
             write_x<<<64, 256, 0, st>>>(x, M * m.K, l);
             CK(cudaGetLastError());
@@ -434,7 +409,7 @@ int main(int argc, char** argv) {
 #endif
     }
     // A whole layer: the four matrices in a row, each after its x kernel.
-    const double us = graph_us(st, reps, [&] {
+    const double us = harness::graph_us(st, reps, [&] {
       for (int l = 0; l < layers; ++l)
         for (const Matrix& m : mats) {
           write_x<<<64, 256, 0, st>>>(x, M * m.K, l);
