@@ -9,7 +9,8 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
                           dynamic per-token activations: the scheme of cublade's fp8-dynamic)
     vllm-fp8-quant-op     the same with vLLM's quantization as its CUDA op (`-cc.custom_ops+=+quant_fp8`), which turns
                           on vLLM's RMSNorm + quant fusion pass (its fused CUDA kernel instead of Inductor's)
-    cublade-fp8           `cublade convert SRC OUT --scheme fp8-dynamic`
+    cublade-fp8           `cublade convert SRC OUT --scheme fp8-dynamic` (RMSNorm + quantization fused by cublade's pass)
+    cublade-fp8-unfused   the same with CUBLADE_FUSE_NORM_QUANT=0 (Inductor's norm, then cublade's quantization)
     cublade-fp8-fuse      the same with CUBLADE_FP8_FUSE=1 (under torch.compile the activation quantization in torch
                           ops, for Inductor to fuse with RMSNorm / SiLU-and-mul)
     cublade-fp8-gemm      the same with CUBLADE_FP8_GEMM=1 (cublade's FP8 decode GEMM up to 16 tokens, CUTLASS above)
@@ -41,6 +42,7 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
                           every layer (no calibration: a step's time does not depend on the scales' values), served
                           by vLLM's own compressed-tensors method (its static FP8 quantization, fusions, CUTLASS)
     cublade-fp8-static    the same checkpoint with --quantization cublade (cublade's static fp8 layers)
+    cublade-fp8-lm-head-unfused, cublade-fp8-static-unfused  those with CUBLADE_FUSE_NORM_QUANT=0
     cublade-fp8-kv-vllm   cublade-fp8 with an FP8 KV cache (k_scale = v_scale = KV_SCALE in every layer: the
                           step's time does not depend on them), K rounded to nearest, vLLM's FlashAttention and
                           its own cache write
@@ -110,6 +112,7 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "vllm-fp8": ("src", "fp8_per_channel", {}, None),
     "vllm-fp8-quant-op": ("src", "fp8_per_channel", {"BENCH_E2E_CUSTOM_OPS": "+quant_fp8"}, None),
     "cublade-fp8": ("cublade-fp8-dynamic", None, {}, None),
+    "cublade-fp8-unfused": ("cublade-fp8-dynamic", None, {"CUBLADE_FUSE_NORM_QUANT": "0"}, None),
     "cublade-fp8-fuse": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_FUSE": "1"}, None),
     "cublade-fp8-gemm": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1"}, None),
     "cublade-fp8-gemm-bf16": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1", "CUBLADE_FP8_GEMM_VALUES": "bf16"},
@@ -117,6 +120,8 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-fp8-lm-head": ("cublade-fp8-dynamic-lm-head", None, {}, None),
     "vllm-fp8-static": ("ct-fp8-static", None, {}, None),
     "cublade-fp8-static": ("ct-fp8-static", "cublade", {}, None),
+    "cublade-fp8-lm-head-unfused": ("cublade-fp8-dynamic-lm-head", None, {"CUBLADE_FUSE_NORM_QUANT": "0"}, None),
+    "cublade-fp8-static-unfused": ("ct-fp8-static", "cublade", {"CUBLADE_FUSE_NORM_QUANT": "0"}, None),
     "cublade-fp8-gemm-lm-head": ("cublade-fp8-dynamic-lm-head", None, {"CUBLADE_FP8_GEMM": "1"}, None),
     "vllm-mxfp8": ("src", "mxfp8", {}, None),
     "vllm-mxfp8-humming": ("src", "mxfp8", {"VLLM_DISABLED_KERNELS": ",".join(
@@ -590,7 +595,7 @@ def cmd_run(args) -> None:
             continue
         # the kernel choices the engine logged (the load-time timings whole: their figures are the point)
         choices = {line.split("] ", 1)[-1].strip() for line in log.read_text(errors="replace").splitlines()
-                   if re.search(r"Using \w+Kernel|cublade: .* run on |KV-cache write runs", line)}
+                   if re.search(r"Using \w+Kernel|cublade: .* run on |cublade: RMSNorm|KV-cache write runs", line)}
         kernels = sorted({t if "measured at load" in t else t[:200] for t in choices})
         for k in kernels:
             print(f"  log: {k}")
@@ -620,7 +625,9 @@ def report(results: dict, batches: list[int]) -> None:
              for name, res in results.items() for r in res["rows"] if r["spread_ms"] > NOISY * r["step_ms"]]
     if noisy:
         print(f"\nreps spread over {NOISY:.0%} of their median (more --reps to settle): " + ", ".join(noisy))
-    pairs = [("cublade-fp4-moe", "vllm-marlin-moe"), ("cublade-fp8", "vllm-fp8"), ("cublade-fp8-fuse", "vllm-fp8"),
+    pairs = [("cublade-fp4-moe", "vllm-marlin-moe"), ("cublade-fp8", "vllm-fp8"), ("cublade-fp8", "cublade-fp8-unfused"),
+             ("cublade-fp8-unfused", "vllm-fp8"), ("cublade-fp8-lm-head", "cublade-fp8-lm-head-unfused"),
+             ("cublade-fp8-static", "cublade-fp8-static-unfused"), ("cublade-fp8-fuse", "vllm-fp8"),
              ("cublade-fp8-fuse", "cublade-fp8"), ("vllm-fp8-quant-op", "vllm-fp8"),
              ("cublade-fp8", "vllm-fp8-quant-op"),
              ("cublade-fp8-gemm", "cublade-fp8"), ("cublade-fp8-gemm", "vllm-fp8"),

@@ -1,9 +1,9 @@
 // A decode step's RMSNorm (or SiLU-and-mul) and the per-token FP8 quantization after it, as a CUDA graph runs them:
 // a residual add + RMSNorm kernel (a SiLU-and-mul kernel) followed by cublade's fp8_quant_per_token, two kernels as
-// cublade's fp8 layers run beside Inductor's today, against one kernel that does both. It tells how much a fused
-// kernel could save a site before one is built into a compile pass: at one token Inductor's norm and cublade's
-// quantization take 2.0-2.8 + 1.6 us a site in the 8B-shaped step's profile, vLLM's fused kernel 4.0 us
-// (docs/decisions.md, "vLLM's RMSNorm + quantization fusion through its own quant op").
+// cublade's fp8 layers run without their compile pass, against one kernel that does both: for the norm sites
+// cublade's rms_norm_fp8_quant (plugin/csrc/rms_norm_fp8_quant.cu), for SiLU-and-mul a one-CTA-a-row prototype. At
+// one token Inductor's norm and cublade's quantization take 2.0-2.8 + 1.6 us a site in the 8B-shaped step's profile,
+// vLLM's fused kernel 4.0 us (docs/decisions.md, "vLLM's RMSNorm + quantization fusion through its own quant op").
 //
 // Each row: 32 sites in one graph (norm sites chained through the residual: each reads the residual the one before
 // wrote), us per site, the median of the replays. The fused kernel's E4M3 bytes and scales are checked against the
@@ -15,6 +15,7 @@
 //   /tmp/norm_quant [reps] [M list, default 1,4,16,64,256] [norm K list, default 4096,8192]
 //                   [silu_mul K list, default 14336; at most 16384]
 #include "fp8_quant_per_token.cu"
+#include "rms_norm_fp8_quant.cu"
 #include "harness.cuh"
 
 #include <cstring>
@@ -29,33 +30,11 @@ constexpr int kThreads = 256;
 constexpr int kLayers = 32;
 constexpr float kEps = 1e-5f;
 
-__device__ __forceinline__ float block_sum(float v, float* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float s = 0.f;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) s += red[w];  // every thread the same order: one value for the row
-  __syncthreads();
-  return s;
-}
-
-__device__ __forceinline__ float block_max(float v, float* red) {
-  v = warp_max_nan(v);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float m = red[0];
-#pragma unroll
-  for (int w = 1; w < kThreads / 32; ++w) m = max_nan(m, red[w]);
-  return m;
-}
-
 // The row's bf16 values yv (their packed abs-max in acc) quantized per token with cublade's rule: scale, E4M3 bytes.
 template <int VPT>
 __device__ __forceinline__ void quant_row(const uint4 (&yv)[VPT], uint32_t acc, int nvec, int64_t offset, float* red,
                                           uint8_t* __restrict__ q, float* __restrict__ scale) {
-  const float s = fp8_dynamic_scale(block_max(absmax_finish<InDtype::kBF16>(acc), red));
+  const float s = fp8_dynamic_scale(block_max<kThreads>(absmax_finish<InDtype::kBF16>(acc), red));
   if (threadIdx.x == 0) *scale = s;
   const bool fast = div_fast_ok(s);
   const float yr = __frcp_rn(s);
@@ -68,13 +47,13 @@ __device__ __forceinline__ void quant_row(const uint4 (&yv)[VPT], uint32_t acc, 
   }
 }
 
-// One row per CTA: h = bf16(x + residual) (written back as the residual), y = bf16(bf16(h * rsqrt(mean(h^2) + eps))
-// * w), vLLM's native RMSNorm with a residual. kQuant: y quantized per token (cublade's rule) instead of written.
-template <int VPT, bool kQuant>
+// One row per CTA: h = x + residual in fp32 (its bf16 rounding written back as the residual), y = bf16(bf16(h *
+// rsqrt(mean(h^2) + eps)) * w), vLLM's native fused_add_rms_norm, in the order of cublade's fused kernel
+// (rms_norm_fp8_quant.cu), whose bytes the check then expects.
+template <int VPT>
 __global__ void __launch_bounds__(kThreads)
 add_rms_norm_kernel(const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ residual,
-                    const __nv_bfloat16* __restrict__ w, int nvec, __nv_bfloat16* __restrict__ y,
-                    uint8_t* __restrict__ q, float* __restrict__ scale) {
+                    const __nv_bfloat16* __restrict__ w, int nvec, __nv_bfloat16* __restrict__ y) {
   __shared__ float red[kThreads / 32];
   const int64_t row = blockIdx.x;
   const int64_t K = static_cast<int64_t>(nvec) * 8;
@@ -84,38 +63,35 @@ add_rms_norm_kernel(const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restri
   for (int i = 0; i < VPT; ++i) {
     const int idx = threadIdx.x + i * kThreads;
     if (idx >= nvec) continue;
-    const uint4 a = ld_nc_v4(x + row * K + idx * 8);
-    const uint4 r = *reinterpret_cast<const uint4*>(residual + row * K + idx * 8);
-    const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
-    const __nv_bfloat162* r2 = reinterpret_cast<const __nv_bfloat162*>(&r);
+    float r[8];
+    vec_to_float<InDtype::kBF16>(ld_nc_v4(x + row * K + idx * 8), h[i]);
+    vec_to_float<InDtype::kBF16>(*reinterpret_cast<const uint4*>(residual + row * K + idx * 8), r);
     uint4 o;
     __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      o2[j] = __hadd2(a2[j], r2[j]);
-      const float2 f = __bfloat1622float2(o2[j]);
-      h[i][2 * j] = f.x, h[i][2 * j + 1] = f.y;
-      ss = fmaf(f.x, f.x, ss), ss = fmaf(f.y, f.y, ss);
-    }
+    for (int j = 0; j < 8; ++j) h[i][j] = __fadd_rn(h[i][j], r[j]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o2[j] = __floats2bfloat162_rn(h[i][2 * j], h[i][2 * j + 1]);
     *reinterpret_cast<uint4*>(residual + row * K + idx * 8) = o;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ss = __fadd_rn(ss, __fmul_rn(h[i][j], h[i][j]));
   }
-  const float inv = rsqrtf(block_sum(ss, red) / static_cast<float>(K) + kEps);
-  uint4 yv[VPT];
-  uint32_t acc = 0;
+  const float inv = rsqrtf(__fadd_rn(__fdiv_rn(block_sum<kThreads>(ss, red), static_cast<float>(K)), kEps));
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int idx = threadIdx.x + i * kThreads;
     if (idx >= nvec) continue;
-    const uint4 wv = ld_nc_v4(w + idx * 8);
-    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
-    __nv_bfloat162* y2 = reinterpret_cast<__nv_bfloat162*>(&yv[i]);
+    float wf[8];
+    vec_to_float<InDtype::kBF16>(ld_nc_v4(w + idx * 8), wf);
+    uint4 yv;
+    __nv_bfloat162* y2 = reinterpret_cast<__nv_bfloat162*>(&yv);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      y2[j] = __hmul2(__floats2bfloat162_rn(h[i][2 * j] * inv, h[i][2 * j + 1] * inv), w2[j]);
-    if constexpr (kQuant) acc = absmax_vec<InDtype::kBF16>(acc, yv[i]);
-    else *reinterpret_cast<uint4*>(y + row * K + idx * 8) = yv[i];
+      y2[j] = __floats2bfloat162_rn(
+          __fmul_rn(__bfloat162float(__float2bfloat16_rn(__fmul_rn(h[i][2 * j], inv))), wf[2 * j]),
+          __fmul_rn(__bfloat162float(__float2bfloat16_rn(__fmul_rn(h[i][2 * j + 1], inv))), wf[2 * j + 1]));
+    *reinterpret_cast<uint4*>(y + row * K + idx * 8) = yv;
   }
-  if constexpr (kQuant) quant_row<VPT>(yv, acc, nvec, row * K, red, q, scale + row);
 }
 
 // Runs f(std::integral_constant<int, VPT>) for a row of nvec 16-byte vectors: 2, 4 or 8 of them a thread.
@@ -128,12 +104,20 @@ cudaError_t by_vpt(int nvec, F&& f) {
   return cudaGetLastError();
 }
 
-template <bool kQuant>
 cudaError_t launch_norm(const __nv_bfloat16* x, __nv_bfloat16* residual, const __nv_bfloat16* w, int M, int K,
-                        __nv_bfloat16* y, uint8_t* q, float* scale, cudaStream_t s) {
+                        __nv_bfloat16* y, cudaStream_t s) {
   return by_vpt(K / 8, [&](auto vpt) {
-    add_rms_norm_kernel<decltype(vpt)::value, kQuant><<<M, kThreads, 0, s>>>(x, residual, w, K / 8, y, q, scale);
+    add_rms_norm_kernel<decltype(vpt)::value><<<M, kThreads, 0, s>>>(x, residual, w, K / 8, y);
   });
+}
+
+// cublade's fused kernel: the residual updated in place (x + residual -> residual), as the chain above does.
+cudaError_t launch_fused_norm(const __nv_bfloat16* x, __nv_bfloat16* residual, const __nv_bfloat16* w, int M, int K,
+                              uint8_t* q, float* scale, cudaStream_t s) {
+  RmsNormFp8QuantArgs a;
+  a.x = x, a.residual = residual, a.residual_out = residual, a.weight = w, a.dtype = InDtype::kBF16;
+  a.M = M, a.K = K, a.x_row_stride = K, a.eps = kEps, a.q = q, a.scale = scale;
+  return launch_rms_norm_fp8_quant(a, s);
 }
 
 // One row per CTA of x [M, 2K]: y = bf16(silu(a) * b) for a = x[:, :K], b = x[:, K:] (fp32 math), vLLM's SiLU-and-mul.
@@ -211,12 +195,12 @@ int main(int argc, char** argv) {
         qa.x = y, qa.M = M, qa.K = K, qa.row_stride = K, qa.col_stride = 1, qa.q = q1, qa.scale = s1;
         auto two = [&] {
           if (silu) CK(launch_silu_mul<false>(x, M, K, y, nullptr, nullptr, st));
-          else CK(launch_norm<false>(x, res, w, M, K, y, nullptr, nullptr, st));
+          else CK(launch_norm(x, res, w, M, K, y, st));
           CK(launch_fp8_quant_per_token(qa, st));
         };
         auto fused = [&] {
           if (silu) CK(launch_silu_mul<true>(x, M, K, nullptr, q2, s2, st));
-          else CK(launch_norm<true>(x, res, w, M, K, nullptr, q2, s2, st));
+          else CK(launch_fused_norm(x, res, w, M, K, q2, s2, st));
         };
         // the check: one site each, from the same residual
         std::vector<uint8_t> b1(n), b2(n);

@@ -12,6 +12,12 @@ TORCH_LIBRARY(cublade, m) {
   m.def("fp8_quant_per_token_f16(Tensor x) -> (Tensor, Tensor)");
   // Per-tensor FP8, dynamic (scale=None) or static: x -> (e4m3 of x's shape, fp32 scale [1]).
   m.def("fp8_quant_per_tensor(Tensor x, Tensor? scale=None) -> (Tensor, Tensor)");
+  // RMSNorm (vLLM's native rms_norm / fused_add_rms_norm) and FP8 quantization in one kernel: x [..., K] (bf16 /
+  // fp16) -> (e4m3 [..., K], fp32 scale [..., 1] per token, or with a static scale its value [1]); the fused-add
+  // form also returns the new residual (x + residual in x's dtype). The fusions of plugin/vllm/fusion.py.
+  m.def("rms_norm_fp8_quant(Tensor x, Tensor weight, float eps, Tensor? scale=None) -> (Tensor, Tensor)");
+  m.def("fused_add_rms_norm_fp8_quant(Tensor x, Tensor residual, Tensor weight, float eps, Tensor? scale=None) "
+        "-> (Tensor, Tensor, Tensor)");
   // Dynamic FP8 per 1 x 128 group: x [M, K] -> (e4m3 [M, K], fp32 scale [M, K/128] column-major).
   m.def("fp8_quant_per_group(Tensor x) -> (Tensor, Tensor)");
   // MXFP8: x [..., K] -> (e4m3 [..., K], uint8 E8M0 [..., K/32]); rceil picks the scale rule.

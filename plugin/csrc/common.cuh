@@ -193,6 +193,33 @@ __device__ __forceinline__ float warp_max_nan(float v) {
   return v;
 }
 
+// Sum / NaN-propagating max of one value per thread over a CTA of kThreads threads: every thread gets the same
+// value (warp shuffles, then the warps' partials added in one fixed order). red: kThreads / 32 floats of shared
+// memory, free again when these return.
+template <int kThreads>
+__device__ __forceinline__ float block_sum(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float s = red[0];
+#pragma unroll
+  for (int w = 1; w < kThreads / 32; ++w) s += red[w];
+  __syncthreads();
+  return s;
+}
+template <int kThreads>
+__device__ __forceinline__ float block_max(float v, float* red) {
+  v = warp_max_nan(v);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float m = red[0];
+#pragma unroll
+  for (int w = 1; w < kThreads / 32; ++w) m = max_nan(m, red[w]);
+  __syncthreads();
+  return m;
+}
+
 // Dynamic FP8 scale from an fp32 abs-max: amax / 448 (IEEE division), floored at 1/(448*512), NaN kept.
 __device__ __forceinline__ float fp8_dynamic_scale(float amax) {
   return max_nan(__fdiv_rn(amax, kF8E4M3Max), kFp8MinScale);

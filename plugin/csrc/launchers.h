@@ -159,4 +159,24 @@ struct SiluMulArgs {
 };
 cudaError_t launch_silu_mul(const SiluMulArgs& a, cudaStream_t stream);
 
+// rms_norm_fp8_quant.cu. x: [M, K] bf16 / fp16, rows x_row_stride elements apart (a multiple of 8, 16-byte aligned),
+// unit column stride; K % 8 == 0, K <= kRmsNormFp8QuantMaxK; weight [K] and, where given, residual / residual_out
+// contiguous [M, K] of x's dtype (residual == nullptr: no add). q: contiguous [M, K] E4M3 bytes; static_scale:
+// one fp32 (nullptr: dynamic per token); scale: [M] fp32 (dynamic) or [1] (static: receives static_scale's value).
+constexpr int64_t kRmsNormFp8QuantMaxK = 16384;
+struct RmsNormFp8QuantArgs {
+  const void* x = nullptr;
+  const void* residual = nullptr;
+  void* residual_out = nullptr;
+  const void* weight = nullptr;
+  InDtype dtype = InDtype::kBF16;
+  int64_t M = 0, K = 0;
+  int64_t x_row_stride = 0;
+  float eps = 0.f;
+  const float* static_scale = nullptr;
+  uint8_t* q = nullptr;
+  float* scale = nullptr;
+};
+cudaError_t launch_rms_norm_fp8_quant(const RmsNormFp8QuantArgs& a, cudaStream_t stream);
+
 }  // namespace cublade

@@ -105,6 +105,10 @@ class CubladeLinearMethod(LinearMethodBase):
         check_partition(self.scheme, self.prefix, output_partition_sizes, K, input_size, output_size,
                         getattr(layer, "tp_size", 1), self.ct)
         layer.cublade_scheme = self.scheme
+        if isinstance(self.scheme, Fp8Scheme):
+            from cublade.vllm import fusion
+
+            fusion.install()  # the RMSNorm + quantization fusion, before vLLM's compile backend copies its config
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition, layer.output_size_per_partition = K, N
         layer.params_dtype = params_dtype

@@ -114,7 +114,7 @@ class VllmCutlassScaledMM(LinearKernel):
     def apply(self, layer, x, bias):
         from vllm import _custom_ops as ops
 
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a norm's output goes to the quantization as it is
         xq, xs = self.quantize(x2, getattr(layer, "input_scale", None))
         # CUTLASS takes B column-major: the [N, K] row-major weight transposed is exactly that (no copy).
         y = ops.cutlass_scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale,
