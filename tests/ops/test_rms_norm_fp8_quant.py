@@ -125,7 +125,7 @@ def test_kernel_takes_3d_and_strided_rows():
 @gpu
 @pytest.mark.parametrize("bad, message", [
     (lambda x, w: (x[:, :12], w[:12]), "multiple of 8"),
-    (lambda x, w: (x, w.half()), "weight must be bfloat16"),
+    (lambda x, w: (x, w.half()), "weight must be BFloat16"),
     (lambda x, w: (x.float(), w.float()), "bfloat16 or float16"),
     (lambda x, w: (x, w[:8]), "weight must have shape"),
 ])
