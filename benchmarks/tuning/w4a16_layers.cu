@@ -4,10 +4,11 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc -I benchmarks/tuning \
 //        benchmarks/tuning/w4a16_layers.cu -o /tmp/w4a16_layers        (add -DCUBLADE_LAYERS_MXFP8 for MXFP8)
-//   /tmp/w4a16_layers [REPS [SHAPES [ROWS [LAYERS [sweep | phases]]]]]
+//   /tmp/w4a16_layers [REPS [SHAPES [ROWS [LAYERS [sweep | phases | step]]]]]
 //   (SHAPES: K x N pairs, by default Llama-3-8B's qkv, o, gate_up, down; ROWS up to 16, by default 1; LAYERS 32;
 //   sweep: also every K split x ring depth x K slices of the streaming kernel, with the CTAs per SM each gives;
 //   phases, in a build with -DCUBLADE_STREAM_STAMPS: where one op launch's time goes, from its CTAs' stamps;
+//   step: the four shapes as one layer with idle gaps between them, the weights prefetched into L2 in the gaps;
 //   built with -DCUBLADE_STREAM_K, rows for the streaming kernel as stream-K, every CTA the GPU holds sharing the
 //   (tile group, chunk) units, at K slices 1 / 2 and 2-4 stages)
 //
@@ -26,6 +27,7 @@
 #include "null_policy.cuh"
 #endif
 #include "harness.cuh"
+#include "l2_prefetch.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -212,6 +214,112 @@ int ctas_per_sm(int nt, Warps w, int xrows, int stages) {
                                                                          : ctas_per_sm<2, 2, 4>(xrows, stages);
 }
 
+
+// The "step" rows: a decode step's layer as the GEMMs see it, every gap a kernel that leaves HBM idle (a clock spin
+// on one CTA: attn_us before o_proj for attention, gap_us before the others for the norms and the activation), and
+// the weights of the GEMM after a gap prefetched into L2 (l2_prefetch.cuh) on a second stream, forked when the GEMM
+// before the gap ends and joined when the gap's GEMM starts. A prefetch of fraction f brings in the first f of every
+// CTA's part of the weight (each (tile group, K split) walks its own part from its start).
+__global__ void spin_cycles(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+using LaunchFn = std::function<cudaError_t(const Matrix&, int, int)>;
+
+int step_rows(const std::vector<Matrix>& mats, const std::vector<int>& ms, int layers, int reps, int sms,
+              cudaStream_t st, const LaunchFn& op, bf16* x) {
+  if (mats.size() != 4) {
+    std::fprintf(stderr, "step: four shapes (qkv, o, gate_up, down)\n");
+    return 1;
+  }
+  int clock_khz = 0;
+  CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  const double attn_us = 12, gap_us = 3;
+  cudaStream_t side;
+  CK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  std::vector<cudaEvent_t> ev(2 * 4 * layers + 2);
+  for (auto& e : ev) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  const size_t chunk_bytes = size_t(4) * (8 * fmt::kPacketBytes + fmt::kRecordBytes);
+  // f[i]: the fraction of matrix i prefetched in the gap before it; chunk / ctas: the prefetch launch's.
+  struct Plan {
+    std::string name;
+    double f[4];
+    uint32_t chunk = cublade::kL2PrefetchChunk;
+    int ctas = cublade::kL2PrefetchCtas;
+    // how the prefetch runs: 0 on the second stream, joined at its GEMM; 1 on the second stream, joined at the
+    // graph's end only (nothing waits for it); 2 on st itself, right after the GEMM before the gap (its bulk
+    // prefetches outlive the kernel that issues them)
+    int how = 0;
+  };
+  std::vector<Plan> plans = {{"no prefetch", {0, 0, 0, 0}}};
+  for (const uint32_t chunk : {16u << 10})
+    for (const int ctas : {16, 132}) {
+      char n[64];
+      std::snprintf(n, sizeof n, "o whole, chunk %uK x %d CTAs", chunk >> 10, ctas);
+      plans.push_back({n, {0, 1, 0, 0}, chunk, ctas});
+    }
+  const char* names[4] = {"qkv", "o", "gate_up", "down"};
+  for (int i : {0, 2, 3})
+    for (const double f : {0.1, 0.2, 0.5}) {
+      char n[64];
+      std::snprintf(n, sizeof n, "o whole + %s %.2f", names[i], f);
+      Plan pl{n, {0, 1, 0, 0}};
+      pl.f[i] = f;
+      plans.push_back(pl);
+    }
+  for (const int how : {0, 1, 2})
+    for (const double f : {0.0, 0.1, 0.2, 0.35, 0.5}) {
+      char n[64];
+      std::snprintf(n, sizeof n, "%s: o whole + every other %.2f", how == 0 ? "join" : how == 1 ? "no join" : "on st",
+                    f);
+      Plan pl{n, {f, 1, f, f}};
+      pl.how = how;
+      plans.push_back(pl);
+    }
+  std::printf("step rows: per layer x + GEMM for qkv, o, gate_up, down; a %.0f us spin before o (attention), %.0f us "
+              "before the others; us per layer, median of %d replays of %d layers\n", attn_us, gap_us, reps, layers);
+  for (const int M : ms) {
+    double base = 0;
+    for (const Plan& pl : plans) {
+      const double us = harness::graph_us(st, reps, [&] {
+        int e = 0;
+        for (int l = 0; l < layers; ++l)
+          for (int i = 0; i < 4; ++i) {
+            const Matrix& m = mats[i];
+            const bool pre = pl.f[i] > 0;
+            if (pre) {  // fork: the previous GEMM has ended on st
+              cudaStream_t on = pl.how == 2 ? st : side;
+              if (pl.how != 2) {
+                CK(cudaEventRecord(ev[e], st));
+                CK(cudaStreamWaitEvent(side, ev[e], 0));
+              }
+              const int S = fmt::split(m.groups, m.chunks, M, sms);
+              const size_t group_bytes = size_t(m.chunks) * chunk_bytes;
+              const bool even = m.chunks % S == 0;
+              const size_t seg = even ? group_bytes / S : group_bytes;
+              const size_t head = std::min(seg, (size_t(pl.f[i] * double(seg)) + 15) & ~size_t(15));
+              CK(cublade::launch_l2_prefetch(m.blob(l), size_t(m.groups) * (even ? S : 1), seg, head, on,
+                                             pl.chunk, pl.ctas));
+              if (pl.how != 2) CK(cudaEventRecord(ev[e + 1], side));
+            }
+            spin_cycles<<<1, 32, 0, st>>>((long long)((i == 1 ? attn_us : gap_us) * clock_khz * 1e-3));
+            write_x<<<64, 256, 0, st>>>(x, M * m.K, l);
+            CK(cudaGetLastError());
+            if (pre && pl.how == 0) CK(cudaStreamWaitEvent(st, ev[e + 1], 0));  // join
+            if (pre) e += 2;
+            CK(op(m, l, M));
+          }
+        if (pl.how == 1 && e > 0) CK(cudaStreamWaitEvent(st, ev[e - 1], 0));  // the capture's one join
+      }) / layers;
+      if (pl.name == "no prefetch") base = us;
+      std::printf("step %3d %-40s %9.2f us/layer  %.3fx\n", M, pl.name.c_str(), us, base / us);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -225,6 +333,7 @@ int main(int argc, char** argv) {
   const int layers = argc > 4 ? std::max(1, std::atoi(argv[4])) : 32;
   const bool sweep = argc > 5 && std::strcmp(argv[5], "sweep") == 0;
   const bool phases = argc > 5 && std::strcmp(argv[5], "phases") == 0;
+  const bool step = argc > 5 && std::strcmp(argv[5], "step") == 0;
 #ifndef CUBLADE_STREAM_STAMPS
   if (phases) {
     std::fprintf(stderr, "phases: build with -DCUBLADE_STREAM_STAMPS\n");
@@ -285,6 +394,7 @@ int main(int argc, char** argv) {
   const Launch op = [&](const Matrix& m, int l, int M) {
     return fmt::op(x, M, m.K, m.blob(l), m.out, m.N, m.ws, sms, st);
   };
+  if (step) return step_rows(mats, ms, layers, reps, sms, st, op, x);
   struct Variant {
     std::string name;
     Launch f;
