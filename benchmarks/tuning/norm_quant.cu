@@ -1,21 +1,26 @@
 // A decode step's RMSNorm (or SiLU-and-mul) and the per-token FP8 quantization after it, as a CUDA graph runs them:
 // a residual add + RMSNorm kernel (a SiLU-and-mul kernel) followed by cublade's fp8_quant_per_token, two kernels as
-// cublade's fp8 layers run without their compile pass, against one kernel that does both: for the norm sites
-// cublade's rms_norm_fp8_quant (plugin/csrc/rms_norm_fp8_quant.cu), for SiLU-and-mul a one-CTA-a-row prototype. At
-// one token Inductor's norm and cublade's quantization take 2.0-2.8 + 1.6 us a site in the 8B-shaped step's profile,
-// vLLM's fused kernel 4.0 us (docs/decisions.md, "vLLM's RMSNorm + quantization fusion through its own quant op").
+// cublade's fp8 layers run without their compile pass, against the one kernel that does both and the pass puts in
+// their place: cublade's rms_norm_fp8_quant (plugin/csrc/rms_norm_fp8_quant.cu) at the norm sites, cublade's
+// silu_mul_fp8_quant (plugin/csrc/silu_mul_fp8_quant.cu) at the SiLU-and-mul sites. At one token Inductor's norm and
+// cublade's quantization take 2.0-2.8 + 1.6 us a site in the 8B-shaped step's profile, vLLM's fused kernel 4.0 us
+// (docs/decisions.md, "vLLM's RMSNorm + quantization fusion through its own quant op").
 //
 // Each row: 32 sites in one graph (norm sites chained through the residual: each reads the residual the one before
 // wrote), us per site, the median of the replays. The fused kernel's E4M3 bytes and scales are checked against the
 // two kernels' (the same bf16 values, the same quantization rule), and the norm's residuals against each other; a
-// mismatch prints FAIL and the exit status is 1.
+// mismatch prints FAIL and the exit status is 1. The SiLU-and-mul kernel of the two-kernel sites is a pointwise one
+// (8 outputs a thread, a grid over the row), rounding y as the fused kernel does; Inductor's own for vLLM's native
+// SiluAndMul divides with Triton's approximate division and is not this one. A second table times
+// silu_mul_fp8_quant with each split of a row over 1, 2, 4 or 8 CTAs (its launcher's rule picks one of them).
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I plugin/csrc -I benchmarks/tuning \
 //        benchmarks/tuning/norm_quant.cu -o /tmp/norm_quant
 //   /tmp/norm_quant [reps] [M list, default 1,4,16,64,256] [norm K list, default 4096,8192]
-//                   [silu_mul K list, default 14336; at most 16384]
+//                   [silu_mul K list, default 14336; at most 131072]
 #include "fp8_quant_per_token.cu"
 #include "rms_norm_fp8_quant.cu"
+#include "silu_mul_fp8_quant.cu"
 #include "harness.cuh"
 
 #include <cstring>
@@ -29,23 +34,6 @@ namespace norm_quant {
 constexpr int kThreads = 256;
 constexpr int kLayers = 32;
 constexpr float kEps = 1e-5f;
-
-// The row's bf16 values yv (their packed abs-max in acc) quantized per token with cublade's rule: scale, E4M3 bytes.
-template <int VPT>
-__device__ __forceinline__ void quant_row(const uint4 (&yv)[VPT], uint32_t acc, int nvec, int64_t offset, float* red,
-                                          uint8_t* __restrict__ q, float* __restrict__ scale) {
-  const float s = fp8_dynamic_scale(block_max<kThreads>(absmax_finish<InDtype::kBF16>(acc), red));
-  if (threadIdx.x == 0) *scale = s;
-  const bool fast = div_fast_ok(s);
-  const float yr = __frcp_rn(s);
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int idx = threadIdx.x + i * kThreads;
-    if (idx >= nvec) continue;
-    if (fast) quant_store_div<InDtype::kBF16, true, Fp8Values::kCodes>(yv[i], s, yr, q + offset + idx * 8);
-    else quant_store_div<InDtype::kBF16, false, Fp8Values::kCodes>(yv[i], s, 0.f, q + offset + idx * 8);
-  }
-}
 
 // One row per CTA: h = x + residual in fp32 (its bf16 rounding written back as the residual), y = bf16(bf16(h *
 // rsqrt(mean(h^2) + eps)) * w), vLLM's native fused_add_rms_norm, in the order of cublade's fused kernel
@@ -120,42 +108,37 @@ cudaError_t launch_fused_norm(const __nv_bfloat16* x, __nv_bfloat16* residual, c
   return launch_rms_norm_fp8_quant(a, s);
 }
 
-// One row per CTA of x [M, 2K]: y = bf16(silu(a) * b) for a = x[:, :K], b = x[:, K:] (fp32 math), vLLM's SiLU-and-mul.
-// kQuant: y quantized per token instead of written.
-template <int VPT, bool kQuant>
-__global__ void __launch_bounds__(kThreads)
-silu_mul_kernel(const __nv_bfloat16* __restrict__ x, int nvec, __nv_bfloat16* __restrict__ y, uint8_t* __restrict__ q,
-                float* __restrict__ scale) {
-  __shared__ float red[kThreads / 32];
-  const int64_t row = blockIdx.x;
-  const int64_t K = static_cast<int64_t>(nvec) * 8;
-  uint4 yv[VPT];
-  uint32_t acc = 0;
+// y = bf16(g / (1 + exp(-g)) * u) for x [M, 2K] = g | u, the numerics of silu_mul_fp8_quant (one rounding): 8
+// outputs a thread, one 16-byte load of each half, one 16-byte store; grid (M, K / 8 / 128).
+__global__ void __launch_bounds__(128)
+silu_mul_kernel(const __nv_bfloat16* __restrict__ x, int64_t K, __nv_bfloat16* __restrict__ y) {
+  const int64_t row = blockIdx.x, c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * 8;
+  if (c >= K) return;
+  const __nv_bfloat16* g = x + row * 2 * K;
+  float gf[8], uf[8], yf[8];
+  vec_to_float<InDtype::kBF16>(ld_nc_v4(g + c), gf);
+  vec_to_float<InDtype::kBF16>(ld_nc_v4(g + K + c), uf);
 #pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int idx = threadIdx.x + i * kThreads;
-    if (idx >= nvec) continue;
-    const uint4 a = ld_nc_v4(x + row * 2 * K + idx * 8), b = ld_nc_v4(x + row * 2 * K + K + idx * 8);
-    const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
-    const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b);
-    __nv_bfloat162* y2 = reinterpret_cast<__nv_bfloat162*>(&yv[i]);
+  for (int j = 0; j < 8; ++j) yf[j] = __fmul_rn(__fdiv_rn(gf[j], __fadd_rn(1.0f, expf(-gf[j]))), uf[j]);
+  uint4 o;
+  __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 fa = __bfloat1622float2(a2[j]), fb = __bfloat1622float2(b2[j]);
-      y2[j] = __floats2bfloat162_rn(fa.x / (1.f + __expf(-fa.x)) * fb.x, fa.y / (1.f + __expf(-fa.y)) * fb.y);
-    }
-    if constexpr (kQuant) acc = absmax_vec<InDtype::kBF16>(acc, yv[i]);
-    else *reinterpret_cast<uint4*>(y + row * K + idx * 8) = yv[i];
-  }
-  if constexpr (kQuant) quant_row<VPT>(yv, acc, nvec, row * K, red, q, scale + row);
+  for (int j = 0; j < 4; ++j) o2[j] = __floats2bfloat162_rn(yf[2 * j], yf[2 * j + 1]);
+  *reinterpret_cast<uint4*>(y + row * K + c) = o;
 }
 
-template <bool kQuant>
-cudaError_t launch_silu_mul(const __nv_bfloat16* x, int M, int K, __nv_bfloat16* y, uint8_t* q, float* scale,
-                            cudaStream_t s) {
-  return by_vpt(K / 8, [&](auto vpt) {
-    silu_mul_kernel<decltype(vpt)::value, kQuant><<<M, kThreads, 0, s>>>(x, K / 8, y, q, scale);
-  });
+cudaError_t launch_silu_mul(const __nv_bfloat16* x, int M, int K, __nv_bfloat16* y, cudaStream_t s) {
+  silu_mul_kernel<<<dim3(M, static_cast<unsigned>(ceil_div(K / 8, 128))), 128, 0, s>>>(x, K, y);
+  return cudaGetLastError();
+}
+
+// cublade's fused kernel; ctas_per_row 0: its launcher's rule.
+cudaError_t launch_fused_silu(const __nv_bfloat16* x, int M, int K, uint8_t* q, float* scale, int num_sms,
+                              int ctas_per_row, cudaStream_t s) {
+  SiluMulFp8QuantArgs a;
+  a.x = x, a.dtype = InDtype::kBF16, a.M = M, a.K = K, a.x_row_stride = 2 * static_cast<int64_t>(K);
+  a.q = q, a.scale = scale, a.num_sms = num_sms, a.ctas_per_row = ctas_per_row;
+  return launch_silu_mul_fp8_quant(a, s);
 }
 
 }  // namespace norm_quant
@@ -169,6 +152,7 @@ int main(int argc, char** argv) {
   const std::vector<int> silu_Ks = harness::sizes_arg(argc, argv, 4, {14336});
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
+  const int sms = prop.multiProcessorCount;
   std::printf("device: %s, %d SMs; %d sites a graph (norm sites chained through the residual), one graph replay, "
               "median of %d; us per site\n\n| site | M | K | op + quant (2 kernels) | fused | fused / 2 kernels | "
               "check |\n|---|---:|---:|---:|---:|---:|---|\n", prop.name, prop.multiProcessorCount, kLayers, reps);
@@ -194,12 +178,12 @@ int main(int argc, char** argv) {
         Fp8QuantPerTokenArgs qa;
         qa.x = y, qa.M = M, qa.K = K, qa.row_stride = K, qa.col_stride = 1, qa.q = q1, qa.scale = s1;
         auto two = [&] {
-          if (silu) CK(launch_silu_mul<false>(x, M, K, y, nullptr, nullptr, st));
+          if (silu) CK(launch_silu_mul(x, M, K, y, st));
           else CK(launch_norm(x, res, w, M, K, y, st));
           CK(launch_fp8_quant_per_token(qa, st));
         };
         auto fused = [&] {
-          if (silu) CK(launch_silu_mul<true>(x, M, K, nullptr, q2, s2, st));
+          if (silu) CK(launch_fused_silu(x, M, K, q2, s2, sms, 0, st));
           else CK(launch_fused_norm(x, res, w, M, K, q2, s2, st));
         };
         // the check: one site each, from the same residual
@@ -226,6 +210,52 @@ int main(int argc, char** argv) {
         CK(cudaFree(x)); CK(cudaFree(res)); CK(cudaFree(w)); CK(cudaFree(y));
         CK(cudaFree(q1)); CK(cudaFree(q2)); CK(cudaFree(s1)); CK(cudaFree(s2));
       }
+    }
+  }
+
+  // silu_mul_fp8_quant by CTAs a row: each split's bytes and scales against the rule's (the same values whatever the
+  // split), us per site as above; "-" where a CTA's share would not fit its registers.
+  std::printf("\n| silu_mul_fp8_quant | M | K | rule's CTAs a row | 1 | 2 | 4 | 8 | check |\n"
+              "|---|---:|---:|---:|---:|---:|---:|---:|---|\n");
+  for (int K : silu_Ks) {
+    for (int M : Ms) {
+      const size_t n = static_cast<size_t>(M) * K;
+      std::vector<__nv_bfloat16> hx(2 * n);
+      uint32_t seed = 777u + M * 7u + K;
+      auto rnd = [&] { seed = seed * 1664525u + 1013904223u; return (seed >> 8) * (1.0f / 16777216.0f) - 0.5f; };
+      for (auto& v : hx) v = __float2bfloat16(4.0f * rnd());
+      __nv_bfloat16* x;
+      uint8_t* q;
+      float* sc;
+      CK(cudaMalloc(&x, 2 * n * 2)); CK(cudaMalloc(&q, n)); CK(cudaMalloc(&sc, M * 4));
+      CK(cudaMemcpy(x, hx.data(), 2 * n * 2, cudaMemcpyHostToDevice));
+      SiluMulFp8QuantArgs rule;
+      rule.M = M, rule.K = K, rule.num_sms = sms;
+      std::vector<uint8_t> b0(n), b(n);
+      std::vector<float> c0(M), c(M);
+      CK(launch_fused_silu(x, M, K, q, sc, sms, 0, st));
+      CK(cudaMemcpy(b0.data(), q, n, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(c0.data(), sc, M * 4, cudaMemcpyDeviceToHost));
+      bool ok = true;
+      std::printf("| | %d | %d | %d |", M, K, silu_quant::ctas_per_row(rule));
+      for (int C : {1, 2, 4, 8}) {
+        if (ceil_div(K / 8, C) > silu_quant::kMaxVecsPerCta) {
+          std::printf(" - |");
+          continue;
+        }
+        CK(cudaMemset(q, 0, n));
+        CK(launch_fused_silu(x, M, K, q, sc, sms, C, st));
+        CK(cudaMemcpy(b.data(), q, n, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(c.data(), sc, M * 4, cudaMemcpyDeviceToHost));
+        ok = ok && b == b0 && std::memcmp(c.data(), c0.data(), M * 4) == 0;
+        const double t = harness::graph_us(st, reps, [&] {
+          for (int l = 0; l < kLayers; ++l) CK(launch_fused_silu(x, M, K, q, sc, sms, C, st));
+        }) / kLayers;
+        std::printf(" %.2f |", t);
+      }
+      failures += !ok;
+      std::printf(" %s |\n", ok ? "bytes, scales equal" : "FAIL");
+      CK(cudaFree(x)); CK(cudaFree(q)); CK(cudaFree(sc));
     }
   }
   return failures ? 1 : 0;

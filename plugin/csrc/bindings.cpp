@@ -18,6 +18,10 @@ TORCH_LIBRARY(cublade, m) {
   m.def("rms_norm_fp8_quant(Tensor x, Tensor weight, float eps, Tensor? scale=None) -> (Tensor, Tensor)");
   m.def("fused_add_rms_norm_fp8_quant(Tensor x, Tensor residual, Tensor weight, float eps, Tensor? scale=None) "
         "-> (Tensor, Tensor, Tensor)");
+  // SiLU-and-mul and FP8 quantization in one kernel: x [..., 2K] (bf16 / fp16, gate | up) -> (e4m3 of y = silu(gate)
+  // * up [..., K] as the compiled graph rounds it, fp32 scale [..., 1] per token, or with a static scale its value
+  // [1]). The fusion of plugin/vllm/fusion.py in front of a gated MLP's fp8 down projection.
+  m.def("silu_mul_fp8_quant(Tensor x, Tensor? scale=None) -> (Tensor, Tensor)");
   // Dynamic FP8 per 1 x 128 group: x [M, K] -> (e4m3 [M, K], fp32 scale [M, K/128] column-major).
   m.def("fp8_quant_per_group(Tensor x) -> (Tensor, Tensor)");
   // MXFP8: x [..., K] -> (e4m3 [..., K], uint8 E8M0 [..., K/32]); rceil picks the scale rule.

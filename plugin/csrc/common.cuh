@@ -86,6 +86,23 @@ template <> struct Elem<InDtype::kF32> {
   __device__ __forceinline__ static type from_float(float v) { return v; }
 };
 
+// Packs 8 fp32 values into one 16-byte vector of T (bf16 / fp16), each rounded to nearest even.
+template <InDtype T>
+__device__ __forceinline__ uint4 pack8_rn(const float (&f)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (T == InDtype::kBF16) {
+      const __nv_bfloat162 p = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+      w[j] = *reinterpret_cast<const uint32_t*>(&p);
+    } else {
+      const __half2 p = __floats2half2_rn(f[2 * j], f[2 * j + 1]);
+      w[j] = *reinterpret_cast<const uint32_t*>(&p);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // Widen the elements of one 16-byte vector to fp32 (exact for all three types).
 template <InDtype T>
 __device__ __forceinline__ void vec_to_float(const uint4& v, float (&f)[Elem<T>::kPerVec]) {

@@ -179,4 +179,24 @@ struct RmsNormFp8QuantArgs {
 };
 cudaError_t launch_rms_norm_fp8_quant(const RmsNormFp8QuantArgs& a, cudaStream_t stream);
 
+// silu_mul_fp8_quant.cu. x: [M, 2K] bf16 / fp16 (gate | up), rows x_row_stride elements apart (a multiple of 8,
+// 16-byte aligned), unit column stride; K % 8 == 0, 8 <= K <= kSiluMulFp8QuantMaxK. q: contiguous [M, K] E4M3 bytes;
+// static_scale: one fp32 (nullptr: dynamic per token); scale: [M] fp32 (dynamic) or [1] (static: receives
+// static_scale's value). num_sms: the device's SM count (the CTAs-per-row rule); ctas_per_row: 0 for that rule, else
+// 1..kSiluMulFp8QuantMaxCtas CTAs per row, each holding at most 2048 of the row's 16-byte vectors (benchmarks/tuning).
+constexpr int kSiluMulFp8QuantMaxCtas = 8;
+constexpr int64_t kSiluMulFp8QuantMaxK = 131072;  // 8 CTAs x 256 threads x 8 vectors x 8 elements
+struct SiluMulFp8QuantArgs {
+  const void* x = nullptr;
+  InDtype dtype = InDtype::kBF16;
+  int64_t M = 0, K = 0;
+  int64_t x_row_stride = 0;
+  const float* static_scale = nullptr;
+  uint8_t* q = nullptr;
+  float* scale = nullptr;
+  int num_sms = 0;
+  int ctas_per_row = 0;
+};
+cudaError_t launch_silu_mul_fp8_quant(const SiluMulFp8QuantArgs& a, cudaStream_t stream);
+
 }  // namespace cublade

@@ -18,23 +18,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Packs 8 fp32 values, already representable in T, into one 16-byte vector of T.
-template <InDtype T>
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    if constexpr (T == InDtype::kBF16) {
-      const __nv_bfloat162 p = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
-      w[j] = *reinterpret_cast<const uint32_t*>(&p);
-    } else {
-      const __half2 p = __floats2half2_rn(f[2 * j], f[2 * j + 1]);
-      w[j] = *reinterpret_cast<const uint32_t*>(&p);
-    }
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 template <InDtype T>
 __device__ __forceinline__ float round_to(float v) {
   return Elem<T>::to_float(Elem<T>::from_float(v));
@@ -63,7 +46,7 @@ rms_norm_fp8_quant_kernel(RmsNormFp8QuantArgs a) {
       vec_to_float<T>(ld_nc_v4(static_cast<const E*>(a.residual) + off), r);
 #pragma unroll
       for (int j = 0; j < 8; ++j) h[i][j] = __fadd_rn(h[i][j], r[j]);
-      *reinterpret_cast<uint4*>(static_cast<E*>(a.residual_out) + off) = pack8<T>(h[i]);
+      *reinterpret_cast<uint4*>(static_cast<E*>(a.residual_out) + off) = pack8_rn<T>(h[i]);
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) ss = __fadd_rn(ss, __fmul_rn(h[i][j], h[i][j]));  // pow(2), then the sum
@@ -80,7 +63,7 @@ rms_norm_fp8_quant_kernel(RmsNormFp8QuantArgs a) {
     vec_to_float<T>(ld_nc_v4(static_cast<const E*>(a.weight) + idx * 8), w);
 #pragma unroll
     for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(round_to<T>(__fmul_rn(h[i][j], inv_rms)), w[j]);
-    yv[i] = pack8<T>(y);
+    yv[i] = pack8_rn<T>(y);
     if constexpr (!kStatic) acc = absmax_vec<T>(acc, yv[i]);
   }
 

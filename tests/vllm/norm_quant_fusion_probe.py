@@ -1,7 +1,9 @@
-"""Runs cublade's RMSNorm + FP8 quantization fusion pass on traced graphs on the CPU and prints what it did, one
-JSON object (tests/vllm/test_norm_quant_fusion.py reads it). Run with CUBLADE_DISABLE_KERNELS=1: the cublade op
-schemas are then defined here (those of plugin/csrc/bindings.cpp) with the references as their CPU kernels, so the
-patterns trace and the rewritten graphs run without a GPU."""
+"""Runs cublade's fusion pass (RMSNorm / SiLU-and-mul + FP8 quantization) on traced graphs on the CPU and prints what
+it did, one JSON object (tests/vllm/test_norm_quant_fusion.py reads it). Run with CUBLADE_DISABLE_KERNELS=1: the
+cublade op schemas are then defined here (those of plugin/csrc/bindings.cpp) with the references as their CPU kernels,
+so the patterns trace and the rewritten graphs run without a GPU. SiLU-and-mul graphs are traced with Inductor's
+decompositions, as the post-grad graph holds them; two are also compiled by Inductor itself (its CPU backend), the
+pass in the post-grad slot, against the same compile without the pass."""
 from __future__ import annotations
 
 import importlib
@@ -12,9 +14,11 @@ import os
 import torch
 import vllm.ir.ops
 from torch._guards import detect_fake_mode
+from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.virtualized import V
 from torch.fx.experimental.proxy_tensor import make_fx
 from vllm.config import CompilationConfig, CompilationMode, DeviceConfig, VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.activation import SiluAndMul
 
 SCHEMAS = {
     "fp8_quant_per_token": "fp8_quant_per_token(Tensor x) -> (Tensor, Tensor)",
@@ -23,6 +27,7 @@ SCHEMAS = {
                           "-> (Tensor, Tensor)",
     "fused_add_rms_norm_fp8_quant": "fused_add_rms_norm_fp8_quant(Tensor x, Tensor residual, Tensor weight, "
                                     "float eps, Tensor? scale=None) -> (Tensor, Tensor, Tensor)",
+    "silu_mul_fp8_quant": "silu_mul_fp8_quant(Tensor x, Tensor? scale=None) -> (Tensor, Tensor)",
 }
 
 
@@ -31,11 +36,13 @@ def define_ops() -> torch.library.Library:
     R = importlib.import_module("cublade.ops.rms_norm_fp8_quant")
     T = importlib.import_module("cublade.ops.fp8_quant_per_token")
     P = importlib.import_module("cublade.ops.fp8_quant_per_tensor")
+    S = importlib.import_module("cublade.ops.silu_mul_fp8_quant")
     impls = {
         "fp8_quant_per_token": (T.fp8_quant_per_token_ref, T._fp8_quant_per_token_fake),
         "fp8_quant_per_tensor": (P.fp8_quant_per_tensor_ref, P._fp8_quant_per_tensor_fake),
         "rms_norm_fp8_quant": (R.rms_norm_fp8_quant_ref, R._rms_norm_fp8_quant_fake),
         "fused_add_rms_norm_fp8_quant": (R.fused_add_rms_norm_fp8_quant_ref, R._fused_add_rms_norm_fp8_quant_fake),
+        "silu_mul_fp8_quant": (S.silu_mul_fp8_quant_ref, S._silu_mul_fp8_quant_fake),
     }
     for name, (ref, fake) in impls.items():
         lib.define(SCHEMAS[name])
@@ -49,22 +56,55 @@ def ops_of(gm) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "getitem" not in str(n.target)]
 
 
-def run_pass(fusion_pass, fn, args, config) -> dict:
-    gm = make_fx(fn, tracing_mode="fake")(*args)
-    expected = fn(*args)
+def same_outputs(expected, got) -> bool:
+    return all(a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                                  b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+               for a, b in zip(expected, got))
+
+
+def run_pass(fusion_pass, fn, args, config, decompose=False, expect=None) -> dict:
+    """decompose: trace with Inductor's decompositions (F.silu becomes its x / (1 + exp(-x)), as in the post-grad
+    graph); the norm cases' vLLM IR ops stay whole either way. expect: what the rewritten graph must compute (default
+    fn itself, eagerly)."""
+    gm = make_fx(fn, select_decomp_table() if decompose else None, tracing_mode="fake")(*args)
+    expected = (expect or fn)(*args)
     before = ops_of(gm)
     with set_current_vllm_config(config), V.set_fake_mode(detect_fake_mode(
             [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])):
         fusion_pass(gm.graph)
     gm.recompile()
     got = gm(*args)
-    same = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
-               for a, b in zip(expected, got))
-    return {"before": before, "after": ops_of(gm), "matched": fusion_pass.matched_count, "outputs_equal": same}
+    return {"before": before, "after": ops_of(gm), "matched": fusion_pass.matched_count,
+            "outputs_equal": same_outputs(expected, got)}
+
+
+def run_inductor(fusion_pass, fn, args, config) -> dict:
+    """fn compiled by Inductor (CPU) with the pass in the post-grad slot, the token dim dynamic as vLLM marks it,
+    against fn compiled without the pass: the pass's matches, whether the two compiled programs' outputs are the same
+    bytes, and whether fn run eagerly gives those bytes too. Caches off, so that both compile and the pass runs."""
+    import torch._inductor.config as inductor_config
+
+    def compiled(post_pass):
+        torch._dynamo.reset()
+        for a in args:
+            if a.dim() == 2:  # the activations (not the scale)
+                torch._dynamo.mark_dynamic(a, 0)
+        options = {"post_grad_custom_post_pass": post_pass} if post_pass else {}
+        with inductor_config.patch(force_disable_caches=True), set_current_vllm_config(config):
+            return torch.compile(fn, backend="inductor", options=options)(*args)
+
+    fusion_pass.matched_count = 0
+    got = compiled(fusion_pass)
+    matched = fusion_pass.matched_count
+    return {"matched": matched, "outputs_equal": same_outputs(compiled(None), got),
+            "eager_equal": same_outputs(fn(*args), got)}
 
 
 def main() -> None:
+    # One CPU thread: the Inductor cases compare Inductor's exp with ATen's bit for bit, and on the 2-core CPU machine
+    # the first multi-threaded torch.exp of a process came out wrong in its worker thread in about one process in six
+    # (tests/ops/test_silu_mul_fp8_quant.py, one_thread).
+    torch.set_num_threads(1)
     lib = define_ops()  # noqa: F841  (kept alive)
     from cublade.vllm import fusion
 
@@ -103,7 +143,43 @@ def main() -> None:
     def odd_width(x, w):  # K % 8 != 0: not the fused kernel's
         return cb.fp8_quant_per_token(vllm.ir.ops.rms_norm(x, w, 1e-5))
 
+    silu_and_mul = SiluAndMul.forward_native  # what vLLM runs with its custom ops off (its default under Inductor)
+    # A fused graph computes the fused op's reference: the activation rounded once, as Inductor's compiled code rounds
+    # it (run_inductor checks that against Inductor itself), where fn run eagerly rounds the silu too.
+    fused_ref = importlib.import_module("cublade.ops.silu_mul_fp8_quant").silu_mul_fp8_quant_ref
+
+    def mlp_dynamic(h):  # a gated MLP's activation, then a per-token fp8 down_proj's quantization
+        return cb.fp8_quant_per_token(silu_and_mul(h))
+
+    def mlp_static(h, scale):
+        return cb.fp8_quant_per_tensor(silu_and_mul(h), scale)
+
+    def silu_used_twice(h):  # the activation also leaves the graph: the fusion would lose it
+        y = silu_and_mul(h)
+        q, s = cb.fp8_quant_per_token(y)
+        return q, s, y
+
+    def quant_of_other(h):  # the quantization reads a value made from the activation, not the activation
+        return cb.fp8_quant_per_token(silu_and_mul(h) * 2)
+
+    def other_split(h):  # gate and up not the two halves of h (a width the kernel takes): other slice bounds
+        return cb.fp8_quant_per_token(torch.nn.functional.silu(h[..., :K]) * h[..., K + 16:])
+
+    def silu_dynamic_per_tensor(h):  # dynamic per-tensor quantization (scale None): not the fused op's rule
+        return cb.fp8_quant_per_tensor(silu_and_mul(h), None)
+
     scale = torch.tensor([0.02])
+    silu_cases = {  # name: (fn, args, what the graph computes after the pass: None for fn itself)
+        "mlp_dynamic": (mlp_dynamic, (t(3, 2 * K),), fused_ref),
+        "mlp_static_fp16": (mlp_static, (t(5, 2 * K, dtype=torch.float16), scale), fused_ref),
+        "mlp_dynamic_3d": (mlp_dynamic, (t(2, 3, 2 * K),), fused_ref),
+        "silu_odd_width": (mlp_dynamic, (t(3, 2 * 60),), None),
+        "silu_fp32": (mlp_dynamic, (t(3, 2 * K, dtype=torch.float32),), None),
+        "silu_used_twice": (silu_used_twice, (t(3, 2 * K),), None),
+        "quant_of_other": (quant_of_other, (t(3, 2 * K),), None),
+        "other_split": (other_split, (t(3, 2 * K + 16),), None),
+        "silu_dynamic_per_tensor": (silu_dynamic_per_tensor, (t(3, 2 * K),), None),
+    }
     cases = {
         "decoder": (decoder, (t(3, K), t(3, K), t(K), t(K), scale)),
         "plain_dynamic_fp16": (plain_dynamic_fp16, (t(2, K, dtype=torch.float16), t(K, dtype=torch.float16))),
@@ -113,6 +189,11 @@ def main() -> None:
         "odd_width": (odd_width, (t(2, 60), t(60))),
     }
     result = {name: run_pass(fusion_pass, fn, args, config) for name, (fn, args) in cases.items()}
+    result.update({name: run_pass(fusion_pass, fn, args, config, decompose=True, expect=expect)
+                   for name, (fn, args, expect) in silu_cases.items()})
+    result["inductor_mlp_dynamic"] = run_inductor(fusion_pass, mlp_dynamic, (t(16, 2 * K),), config)
+    result["inductor_mlp_static"] = run_inductor(fusion_pass, mlp_static, (t(4, 2 * K, dtype=torch.float16), scale),
+                                                 config)
 
     # install(): where the pass goes, and where it does not
     fusion._kernels_loaded = lambda: True  # the probe's ops stand in for the extension's
