@@ -264,4 +264,17 @@ __device__ __forceinline__ float div_rn_fast(float a, float b, float y) {
   return copysignf(q, q0);
 }
 
+// One 16-byte vector of T quantized to 8 E4M3 bytes with a row's (or the tensor's) scale s, rcp = __frcp_rn(s):
+// kStatic multiplies by rcp (fp8_quant_per_tensor's rule), else divides by s (fp8_quant_per_token's: the fast
+// division where div_fast_ok(s), the IEEE one otherwise). The fused norm / activation kernels' last step.
+template <InDtype T, bool kStatic>
+__device__ __forceinline__ uint2 quantize_vec_e4m3(const uint4& v, float s, float rcp, bool fast) {
+  float f[8];
+  vec_to_float<T>(v, f);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    f[j] = kStatic ? __fmul_rn(f[j], rcp) : fast ? div_rn_fast(f[j], s, rcp) : __fdiv_rn(f[j], s);
+  return make_uint2(f32x4_to_e4m3x4(f[0], f[1], f[2], f[3]), f32x4_to_e4m3x4(f[4], f[5], f[6], f[7]));
+}
+
 }  // namespace cublade

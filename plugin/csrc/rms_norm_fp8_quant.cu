@@ -84,12 +84,7 @@ rms_norm_fp8_quant_kernel(RmsNormFp8QuantArgs a) {
   for (int i = 0; i < VPT; ++i) {
     const int idx = threadIdx.x + i * kThreads;
     if (idx >= nvec) continue;
-    float f[8];
-    vec_to_float<T>(yv[i], f);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      f[j] = kStatic ? __fmul_rn(f[j], y_rcp) : fast ? div_rn_fast(f[j], s, y_rcp) : __fdiv_rn(f[j], s);
-    st_cs_v2(q + idx * 8, make_uint2(f32x4_to_e4m3x4(f[0], f[1], f[2], f[3]), f32x4_to_e4m3x4(f[4], f[5], f[6], f[7])));
+    st_cs_v2(q + idx * 8, quantize_vec_e4m3<T, kStatic>(yv[i], s, y_rcp, fast));
   }
 }
 
