@@ -8,11 +8,12 @@
 //   static:  q = e4m3(y * (1 / scale))                                           (fp8_quant_per_tensor's rule)
 // A row is split over C CTAs of 256 threads, each CTA's slice in registers from the load to the store (read once).
 // At fewer rows than SMs, C is the smallest power of two that leaves each CTA at most 2048 of the row's elements (at
-// most 8): one CTA a row is latency-bound there (a decode step's few 14336-wide rows would each wait on one SM's
-// loads). Dynamic scales need the row's abs-max, so those C CTAs form a thread-block cluster: each CTA reduces its
-// slice, the cluster's maximum goes through distributed shared memory, then every CTA quantizes its slice. At least
-// as many rows as SMs fill the GPU by themselves: C is then the fewest CTAs whose registers hold the row (1 up to
-// K = 16384). A static scale needs no reduction: the same split, without a cluster.
+// most 8, and no more than keep the grid within 3.5 CTAs an SM): one CTA a row is latency-bound there (a decode
+// step's few 14336-wide rows would each wait on one SM's loads). Dynamic scales need the row's abs-max, so those C
+// CTAs form a thread-block cluster: each CTA reduces its slice, the cluster's maximum goes through distributed shared
+// memory, then every CTA quantizes its slice. At least as many rows as SMs fill the GPU by themselves: C is then the
+// fewest CTAs whose registers hold the row (1 up to K = 16384). A static scale needs no reduction: the same split,
+// without a cluster.
 #define CUBLADE_KERNELS_ONLY  // framework-free (no torch header); the torch wrapper is silu_mul_fp8_quant_torch.cpp
 #include "common.cuh"
 
@@ -143,7 +144,11 @@ cudaError_t launch_dtype(const SiluMulFp8QuantArgs& a, int C, int per_cta, cudaS
 }
 
 // CTAs per row (the file's header says why): the fewest, as a power of two, whose registers hold the row; at fewer
-// rows than SMs at least enough that each holds at most kSplitElems elements, up to kSiluMulFp8QuantMaxCtas.
+// rows than SMs at least enough that each holds at most kSplitElems elements, up to kSiluMulFp8QuantMaxCtas, but no
+// more than keep the grid within 3.5 CTAs an SM: beyond that the wider clusters cost more than their shorter slices
+// save (benchmarks/tuning/norm_quant.cu on the H200, K 14336, CTAs a row 1 / 2 / 4 / 8: 64 rows 7.57 / 6.29 / 5.17 /
+// 5.29 us, 112 rows 7.67 / 6.93 / 6.41 / 6.86, 128 rows 7.72 / 6.97 / 7.24 / 7.74; up to 48 rows 8 is within 6% of
+// the best).
 int ctas_per_row(const SiluMulFp8QuantArgs& a) {
   if (a.ctas_per_row > 0) return a.ctas_per_row;
   const int64_t nvec = a.K / 8;
@@ -151,7 +156,8 @@ int ctas_per_row(const SiluMulFp8QuantArgs& a) {
   while (static_cast<int64_t>(fit) * kMaxVecsPerCta < nvec) fit *= 2;
   if (a.M >= a.num_sms) return fit;
   int split = 1;
-  while (split < kSiluMulFp8QuantMaxCtas && split * kSplitElems < a.K) split *= 2;
+  // the next split's grid, M * 2 * split CTAs, within 3.5 an SM
+  while (split < kSiluMulFp8QuantMaxCtas && split * kSplitElems < a.K && 4 * a.M * split <= 7 * a.num_sms) split *= 2;
   return split > fit ? split : fit;
 }
 
