@@ -6,15 +6,18 @@ in the same run, as the product runs them:
   cublade fp8_gemm f16    the same with fp16 values: fp8_gemm's other decode (one conversion instruction per two
                           codes, fp16 mma's)
   vllm-cutlass-scaled-mm  cublade's quantization (E4M3) + vLLM's CUTLASS scaled-mm (what the layer ran before)
+  torch-scaled-mm         cublade's quantization (E4M3) + torch._scaled_mm with row-wise scales (PyTorch's own FP8
+                          GEMM on Hopper: one fp32 scale per token and per weight row, as CUTLASS's)
   vllm-humming-fp8        vLLM's Humming FP8 kernel (HummingFP8ScaledMMLinearKernel, needs humming-kernels) on the
                           same tensors
   bf16                    a bf16 linear of the dequantized weight (cuBLAS)
 and the GEMM kernels alone (their activations quantized beforehand): "fp8_gemm only", "fp8_gemm f16 only",
-"cutlass only"; with
+"cutlass only", "torch scaled_mm only"; with
 --splits, fp8_gemm alone at each of those K splits too ("fp8_gemm S=2": the split rule's tuning).
 
     python benchmarks/bench_fp8_gemm.py [--shapes 4096x6144,4096x4096,4096x28672,14336x4096]
                                         [--m 1,2,4,8,16,24,32,48,64,128] [--splits 1,2,4] [--graph] [--json FILE]
+                                        [--only 'cutlass only,torch scaled_mm only']
 
 --graph times each of them as one CUDA graph replay (common.graphed), as vLLM's decode runs them: no host launch gaps
 between the quantization and the GEMM, so the layer rows are their kernels' GPU time (without it the layer rows,
@@ -84,11 +87,18 @@ def humming_fn(w: torch.Tensor, ws: torch.Tensor):
     return humming_linear(Humming, cfg, layer, "FP8")
 
 
+def torch_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws_row: torch.Tensor) -> torch.Tensor:
+    """x @ w.T on PyTorch's FP8 GEMM with row-wise scales: xs (M, 1) per token, ws_row (1, N) per weight row."""
+    return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4096x6144,4096x4096,4096x28672,14336x4096", help="KxN list")
     ap.add_argument("--m", default="1,2,4,8,16,24,32,48,64,128", help="token counts")
     ap.add_argument("--splits", default="", help="also time fp8_gemm alone at these K splits (tuning), e.g. 1,2,4")
+    ap.add_argument("--only", default="",
+                    help="time only these columns, comma-separated (e.g. 'cutlass only,torch scaled_mm only')")
     ap.add_argument("--graph", action="store_true",
                     help="time each callable as one CUDA graph replay (no host launch gaps; L2 still cleared)")
     ap.add_argument("--json", default=None, help="write all rows here")
@@ -126,6 +136,8 @@ def main() -> None:
             fns["vllm-humming-fp8"] = hfn
         fns["cublade fp8_gemm"] = lambda x: fp8_gemm(*fp8_quant_per_token_bf16(x), w, ws)
         fns["cublade fp8_gemm f16"] = lambda x: fp8_gemm(*fp8_quant_per_token_f16(x), w, ws)
+        ws_row = ws.reshape(1, -1)
+        fns["torch-scaled-mm"] = lambda x: torch_scaled_mm(*fp8_quant_per_token(x), w, ws_row)
         fns["bf16"] = lambda x: torch.nn.functional.linear(x, wbf)
         x16 = (torch.randn(16, K, device=dev, generator=g) * 2).to(torch.bfloat16)
         xq16, xs16 = fp8_quant_per_token(x16)
@@ -141,11 +153,13 @@ def main() -> None:
                 "fp8_gemm f16 only": lambda: fp8_gemm(xh, xs, w, ws),
                 "cutlass only": lambda: vllm_ops.cutlass_scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws,
                                                                    out_dtype=torch.bfloat16),
+                "torch scaled_mm only": lambda: torch_scaled_mm(xq, xs, w, ws_row),
             }
             for S in (int(v) for v in args.splits.split(",") if v):
                 kernels_only[f"fp8_gemm S={S}"] = functools.partial(fp8_gemm, xv, xs, w, ws, S)
-            us = {name: time_us(functools.partial(fn, x)) for name, fn in fns.items()}
-            us.update({name: time_us(fn) for name, fn in kernels_only.items()})
+            only = {n for n in args.only.split(",") if n}
+            us = {name: time_us(functools.partial(fn, x)) for name, fn in fns.items() if not only or name in only}
+            us.update({name: time_us(fn) for name, fn in kernels_only.items() if not only or name in only})
             r = {"K": K, "N": N, "M": M, "weight_bytes": N * K, "errors_m16": errs, "us": us, "graph": args.graph}
             rows.append(r)
             print(json.dumps(r), flush=True)

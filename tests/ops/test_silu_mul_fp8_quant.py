@@ -143,11 +143,12 @@ def _check(x, static, scale_value=0.0123):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("M", [1, 2, 7, 16, 64, 300])
+@pytest.mark.parametrize("M", [1, 2, 7, 16, 64, 120, 300])
 @pytest.mark.parametrize("K", [14336, 4096, 8, 1000, 16384, 32768])
 def test_kernel_bit_exact(dtype, static, M, K):
-    """Rows split over a cluster of CTAs (fewer rows than SMs: up to 8 a row), one CTA a row (300 rows, K <= 16384) and
-    the fewest CTAs that hold a row wider than one's registers (300 rows of 32768)."""
+    """Rows split over a cluster of CTAs (fewer rows than SMs: up to 8 a row, 4 at 64 rows of 14336 and 2 at 120 on 132
+    SMs), one CTA a row (300 rows, K <= 16384) and the fewest CTAs that hold a row wider than one's registers (300 rows
+    of 32768)."""
     _check(_inputs(M, K, dtype, seed=M + K, device="cuda"), static)
 
 
