@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
     time_us = (lambda fn: bench(graphed(fn))) if args.graph else bench
+    only = {n for n in args.only.split(",") if n}  # empty: every column
 
     require_op("bench_fp8_gemm", "fp8_gemm")
     vllm_single_process_state()
@@ -157,7 +158,6 @@ def main() -> None:
             }
             for S in (int(v) for v in args.splits.split(",") if v):
                 kernels_only[f"fp8_gemm S={S}"] = functools.partial(fp8_gemm, xv, xs, w, ws, S)
-            only = {n for n in args.only.split(",") if n}
             us = {name: time_us(functools.partial(fn, x)) for name, fn in fns.items() if not only or name in only}
             us.update({name: time_us(fn) for name, fn in kernels_only.items() if not only or name in only})
             r = {"K": K, "N": N, "M": M, "weight_bytes": N * K, "errors_m16": errs, "us": us, "graph": args.graph}
