@@ -15,6 +15,9 @@ values, and every request generates exactly --steps tokens with ignore_eos). Con
                           ops, for Inductor to fuse with RMSNorm / SiLU-and-mul)
     cublade-fp8-gemm      the same with CUBLADE_FP8_GEMM=1 (cublade's FP8 decode GEMM up to 16 tokens, CUTLASS above)
     cublade-fp8-gemm-bf16  the same on its bf16 decode (CUBLADE_FP8_GEMM_VALUES=bf16; the default decodes to fp16)
+    cublade-fp8-wgmma     the same with CUBLADE_FP8_WGMMA=1 (cublade's wgmma GEMM at the token counts where it
+                          measured faster than CUTLASS at load); cublade-fp8-wgmma-lm-head on the FP8-lm_head
+                          checkpoint, cublade-fp8-wgmma-static on the static one (--quantization cublade)
     vllm-mxfp8            the source with vLLM's online `--quantization mxfp8`
     vllm-mxfp8-humming    the same on vLLM's Humming MXFP8 kernel (every earlier MXFP8 kernel disabled; needs the
                           humming-kernels package)
@@ -115,6 +118,9 @@ CONFIGS = {  # name -> (checkpoint subdirectory of WORKDIR, vLLM --quantization,
     "cublade-fp8-unfused": ("cublade-fp8-dynamic", None, {"CUBLADE_FUSE_NORM_QUANT": "0"}, None),
     "cublade-fp8-fuse": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_FUSE": "1"}, None),
     "cublade-fp8-gemm": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1"}, None),
+    "cublade-fp8-wgmma": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_WGMMA": "1"}, None),
+    "cublade-fp8-wgmma-lm-head": ("cublade-fp8-dynamic-lm-head", None, {"CUBLADE_FP8_WGMMA": "1"}, None),
+    "cublade-fp8-wgmma-static": ("ct-fp8-static", "cublade", {"CUBLADE_FP8_WGMMA": "1"}, None),
     "cublade-fp8-gemm-bf16": ("cublade-fp8-dynamic", None, {"CUBLADE_FP8_GEMM": "1", "CUBLADE_FP8_GEMM_VALUES": "bf16"},
                               None),
     "cublade-fp8-lm-head": ("cublade-fp8-dynamic-lm-head", None, {}, None),

@@ -8,11 +8,14 @@ in the same run, as the product runs them:
   vllm-cutlass-scaled-mm  cublade's quantization (E4M3) + vLLM's CUTLASS scaled-mm (what the layer ran before)
   torch-scaled-mm         cublade's quantization (E4M3) + torch._scaled_mm with row-wise scales (PyTorch's own FP8
                           GEMM on Hopper: one fp32 scale per token and per weight row, as CUTLASS's)
+  cublade fp8_gemm_wgmma  cublade's quantization (E4M3) + cublade's wgmma GEMM (cublade.ops.fp8_gemm_wgmma: FP8
+                          tensor cores, the numerics of CUTLASS's) at every M
   vllm-humming-fp8        vLLM's Humming FP8 kernel (HummingFP8ScaledMMLinearKernel, needs humming-kernels) on the
                           same tensors
   bf16                    a bf16 linear of the dequantized weight (cuBLAS)
 and the GEMM kernels alone (their activations quantized beforehand): "fp8_gemm only", "fp8_gemm f16 only",
-"cutlass only", "torch scaled_mm only"; with
+"cutlass only", "torch scaled_mm only", "wgmma only", "wgmma unsplit only" (split_k=1: the batch-invariant form);
+with
 --splits, fp8_gemm alone at each of those K splits too ("fp8_gemm S=2": the split rule's tuning).
 
     python benchmarks/bench_fp8_gemm.py [--shapes 4096x6144,4096x4096,4096x28672,14336x4096]
@@ -112,6 +115,7 @@ def main() -> None:
 
     from cublade.numerics.fp8 import fp8_quant_weight
     from cublade.ops.fp8_gemm import fp8_gemm
+    from cublade.ops.fp8_gemm_wgmma import fp8_gemm_wgmma
     from cublade.ops.fp8_quant_per_token import (fp8_quant_per_token, fp8_quant_per_token_bf16,
                                                  fp8_quant_per_token_f16)
 
@@ -139,6 +143,7 @@ def main() -> None:
         fns["cublade fp8_gemm f16"] = lambda x: fp8_gemm(*fp8_quant_per_token_f16(x), w, ws)
         ws_row = ws.reshape(1, -1)
         fns["torch-scaled-mm"] = lambda x: torch_scaled_mm(*fp8_quant_per_token(x), w, ws_row)
+        fns["cublade fp8_gemm_wgmma"] = lambda x: fp8_gemm_wgmma(*fp8_quant_per_token(x), w, ws)
         fns["bf16"] = lambda x: torch.nn.functional.linear(x, wbf)
         x16 = (torch.randn(16, K, device=dev, generator=g) * 2).to(torch.bfloat16)
         xq16, xs16 = fp8_quant_per_token(x16)
@@ -155,6 +160,8 @@ def main() -> None:
                 "cutlass only": lambda: vllm_ops.cutlass_scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws,
                                                                    out_dtype=torch.bfloat16),
                 "torch scaled_mm only": lambda: torch_scaled_mm(xq, xs, w, ws_row),
+                "wgmma only": lambda: fp8_gemm_wgmma(xq, xs, w, ws),
+                "wgmma unsplit only": lambda: fp8_gemm_wgmma(xq, xs, w, ws, 1),
             }
             for S in (int(v) for v in args.splits.split(",") if v):
                 kernels_only[f"fp8_gemm S={S}"] = functools.partial(fp8_gemm, xv, xs, w, ws, S)

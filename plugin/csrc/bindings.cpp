@@ -56,6 +56,11 @@ TORCH_LIBRARY(cublade, m) {
   // values (fp8_quant_per_token_bf16 / _f16), x_scale fp32 (one per row or one), weight_scale fp32 [size_n] -> bf16
   // [..., size_n].
   m.def("fp8_gemm(Tensor x, Tensor x_scale, Tensor weight, Tensor weight_scale, int split_k=0) -> Tensor");
+  // FP8 W8A8 GEMM on FP8 tensor cores (wgmma) for batches and prompts: x E4M3 [..., K], x_scale fp32 (one per row or
+  // one), the E4M3 weight [size_n, K] as stored, weight_scale fp32 [size_n] -> bf16 [..., size_n]; vLLM's CUTLASS
+  // scaled-mm's numerics. split_k: K over a cluster of that many CTAs (0: the launcher's plan, which halves K >= 8192
+  // on grids of at most half the SMs; 1: never split, the same bits at every batch size).
+  m.def("fp8_gemm_wgmma(Tensor x, Tensor x_scale, Tensor weight, Tensor weight_scale, int split_k=0) -> Tensor");
   // MoE routing around fp4_gemm: topk_ids [T, k] + x [T, H] -> (xs [T*k, H] sorted by expert, expert_offsets
   // [E+1] int32, pos [T*k] int32); then y [T*k, N] -> out [T, N] = sum_j topk_weights[t, j] * y[pos[t*k + j]].
   m.def("moe_route(Tensor topk_ids, Tensor x, int num_experts) -> (Tensor, Tensor, Tensor)");

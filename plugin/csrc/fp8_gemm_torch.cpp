@@ -26,22 +26,11 @@ at::Tensor fp8_gemm(const at::Tensor& x_in, const at::Tensor& x_scale_in, const 
                       dev(weight.device()));
   check_arch(op, x_in);
   const int64_t K = x_in.size(-1);
-  CUBLADE_CHECK_VALUE(weight.scalar_type() == at::kFloat8_e4m3fn && weight.dim() == 2 && weight.is_contiguous(), op,
-                      "weight must be a contiguous float8_e4m3fn [N, K] tensor, got ", dt(weight.scalar_type()), " ",
-                      shape(weight.sizes()), weight.is_contiguous() ? "" : " (not contiguous)");
-  const int64_t N = weight.size(0);
-  CUBLADE_CHECK_VALUE(weight.size(1) == K, op, "weight has K=", num(weight.size(1)), ", x has K=", num(K));
   CUBLADE_CHECK_VALUE(K > 0 && K % 16 == 0 && K <= INT32_MAX - kLowbitChunkK, op, "in_features K=", num(K),
                       " must be a positive multiple of 16");
-  CUBLADE_CHECK_VALUE(N > 0 && N <= INT32_MAX, op, "weight must have 1 to 2^31 - 1 rows, got ", num(N));
-  CUBLADE_CHECK_VALUE(aligned16(weight.data_ptr()), op, "weight must be 16-byte aligned");
+  const int64_t N = check_fp8_weight(op, weight, weight_scale_in, K, x_in);
   CUBLADE_CHECK_VALUE(split_k >= 0 && split_k <= kLowbitMaxSplit, op, "split_k must be in [0, ",
                       num(kLowbitMaxSplit), "] (0 = automatic), got ", num(split_k));
-  CUBLADE_CHECK_VALUE(weight_scale_in.scalar_type() == at::kFloat && weight_scale_in.numel() == N &&
-                          weight_scale_in.device() == x_in.device(),
-                      op, "weight_scale must be float32 with one element per output channel (", num(N), ") on ",
-                      dev(x_in.device()), ", got ", dt(weight_scale_in.scalar_type()), " ",
-                      shape(weight_scale_in.sizes()));
 
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = with_16byte_rows(x_in.reshape({-1, K}));  // the bulk copies read 16-byte rows along K

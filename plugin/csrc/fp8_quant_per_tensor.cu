@@ -124,6 +124,8 @@ __global__ void __launch_bounds__(kThreads)
 cast_flat_kernel(const typename Elem<T>::type* __restrict__ x, int64_t nvec, int64_t n, uint8_t* __restrict__ q,
                  const float* __restrict__ partials, int nparts, const float* __restrict__ static_scale,
                  float* __restrict__ scale_out) {
+  // the GEMM after it (fp8_gemm_wgmma) is a programmatic dependent launch that may start streaming its weights now
+  asm volatile("griddepcontrol.launch_dependents;" :::);
   constexpr int N = Elem<T>::kPerVec;
   __shared__ float smem[kThreads / 32];
   const int64_t npair = nvec / 2;

@@ -63,8 +63,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 per_token_vec_kernel(const typename Elem<T>::type* __restrict__ x, int64_t M, int nvec, int64_t row_stride,
                      uint8_t* __restrict__ q, int64_t K, float* __restrict__ scale) {
   constexpr int N = Elem<T>::kPerVec;
-  // the values form feeds fp8_gemm, a programmatic dependent launch that may start streaming its weights now
-  if constexpr (kV != Fp8Values::kCodes) asm volatile("griddepcontrol.launch_dependents;" :::);
+  // its GEMM (fp8_gemm on the values forms, fp8_gemm_wgmma on the codes) is a programmatic dependent launch that may
+  // start streaming its weights now (a no-op before any other kernel)
+  asm volatile("griddepcontrol.launch_dependents;" :::);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   int64_t row;

@@ -27,11 +27,27 @@ __device__ __forceinline__ float round_to(float v) {
 template <InDtype T, int VPT, bool kResidual, bool kStatic>
 __global__ void __launch_bounds__(kThreads)
 rms_norm_fp8_quant_kernel(RmsNormFp8QuantArgs a) {
+  // the GEMM after it (fp8_gemm_wgmma) is a programmatic dependent launch that may start streaming its weights now
+  asm volatile("griddepcontrol.launch_dependents;" :::);
   using E = typename Elem<T>::type;
   __shared__ float red[kThreads / 32];
   const int64_t row = blockIdx.x;
   const int nvec = static_cast<int>(a.K / 8);
   const E* x = static_cast<const E*>(a.x) + row * a.x_row_stride;
+
+  // Every load first (x, the residual, the norm weight), then the math: written in one loop, nvcc kept each vector's
+  // loads behind the previous vector's residual store (which may alias x) and the weight's behind the block sum, so
+  // a thread made up to 3 round trips to memory where one suffices.
+  const E* w_row = static_cast<const E*>(a.weight);
+  uint4 xv[VPT], rv[VPT], wv[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    if (idx >= nvec) continue;
+    xv[i] = ld_nc_v4(x + idx * 8);
+    if constexpr (kResidual) rv[i] = ld_nc_v4(static_cast<const E*>(a.residual) + row * a.K + idx * 8);
+    wv[i] = ld_nc_v4(w_row + idx * 8);
+  }
 
   float h[VPT][8];
   float ss = 0.f;
@@ -39,14 +55,13 @@ rms_norm_fp8_quant_kernel(RmsNormFp8QuantArgs a) {
   for (int i = 0; i < VPT; ++i) {
     const int idx = threadIdx.x + i * kThreads;
     if (idx >= nvec) continue;
-    vec_to_float<T>(ld_nc_v4(x + idx * 8), h[i]);
+    vec_to_float<T>(xv[i], h[i]);
     if constexpr (kResidual) {
-      const int64_t off = row * a.K + idx * 8;
       float r[8];
-      vec_to_float<T>(ld_nc_v4(static_cast<const E*>(a.residual) + off), r);
+      vec_to_float<T>(rv[i], r);
 #pragma unroll
       for (int j = 0; j < 8; ++j) h[i][j] = __fadd_rn(h[i][j], r[j]);
-      *reinterpret_cast<uint4*>(static_cast<E*>(a.residual_out) + off) = pack8_rn<T>(h[i]);
+      *reinterpret_cast<uint4*>(static_cast<E*>(a.residual_out) + row * a.K + idx * 8) = pack8_rn<T>(h[i]);
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) ss = __fadd_rn(ss, __fmul_rn(h[i][j], h[i][j]));  // pow(2), then the sum
@@ -60,7 +75,7 @@ rms_norm_fp8_quant_kernel(RmsNormFp8QuantArgs a) {
     const int idx = threadIdx.x + i * kThreads;
     if (idx >= nvec) continue;
     float w[8], y[8];
-    vec_to_float<T>(ld_nc_v4(static_cast<const E*>(a.weight) + idx * 8), w);
+    vec_to_float<T>(wv[i], w);
 #pragma unroll
     for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(round_to<T>(__fmul_rn(h[i][j], inv_rms)), w[j]);
     yv[i] = pack8_rn<T>(y);

@@ -52,6 +52,8 @@ template <InDtype T, int VPT, bool kCluster, bool kStatic>
 __global__ void __launch_bounds__(kThreads)
 silu_mul_fp8_quant_kernel(SiluMulFp8QuantArgs a, int C, int per_cta) {
   static_assert(!(kCluster && kStatic), "a static scale needs no cluster");
+  // the GEMM after it (fp8_gemm_wgmma) is a programmatic dependent launch that may start streaming its weights now
+  asm volatile("griddepcontrol.launch_dependents;" :::);
   using E = typename Elem<T>::type;
   const int64_t row = blockIdx.x / C;
   const int slice = static_cast<int>(blockIdx.x % C);

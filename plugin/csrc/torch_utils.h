@@ -77,6 +77,24 @@ inline int sm_count(const at::Tensor& t) {
   return device_attr(cudaDevAttrMultiProcessorCount, t.device().index());
 }
 
+// An FP8 W8A8 GEMM's weight operand for activations of K columns on x's device: a contiguous, 16-byte aligned
+// float8_e4m3fn [N, K] with 1 to 2^31 - 1 rows and one fp32 scale per row (weight_scale, numel N). Returns N.
+inline int64_t check_fp8_weight(const char* op, const at::Tensor& weight, const at::Tensor& weight_scale, int64_t K,
+                                const at::Tensor& x) {
+  CUBLADE_CHECK_VALUE(weight.scalar_type() == at::kFloat8_e4m3fn && weight.dim() == 2 && weight.is_contiguous(), op,
+                      "weight must be a contiguous float8_e4m3fn [N, K] tensor, got ", dt(weight.scalar_type()), " ",
+                      shape(weight.sizes()), weight.is_contiguous() ? "" : " (not contiguous)");
+  const int64_t N = weight.size(0);
+  CUBLADE_CHECK_VALUE(weight.size(1) == K, op, "weight has K=", num(weight.size(1)), ", x has K=", num(K));
+  CUBLADE_CHECK_VALUE(N > 0 && N <= INT32_MAX, op, "weight must have 1 to 2^31 - 1 rows, got ", num(N));
+  CUBLADE_CHECK_VALUE(aligned16(weight.data_ptr()), op, "weight must be 16-byte aligned");
+  CUBLADE_CHECK_VALUE(weight_scale.scalar_type() == at::kFloat && weight_scale.numel() == N &&
+                          weight_scale.device() == x.device(),
+                      op, "weight_scale must be float32 with one element per output channel (", num(N), ") on ",
+                      dev(x.device()), ", got ", dt(weight_scale.scalar_type()), " ", shape(weight_scale.sizes()));
+  return N;
+}
+
 inline InDtype in_dtype_of(const char* op, const char* name, const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kBFloat16: return InDtype::kBF16;

@@ -92,7 +92,8 @@ def test_kernel_per_gpu_without_cublade_extensions(vllm_ctx, monkeypatch, scheme
         assert got == want, (cap, got, reason)
 
 
-OWN_FP8 = "cublade-fp8-gemm: runs when asked for (CUBLADE_FP8_GEMM=1; not faster than vLLM's CUTLASS where measured)"
+OWN_FP8 = ["cublade-fp8-gemm: runs when asked for (CUBLADE_FP8_GEMM=1; not faster than vLLM's CUTLASS where measured)",
+           "cublade-fp8-wgmma: runs when asked for (CUBLADE_FP8_WGMMA=1)"]
 
 
 def test_fp8_w8a16_reasons(vllm_ctx, monkeypatch):
@@ -103,14 +104,14 @@ def test_fp8_w8a16_reasons(vllm_ctx, monkeypatch):
     assert got == "cublade-fp8-w8a16"
     assert reason == ("W8A16 on sm_86: cublade's CUDA op mxfp8_gemm_sm80 over the e4m3 codes, activations not "
                       "quantized (from 64 tokens dequantize + cuBLAS)")
-    assert skipped == [OWN_FP8, "vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86",
+    assert skipped == [*OWN_FP8, "vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86",
                        "vllm-marlin-fp8: disabled by CUBLADE_DISABLED_KERNELS"]
     monkeypatch.delenv("CUBLADE_DISABLED_KERNELS")
     with mocked_gpu(monkeypatch, 86, extension=False):
         got, reason, skipped = choice(layer)
     assert got == "vllm-marlin-fp8"
     assert reason == "W8A16 on sm_86: e4m3 weights decoded to torch.bfloat16 in the kernel, activations not quantized"
-    assert skipped == [OWN_FP8, "vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86"]
+    assert skipped == [*OWN_FP8, "vllm-cutlass-scaled-mm: vLLM's CUTLASS FP8 GEMM does not run on sm_86"]
 
 
 @pytest.mark.parametrize("cap", CAPS)
@@ -167,7 +168,7 @@ def test_fp8_gemm_when_asked_for(vllm_ctx, monkeypatch, strategy):
         got, _, skipped = choice(static)
     assert got == "vllm-cutlass-scaled-mm"
     assert skipped == ["cublade-fp8-gemm: static-tensor activations: the op takes per-token dynamic ones (vLLM's "
-                       "CUTLASS runs the layer)"]
+                       "CUTLASS runs the layer)", OWN_FP8[1]]
     half = loaded_layer(Fp8Scheme(strategy, "dynamic-token"), KINDS["qkv"], monkeypatch, dtype=torch.float16)
     with mocked_gpu(monkeypatch, 90):
         assert choice(half)[2][0] == "cublade-fp8-gemm: takes bf16 activations, the model runs in torch.float16"

@@ -139,7 +139,8 @@ REFUSALS = {
     "no-kernel": "model.layers.0.mlp.down_proj: no kernel can run scheme fp8(weight_strategy=channel, "
                  "activations=dynamic-token) [N=128, K=128 per rank at tensor-parallel size 2, torch.bfloat16]: "
                  "cublade-fp8-gemm: runs when asked for (CUBLADE_FP8_GEMM=1; not faster than vLLM's CUTLASS where "
-                 "measured); vllm-cutlass-scaled-mm: needs a CUDA device; "
+                 "measured); cublade-fp8-wgmma: runs when asked for (CUBLADE_FP8_WGMMA=1); "
+                 "vllm-cutlass-scaled-mm: needs a CUDA device; "
                  "vllm-marlin-fp8: needs a CUDA device; "
                  "cublade-fp8-w8a16: needs a CUDA device; reference: "
                  "disabled by CUBLADE_DISABLED_KERNELS",

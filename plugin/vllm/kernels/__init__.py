@@ -23,6 +23,7 @@ from cublade.vllm.kernels.base import LinearKernel, MoEKernel
 from cublade.vllm.kernels.cublade_fp4_moe import CubladeFp4MoE
 from cublade.vllm.kernels.cublade_fp8_gemm import CubladeFp8Gemm
 from cublade.vllm.kernels.cublade_fp8_w8a16 import CubladeFp8W8A16
+from cublade.vllm.kernels.cublade_fp8_wgmma import CubladeFp8Wgmma
 from cublade.vllm.kernels.cublade_mxfp8_dequant_matmul import CubladeMxfp8DequantMatmul
 from cublade.vllm.kernels.cublade_mxfp8_gemm import CubladeMxfp8Gemm
 from cublade.vllm.kernels.cublade_mxfp8_gemm_sm80 import CubladeMxfp8GemmSm80
@@ -44,13 +45,15 @@ logger = logging.getLogger("vllm.cublade")
 
 # The candidates per scheme, first that can run the layer wins.
 CANDIDATES: dict[type[Scheme], tuple[type[LinearKernel] | type[MoEKernel], ...]] = {
-    # Per-token dynamic layers on Hopper: cublade's FP8 decode GEMM for small batches, vLLM's CUTLASS above. Else
+    # Per-token dynamic layers on Hopper: cublade's FP8 decode GEMM for small batches, vLLM's CUTLASS above; then,
+    # when asked for, cublade's wgmma GEMM where it measured faster than CUTLASS at load, CUTLASS elsewhere. Else
     # vLLM's CUTLASS (W8A8 on FP8 tensor cores, sm_89+), activations quantized by cublade's per-token / per-tensor
     # op; without FP8 tensor cores (sm_80 / sm_86) W8A16 on the 1-byte codes: vLLM's FP8 Marlin, then cublade's
     # sm_80 kernel. On sm_80-89 vLLM's Marlin kernels come before cublade's sm_80 kernels for every scheme: measured
     # through the PTX on an H200 (docs/decisions.md, "sm_80 kernels after Marlin"), the sm_80 kernels match Marlin
     # at 1-8 tokens and fall to 0.2-0.6x from 16.
-    Fp8Scheme: (CubladeFp8Gemm, VllmCutlassScaledMM, VllmMarlinFp8, CubladeFp8W8A16, ReferenceKernel),
+    Fp8Scheme: (CubladeFp8Gemm, CubladeFp8Wgmma, VllmCutlassScaledMM, VllmMarlinFp8, CubladeFp8W8A16,
+                ReferenceKernel),
     # The FP8 tensor-core path first, but only when asked for (CUBLADE_W4A16_PREFILL=fp8): it rounds activations.
     # Then, when asked for (CUBLADE_W4A16_PREFILL=machete,humming), cublade's kernels with the named vLLM kernels at
     # the token counts where one measured faster (a copy of the weights each); then the Hopper kernels, vLLM's
