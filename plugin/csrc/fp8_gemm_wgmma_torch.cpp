@@ -36,10 +36,7 @@ at::Tensor fp8_gemm_wgmma(const at::Tensor& x_in, const at::Tensor& x_scale_in, 
   const at::Tensor x = with_16byte_rows(x_in.reshape({-1, K}));  // TMA reads rows 16-byte aligned
   const int64_t M = x.size(0);
   CUBLADE_CHECK_VALUE(M <= INT32_MAX, op, "x has ", num(M), " rows; at most 2^31 - 1");
-  CUBLADE_CHECK_VALUE(x_scale_in.scalar_type() == at::kFloat && (x_scale_in.numel() == M || x_scale_in.numel() == 1) &&
-                          x_scale_in.device() == x_in.device(),
-                      op, "x_scale must be float32 with one element per row of x (", num(M), ") or one, on ",
-                      dev(x_in.device()), ", got ", dt(x_scale_in.scalar_type()), " ", shape(x_scale_in.sizes()));
+  check_row_scale(op, x_scale_in, M, x_in);
   const at::Tensor x_scale = x_scale_in.contiguous(), weight_scale = weight_scale_in.contiguous();
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = N;

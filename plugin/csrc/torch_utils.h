@@ -95,6 +95,14 @@ inline int64_t check_fp8_weight(const char* op, const at::Tensor& weight, const 
   return N;
 }
 
+// An FP8 W8A8 GEMM's activation scale for x's M rows: float32 with one element per row, or one, on x's device.
+inline void check_row_scale(const char* op, const at::Tensor& x_scale, int64_t M, const at::Tensor& x) {
+  CUBLADE_CHECK_VALUE(x_scale.scalar_type() == at::kFloat && (x_scale.numel() == M || x_scale.numel() == 1) &&
+                          x_scale.device() == x.device(),
+                      op, "x_scale must be float32 with one element per row of x (", num(M), ") or one, on ",
+                      dev(x.device()), ", got ", dt(x_scale.scalar_type()), " ", shape(x_scale.sizes()));
+}
+
 inline InDtype in_dtype_of(const char* op, const char* name, const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kBFloat16: return InDtype::kBF16;
