@@ -2,7 +2,7 @@
 both on the layer's one E4M3 weight tensor (no copy).
 
 cublade.ops.fp8_gemm_wgmma computes what CUTLASS computes (the tensor cores' FP8 accumulation in K order, the weight
-scale then the activation scale), so the two give the same bits but for a few outputs one bf16 step apart
+scale then the activation scale), so, unsplit, their outputs differ by at most one bf16 step, at no more than 1% of them
 (tests/ops/test_fp8_gemm_wgmma.py); where its launcher halves K over a cluster (K >= 8192 on small grids) the sums are
 two fp32 halves added. When the model loads each layer shape is timed once, both GEMMs after cublade's quantization of
 the same activations, as one CUDA graph replay each at MEASURED_ROWS tokens (cublade.vllm.kernels.measured.time_rows),
