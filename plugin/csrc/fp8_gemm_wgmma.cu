@@ -255,13 +255,11 @@ cudaError_t launch_tile(const Fp8WgmmaArgs& a, const Fp8WgmmaPlan& plan, cudaStr
   }
   cfg.attrs = attr;
   cfg.numAttrs = n;
-  auto run = [&](auto kernel) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmem);
-    if (e != cudaSuccess) return e;
-    return cudaLaunchKernelEx(&cfg, kernel, p);
-  };
-  if (plan.split_k == 1) return run(fp8_wgmma_kernel<TW, kRowsSplit, false, kTwo>);
-  return run(fp8_wgmma_kernel<TW, kRowsSplit, true, kTwo>);
+  constexpr auto unsplit = fp8_wgmma_kernel<TW, kRowsSplit, false, kTwo>;
+  constexpr auto split = fp8_wgmma_kernel<TW, kRowsSplit, true, kTwo>;
+  const cudaError_t e = plan.split_k == 1 ? lowbit::allow_max_smem<unsplit>() : lowbit::allow_max_smem<split>();
+  if (e != cudaSuccess) return e;
+  return cudaLaunchKernelEx(&cfg, plan.split_k == 1 ? unsplit : split, p);
 }
 
 template <bool kRowsSplit, bool kTwo>
